@@ -1,0 +1,134 @@
+// The math of selective log-softmax and entropy, written once for every backend.
+//
+// For one row of logits x (length V), temperature T and label y, with z = x / T:
+//   lse     = log sum_v exp(z_v)
+//   logp    = z_y - lse
+//   entropy = -sum_v p_v log p_v = lse - E_p[z],   p = exp(z - lse)
+// and the gradient of  g_logp * logp + g_H * entropy  with respect to x:
+//   d_v = [g_logp * (onehot_v - p_v) - g_H * p_v * (z_v - E_p[z])] / T
+//
+// The functions below are templates over the value type V so that the same
+// lines serve a scalar (float, double), a SIMD register (the CPU kernel's
+// Vec8f) and a CUDA thread. V needs +, -, *, and the free functions
+// exp_(V), max_(V, V) (NaN-propagating in its second argument) and log_(V).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define TM_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define TM_HOST_DEVICE inline __attribute__((always_inline))
+#endif
+
+// The functions live in an inline namespace named after the instruction set
+// the including file is compiled for (the CPU kernel compiles them once
+// portable and once for AVX2), so each compilation keeps its own symbols.
+#ifndef TWINKLE_MEM_ISA
+#define TWINKLE_MEM_ISA generic
+#endif
+
+namespace twinkle_mem {
+
+// Running statistics of a stream of scaled logits z:
+//   max  = max z,   sum = sum exp(z - max),   zsum = sum (z - max) exp(z - max).
+// zsum is kept relative to max (a refinement of "sum z exp z"): then
+// entropy = log(sum) - zsum / sum never subtracts two large numbers.
+// The empty state (no element, or only -inf) is {-inf, 0, 0}.
+template <typename acc_t>
+struct OnlineSoftmax {
+  acc_t max;
+  acc_t sum;
+  acc_t zsum;
+};
+
+// Per-row results from a complete state.
+template <typename acc_t>
+struct RowStats {
+  acc_t lse;      // log sum exp z
+  acc_t mean;     // E_p[z]
+  acc_t entropy;  // lse - E_p[z]
+};
+
+inline namespace TWINKLE_MEM_ISA {
+
+// Scalar primitives; vector types provide their own overloads.
+TM_HOST_DEVICE float exp_(float v) { return ::expf(v); }
+TM_HOST_DEVICE double exp_(double v) { return ::exp(v); }
+TM_HOST_DEVICE float log_(float v) { return ::logf(v); }
+TM_HOST_DEVICE double log_(double v) { return ::log(v); }
+// Returns b when either is NaN, like x86 MAXPS with b second: NaN inputs stay NaN.
+TM_HOST_DEVICE float max_(float a, float b) { return a > b ? a : b; }
+TM_HOST_DEVICE double max_(double a, double b) { return a > b ? a : b; }
+
+template <typename acc_t>
+TM_HOST_DEVICE acc_t lowest_finite() { return -std::numeric_limits<acc_t>::max(); }
+
+template <typename acc_t>
+TM_HOST_DEVICE OnlineSoftmax<acc_t> empty_state() {
+  return {-std::numeric_limits<acc_t>::infinity(), acc_t(0), acc_t(0)};
+}
+
+// The shift that exponentials of a block are taken against: its max, or 0 when
+// the block holds only -inf (exp(-inf - 0) = 0, while exp(-inf - -inf) = NaN).
+// NaN logits stay NaN through exp whatever the shift.
+template <typename acc_t>
+TM_HOST_DEVICE acc_t finite_shift(acc_t max) {
+  return max == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : max;
+}
+
+// Contribution of one element to a state whose max is `max`. A -inf logit has
+// e = 0; clamping it to the lowest finite value keeps (z - max) * e at 0, not NaN.
+template <typename V>
+TM_HOST_DEVICE V exp_shifted(V z, V max) { return exp_(z - max); }
+
+template <typename V, typename acc_t>
+TM_HOST_DEVICE V entropy_term(V z, V max, V e) {
+  return (max_(V(lowest_finite<acc_t>()), z) - max) * e;
+}
+
+// Combine two states; exact for any split of a row (the order fixes rounding).
+template <typename acc_t>
+TM_HOST_DEVICE OnlineSoftmax<acc_t> merge(const OnlineSoftmax<acc_t>& a,
+                                          const OnlineSoftmax<acc_t>& b) {
+  if (b.sum == acc_t(0)) return a;  // b saw only -inf: nothing to add
+  if (a.sum == acc_t(0)) return b;
+  const acc_t max = a.max > b.max ? a.max : b.max;
+  const acc_t da = a.max - max, db = b.max - max;  // both <= 0
+  const acc_t ea = exp_(da), eb = exp_(db);
+  return {max, a.sum * ea + b.sum * eb,
+          (a.zsum + da * a.sum) * ea + (b.zsum + db * b.sum) * eb};
+}
+
+template <typename acc_t>
+TM_HOST_DEVICE RowStats<acc_t> finalize(const OnlineSoftmax<acc_t>& s) {
+  const acc_t log_sum = log_(s.sum);
+  const acc_t rel_mean = s.zsum / s.sum;  // E_p[z] - max, <= 0
+  return {s.max + log_sum, s.max + rel_mean, log_sum - rel_mean};
+}
+
+// Gradient of g_logp * logp + g_H * entropy with respect to one logit x,
+// given z = x / T, onehot (1 for the label, else 0) and the saved lse, mean.
+template <typename V, typename acc_t>
+TM_HOST_DEVICE V grad_logit(V z, V onehot, V lse, V mean, V g_logp, V g_entropy,
+                            V inv_temperature) {
+  const V p = exp_(z - lse);
+  const V z_finite = max_(V(lowest_finite<acc_t>()), z);
+  return inv_temperature * (g_logp * (onehot - p) - g_entropy * p * (z_finite - mean));
+}
+
+// Label classification shared by every kernel.
+// A row is ignored when its label equals ignore_index; otherwise its target
+// lies on this vocab shard when vocab_start <= label < vocab_start + V.
+TM_HOST_DEVICE bool is_ignored(int64_t label, int64_t ignore_index) {
+  return label == ignore_index;
+}
+TM_HOST_DEVICE int64_t local_target(int64_t label, int64_t vocab_start, int64_t V) {
+  const int64_t local = label - vocab_start;
+  return (local >= 0 && local < V) ? local : -1;
+}
+
+}  // namespace TWINKLE_MEM_ISA
+}  // namespace twinkle_mem

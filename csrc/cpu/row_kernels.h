@@ -1,0 +1,89 @@
+// The CPU kernel's row loops, written once over a SIMD type Vec (VecTraits
+// gives its lane type acc_t and width W). Two translation units include it,
+// each inside its own namespace: selective_log_softmax.cpp (portable, Vec =
+// float or double) and selective_log_softmax_avx2.cpp (Vec = Vec8f).
+//
+// The including namespace provides: VecTraits<Vec>, load_vec(const T*) -> Vec,
+// store_vec(T*, Vec), load_scalar(const T*) -> acc_t, store_scalar(T*, acc_t),
+// hmax(Vec), hsum(Vec), and the exp_/max_ overloads that online_softmax.h's
+// templates call.
+
+constexpr int64_t kBlock = 2048;  // elements per L1-resident block of a row
+
+// Online softmax state of z = x[0, n) * inv_T. Each block of the row is read
+// from memory once: a first sweep converts it to acc_t into an L1 buffer and
+// finds its max, a second sweep accumulates exp and the entropy term.
+template <typename Vec, typename scalar_t>
+OnlineSoftmax<typename VecTraits<Vec>::acc_t> segment_state(
+    const scalar_t* x, int64_t n, typename VecTraits<Vec>::acc_t inv_T, bool with_entropy) {
+  using acc_t = typename VecTraits<Vec>::acc_t;
+  constexpr int64_t W = VecTraits<Vec>::W;
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  alignas(64) acc_t z_buf[kBlock];
+  const Vec v_inv_T(inv_T);
+  OnlineSoftmax<acc_t> state = empty_state<acc_t>();
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t len = std::min(kBlock, n - start);
+    const scalar_t* x_block = x + start;
+
+    Vec v_max(kNegInf);
+    acc_t s_max = kNegInf;
+    int64_t i = 0;
+    for (; i + W <= len; i += W) {
+      const Vec z = load_vec(x_block + i) * v_inv_T;
+      store_vec(z_buf + i, z);
+      v_max = max_(v_max, z);
+    }
+    for (; i < len; ++i) {
+      const acc_t z = load_scalar(x_block + i) * inv_T;
+      z_buf[i] = z;
+      s_max = max_(s_max, z);
+    }
+    const acc_t shift = finite_shift(max_(s_max, hmax(v_max)));
+
+    const Vec v_shift(shift);
+    Vec v_sum(acc_t(0)), v_zsum(acc_t(0));
+    acc_t s_sum = 0, s_zsum = 0;
+    i = 0;
+    if (with_entropy) {
+      for (; i + W <= len; i += W) {
+        const Vec z = load_vec(z_buf + i);
+        const Vec e = exp_shifted(z, v_shift);
+        v_sum = v_sum + e;
+        v_zsum = v_zsum + entropy_term<Vec, acc_t>(z, v_shift, e);
+      }
+      for (; i < len; ++i) {
+        const acc_t e = exp_shifted(z_buf[i], shift);
+        s_sum += e;
+        s_zsum += entropy_term<acc_t, acc_t>(z_buf[i], shift, e);
+      }
+    } else {
+      for (; i + W <= len; i += W) v_sum = v_sum + exp_shifted(load_vec(z_buf + i), v_shift);
+      for (; i < len; ++i) s_sum += exp_shifted(z_buf[i], shift);
+    }
+    state = merge(state, OnlineSoftmax<acc_t>{shift, s_sum + hsum(v_sum), s_zsum + hsum(v_zsum)});
+  }
+  return state;
+}
+
+// d[0, n) = gradient of g_logp * logp + g_entropy * entropy for logits x[0, n),
+// as if none of them were the label (the caller fixes the label's element).
+// d may alias x (in-place backward): each vector is read before it is written.
+template <typename Vec, typename scalar_t>
+void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, typename VecTraits<Vec>::acc_t lse,
+                  typename VecTraits<Vec>::acc_t mean, typename VecTraits<Vec>::acc_t g_logp,
+                  typename VecTraits<Vec>::acc_t g_entropy, typename VecTraits<Vec>::acc_t inv_T) {
+  using acc_t = typename VecTraits<Vec>::acc_t;
+  constexpr int64_t W = VecTraits<Vec>::W;
+  const Vec v_zero(acc_t(0)), v_lse(lse), v_mean(mean), v_g_logp(g_logp), v_g_entropy(g_entropy),
+      v_inv_T(inv_T);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const Vec z = load_vec(x + i) * v_inv_T;
+    store_vec(d + i, grad_logit<Vec, acc_t>(z, v_zero, v_lse, v_mean, v_g_logp, v_g_entropy, v_inv_T));
+  }
+  for (; i < n; ++i) {
+    const acc_t z = load_scalar(x + i) * inv_T;
+    store_scalar(d + i, grad_logit<acc_t, acc_t>(z, acc_t(0), lse, mean, g_logp, g_entropy, inv_T));
+  }
+}

@@ -1,0 +1,175 @@
+// The CPU kernel's row loops compiled for AVX2 + FMA + F16C (8 fp32 lanes).
+// Everything in this file is compiled for that instruction set, so the host
+// code calls it only after cpu_has_avx2(); the shared math is instantiated
+// in its own inline namespace (TWINKLE_MEM_ISA) to keep it apart from the
+// portable build of the same templates.
+#if defined(__x86_64__) && defined(__GNUC__)
+#pragma GCC target("avx2,fma,f16c")
+#define TWINKLE_MEM_ISA avx2
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "isa.h"
+
+namespace twinkle_mem {
+namespace cpu {
+namespace avx2 {
+
+// bf16 and fp16 are both 16-bit patterns; tags tell the loads apart.
+struct bf16_bits { uint16_t bits; };
+struct fp16_bits { uint16_t bits; };
+
+struct Vec8f {
+  __m256 v;
+  Vec8f() = default;
+  Vec8f(__m256 x) : v(x) {}
+  Vec8f(float s) : v(_mm256_set1_ps(s)) {}
+};
+inline Vec8f operator+(Vec8f a, Vec8f b) { return _mm256_add_ps(a.v, b.v); }
+inline Vec8f operator-(Vec8f a, Vec8f b) { return _mm256_sub_ps(a.v, b.v); }
+inline Vec8f operator*(Vec8f a, Vec8f b) { return _mm256_mul_ps(a.v, b.v); }
+// MAXPS returns its second operand when either is NaN: b's NaNs pass through.
+inline Vec8f max_(Vec8f a, Vec8f b) { return _mm256_max_ps(a.v, b.v); }
+using twinkle_mem::exp_;
+using twinkle_mem::max_;
+
+// exp(x) for the x <= 0 (and -inf, NaN) this kernel feeds it: x = n ln2 + r,
+// |r| <= ln2/2, e^r by its degree-7 Taylor polynomial (truncation < 6e-9
+// relative, below fp32 rounding), times 2^n built in the exponent bits.
+// Below -87.3 (where 2^n leaves the normal range) it returns 0; NaN stays NaN.
+inline Vec8f exp_(Vec8f x) {
+  const __m256 lowest = _mm256_set1_ps(-87.3f);
+  const __m256 underflow = _mm256_cmp_ps(x.v, lowest, _CMP_LT_OQ);  // false for NaN
+  const __m256 xc = _mm256_max_ps(lowest, x.v);                    // NaN passes through
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2, with ln2 split in two so that n * ln2_hi is exact.
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), xc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i n_int = _mm256_cvtps_epi32(n);  // garbage for NaN, which p carries anyway
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(n_int, _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+
+template <typename Vec>
+struct VecTraits;
+template <>
+struct VecTraits<Vec8f> {
+  using acc_t = float;
+  static constexpr int64_t W = 8;
+};
+
+inline Vec8f load_vec(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec8f load_vec(const bf16_bits* p) {
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+inline Vec8f load_vec(const fp16_bits* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store_vec(float* p, Vec8f v) { _mm256_storeu_ps(p, v.v); }
+// fp32 -> bf16 rounding to nearest even; NaN becomes a quiet NaN.
+inline __m256i bf16_round(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), is_nan), 16);
+}
+inline void store_vec(bf16_bits* p, Vec8f v) {
+  const __m256i high = bf16_round(v.v);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0b1000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline void store_vec(fp16_bits* p, Vec8f v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v.v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+inline float load_scalar(const float* p) { return *p; }
+inline float load_scalar(const bf16_bits* p) {
+  const uint32_t bits = uint32_t(p->bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float load_scalar(const fp16_bits* p) { return _cvtsh_ss(p->bits); }
+inline void store_scalar(float* p, float v) { *p = v; }
+inline void store_scalar(bf16_bits* p, float v) {
+  p->bits = uint16_t(_mm256_cvtsi256_si32(bf16_round(_mm256_set1_ps(v))));
+}
+inline void store_scalar(fp16_bits* p, float v) { p->bits = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
+
+inline float hmax(Vec8f v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v.v), _mm256_extractf128_ps(v.v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline float hsum(Vec8f v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v.v), _mm256_extractf128_ps(v.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+#include "row_kernels.h"
+
+}  // namespace avx2
+
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has;
+}
+
+using avx2::bf16_bits;
+using avx2::fp16_bits;
+using avx2::Vec8f;
+
+OnlineSoftmax<float> avx2_segment_state_bf16(const uint16_t* x, int64_t n, float inv_T, bool with_entropy) {
+  return avx2::segment_state<Vec8f>(reinterpret_cast<const bf16_bits*>(x), n, inv_T, with_entropy);
+}
+OnlineSoftmax<float> avx2_segment_state_fp16(const uint16_t* x, int64_t n, float inv_T, bool with_entropy) {
+  return avx2::segment_state<Vec8f>(reinterpret_cast<const fp16_bits*>(x), n, inv_T, with_entropy);
+}
+OnlineSoftmax<float> avx2_segment_state_fp32(const float* x, int64_t n, float inv_T, bool with_entropy) {
+  return avx2::segment_state<Vec8f>(x, n, inv_T, with_entropy);
+}
+void avx2_segment_grad_bf16(const uint16_t* x, uint16_t* d, int64_t n, float lse, float mean, float g_logp,
+                            float g_entropy, float inv_T) {
+  avx2::segment_grad<Vec8f>(reinterpret_cast<const bf16_bits*>(x), reinterpret_cast<bf16_bits*>(d), n, lse,
+                            mean, g_logp, g_entropy, inv_T);
+}
+void avx2_segment_grad_fp16(const uint16_t* x, uint16_t* d, int64_t n, float lse, float mean, float g_logp,
+                            float g_entropy, float inv_T) {
+  avx2::segment_grad<Vec8f>(reinterpret_cast<const fp16_bits*>(x), reinterpret_cast<fp16_bits*>(d), n, lse,
+                            mean, g_logp, g_entropy, inv_T);
+}
+void avx2_segment_grad_fp32(const float* x, float* d, int64_t n, float lse, float mean, float g_logp,
+                            float g_entropy, float inv_T) {
+  avx2::segment_grad<Vec8f>(x, d, n, lse, mean, g_logp, g_entropy, inv_T);
+}
+
+}  // namespace cpu
+}  // namespace twinkle_mem
+
+#else  // not x86-64 GCC/Clang: the portable loops serve alone.
+#include "isa.h"
+namespace twinkle_mem {
+namespace cpu {
+bool cpu_has_avx2() { return false; }
+}  // namespace cpu
+}  // namespace twinkle_mem
+#endif

@@ -1,0 +1,15 @@
+"""twinkle-mem: memory-lean selective log-softmax / entropy kernels (CPU, CUDA,
+Ascend NPU) and memory fixes for RL training of large-vocabulary LMs."""
+from . import ops  # noqa: F401  (loads the native libraries, registers fake + autograd)
+from ._native import status as _backend_status
+from .functional import entropy_from_logits, selective_log_softmax
+
+__version__ = "0.1.0"
+
+
+def backends() -> dict[str, str]:
+    """Which native backends were built and loaded: {'cpu': 'loaded', 'cuda': ..., 'npu': ...}."""
+    return dict(_backend_status)
+
+
+__all__ = ["selective_log_softmax", "entropy_from_logits", "backends", "__version__"]

@@ -1,0 +1,26 @@
+"""`python -m twinkle_mem`: version, torch, and which backends are built and loaded."""
+import platform
+
+import torch
+
+import twinkle_mem
+
+
+def _cpu_isa() -> str:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return "unknown"
+    return "avx2+fma+f16c" if {"avx2", "fma", "f16c"} <= set(flags) else "portable"
+
+
+def main() -> None:
+    print(f"twinkle-mem {twinkle_mem.__version__}")
+    print(f"torch {torch.__version__} (cuda {torch.version.cuda}), python {platform.python_version()}")
+    for backend, state in twinkle_mem.backends().items():
+        extra = f" [cpu kernel path: {_cpu_isa()}, {torch.get_num_threads()} threads]" if backend == "cpu" else ""
+        print(f"  {backend:5s} {state}{extra}")
+
+
+if __name__ == "__main__":
+    main()
