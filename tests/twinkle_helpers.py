@@ -1,0 +1,266 @@
+"""Shared pieces for the twinkle-kit / megatron-core tests and benchmarks (CPU only).
+
+- ``megatron_cpu()``: a gloo world of size 1 with Megatron's model-parallel
+  state, and its scheduler's one CUDA allocation sent to the CPU; all undone on exit.
+- ``ToyLM``: the smallest model Megatron's scheduler accepts, recording a weak
+  reference to the storage of every logits tensor it produces (``LogitsTracker``),
+  so a test can tell how many bytes of logits are still alive at any point.
+- ``twinkle_megatron_model()``: twinkle's real ``MegatronModel`` around a
+  ``ToyLM``, built without downloading a checkpoint.
+- ``peak_rss_delta()``: peak resident memory of a statement, in a fresh process.
+"""
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import types
+import weakref
+
+import torch
+from torch import nn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _CpuZerosTorch:
+    """``torch`` for megatron's schedules module, with ``zeros(device="cuda")`` on the CPU."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def zeros(self, *args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return self._real.zeros(*args, device=device, **kwargs)
+
+
+@contextlib.contextmanager
+def megatron_cpu():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import schedules
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    own_state = not parallel_state.model_parallel_is_initialized()
+    if own_state:
+        parallel_state.initialize_model_parallel(1, 1)
+    real_torch = schedules.torch
+    schedules.torch = _CpuZerosTorch(real_torch)
+    try:
+        yield
+    finally:
+        schedules.torch = real_torch
+        if own_state:
+            parallel_state.destroy_model_parallel()
+        if own_group:
+            dist.destroy_process_group()
+
+
+class LogitsTracker:
+    """Weak references to the storages of logits; ``live_bytes()`` sums those still alive
+    (held by Python or by autograd alike), ``peak`` the most seen at a ``sample()``."""
+
+    def __init__(self):
+        self.refs = []
+        self.peak = 0
+
+    def track(self, logits: torch.Tensor) -> None:
+        storage = logits.untyped_storage()
+        self.refs.append((weakref.ref(storage), storage.nbytes()))
+
+    def live_bytes(self) -> int:
+        return sum(n for ref, n in self.refs if ref() is not None)
+
+    def sample(self) -> int:
+        live = self.live_bytes()
+        self.peak = max(self.peak, live)
+        return live
+
+
+class ToyLM(nn.Module):
+    """Embedding + vocab projection; what Megatron's no-pipelining scheduler needs."""
+
+    def __init__(self, vocab: int, hidden: int = 16, dtype: torch.dtype = torch.float32, seed: int = 0):
+        super().__init__()
+        from megatron.core.enums import ModelType
+        from megatron.core.transformer import TransformerConfig
+        self.config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1)
+        self.model_type = ModelType.encoder_or_decoder
+        self.vp_stage = None
+        gen = torch.Generator().manual_seed(seed)
+        self.embed = nn.Embedding(vocab, hidden, dtype=dtype)
+        self.head = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
+        with torch.no_grad():
+            self.embed.weight.copy_(torch.randn(vocab, hidden, generator=gen))
+            self.head.weight.copy_(torch.randn(vocab, hidden, generator=gen) / hidden**0.5)
+        self.tracker = LogitsTracker()
+
+    def set_input_tensor(self, input_tensor) -> None:
+        pass
+
+    def forward(self, input_ids, **_):
+        self.tracker.sample()  # what earlier micro-batches still hold when this one starts
+        logits = self.head(self.embed(input_ids))
+        self.tracker.track(logits)
+        self.tracker.sample()
+        return logits
+
+
+@contextlib.contextmanager
+def sample_after_scheduler(tracker: LogitsTracker, live_after: list):
+    """Record the live logits bytes the moment Megatron's scheduler returns its reports,
+    i.e. before the caller has collected them."""
+    import megatron.core.pipeline_parallel as pp
+    real_get = pp.get_forward_backward_func
+
+    def get_forward_backward_func(*args, **kwargs):
+        schedule = real_get(*args, **kwargs)
+
+        def run(**kw):
+            reports = schedule(**kw)
+            live_after.append(tracker.sample())
+            return reports
+
+        return run
+
+    pp.get_forward_backward_func = get_forward_backward_func
+    try:
+        yield
+    finally:
+        pp.get_forward_backward_func = real_get
+
+
+@contextlib.contextmanager
+def cpu_platform(device_prefix: str = "cpu"):
+    """twinkle's ``Platform`` reporting ``device_prefix`` while placing tensors on the CPU."""
+    from twinkle.utils.platforms.base import Platform
+    saved = {name: Platform.__dict__[name] for name in ("get_local_device", "device_prefix")}
+    Platform.get_local_device = staticmethod(lambda idx=None, *, platform=None: "cpu")
+    Platform.device_prefix = staticmethod(lambda platform=None: device_prefix)
+    try:
+        yield
+    finally:
+        for name, raw in saved.items():
+            setattr(Platform, name, raw)
+
+
+def twinkle_megatron_model(toy: ToyLM, loss=None, variable_seq_lengths: bool = False):
+    """twinkle's ``MegatronModel`` with the state its ``forward_backward`` reads, around ``toy``.
+
+    ``MegatronModel.__init__`` downloads a checkpoint and builds the model through
+    mcore_bridge; everything ``forward_backward`` uses is set here instead.
+    """
+    from twinkle import DeviceMesh
+    from twinkle.loss import CrossEntropyLoss
+    from twinkle.model.megatron.megatron import MegatronModel
+    from twinkle.model.megatron.strategy.megatron import MegatronStrategy
+    from twinkle.processor import InputProcessor
+
+    mesh = DeviceMesh.from_sizes(dp_size=1)
+    strategy = MegatronStrategy.__new__(MegatronStrategy)
+    strategy.device_mesh = mesh
+    processor = InputProcessor(framework="megatron")
+    processor.device_mesh = mesh  # twinkle drops a mesh passed without twinkle.initialize()
+
+    model = MegatronModel.__new__(MegatronModel)
+    nn.Module.__init__(model)
+    model.device_mesh = mesh
+    model.strategy = strategy
+    model.model = [toy]
+    model.variable_seq_lengths = variable_seq_lengths
+    model._model_wrapped = True
+    model._finish_config = True
+    model.active_group = ""
+    model.optimizer_group = {
+        "": types.SimpleNamespace(
+            loss_instance=loss if loss is not None else CrossEntropyLoss(reduction="sum"),
+            template=None,
+            processor=processor,
+            cur_step=0,
+            train_status=types.SimpleNamespace(),
+            eval_status=types.SimpleNamespace(),
+            accumulate_metrics=lambda is_training: None,
+        )
+    }
+    return model
+
+
+def lm_samples(lengths, vocab: int, seed: int = 0):
+    """Encoded samples (input_ids, labels, attention_mask, position_ids) as twinkle's templates produce them."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for n in lengths:
+        ids = torch.randint(0, vocab, (n, ), generator=gen)
+        labels = torch.roll(ids, -1)
+        labels[-1] = -100
+        samples.append({
+            "input_ids": ids,
+            "labels": labels,
+            "attention_mask": torch.ones(n, dtype=torch.long),
+            "position_ids": torch.arange(n),
+        })
+    return samples
+
+
+_PEAK_SCRIPT = """
+import sys
+sys.path[:0] = {path!r}
+
+def _status(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+
+{setup}
+
+def _run():
+{stmt}
+
+_out = _run()  # warm-up: lazy initialisation is not what is measured
+del _out
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets VmHWM to the current RSS
+_base = _status("VmRSS")
+_out = _run()
+print(_status("VmHWM") - _base)
+"""
+
+
+def peak_rss_delta(setup: str, stmt: str) -> int:
+    """Bytes by which the resident-set high-water mark rises while ``stmt`` runs
+    (in a fresh interpreter, after ``setup`` and one warm-up run of ``stmt``).
+
+    Meaningful for allocations of tens of MiB: glibc serves those with mmap, so
+    each one is touched-in and returned page by page."""
+    script = _PEAK_SCRIPT.format(path=list(sys.path), setup=textwrap.dedent(setup),
+                                 stmt=textwrap.indent(textwrap.dedent(stmt), "    "))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"peak measurement failed:\n{done.stderr[-3000:]}")
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+def large_allocations(fn, min_bytes: int):
+    """Run ``fn`` under torch's profiler; return (its result, the sizes of the CPU
+    allocations of at least ``min_bytes`` it made), as torch's allocator reported them.
+
+    The profiler charges each allocation to the op that made it (net of what that
+    op freed), so every separate tensor of the mask's size shows up once."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    sizes = [e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage >= min_bytes]
+    return result, sizes
