@@ -66,6 +66,9 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse, _grad_mean):
     rest = (labels, lse, mean if use_entropy else None, ctx.inv_temperature, ctx.ignore_index, ctx.vocab_start)
     if ctx.inplace_backward:
         bwd_inplace(*args, logits, *rest)
+        # The dispatcher does not bump the version of a tensor a custom op
+        # mutates: do it, so that any other saved use of the logits raises.
+        torch.autograd.graph.increment_version(logits)
         grad_logits = logits
     else:
         grad_logits = bwd(*args, logits, *rest)

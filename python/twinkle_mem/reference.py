@@ -14,13 +14,15 @@ def selective_log_softmax_ref(logits, index, temperature=1.0, ignore_index=None)
     logp_all = torch.log_softmax(z, dim=-1)
     lse = torch.logsumexp(z, dim=-1)
     p = logp_all.exp()
-    # p * z with p = 0 at z = -inf is 0 (the limit), not NaN.
-    pz = torch.where(p > 0, p * z, torch.zeros_like(z))
+    # p * z at z = -inf (p = 0) is 0, its limit. Clamping z to a finite value
+    # below any fp32 logit gives that and keeps autograd free of NaN (a where()
+    # would not, nor would float64's lowest, whose products overflow).
+    pz = p * z.clamp(min=-1e100)
     mean = pz.sum(-1)
     entropy = lse - mean
     ignored = torch.zeros_like(index, dtype=torch.bool) if ignore_index is None else index == ignore_index
     safe_index = torch.where(ignored, torch.zeros_like(index), index).long()
-    logp = logp_all.gather(-1, safe_index.unsqueeze(-1)).squeeze(-1)
+    logp = z.gather(-1, safe_index.unsqueeze(-1)).squeeze(-1) - lse
     zero = torch.zeros((), dtype=torch.float64, device=logits.device)
     return (torch.where(ignored, zero, logp), torch.where(ignored, zero, entropy),
             torch.where(ignored, zero, lse), torch.where(ignored, zero, mean))

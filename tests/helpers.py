@@ -1,0 +1,59 @@
+"""Tolerances and comparisons shared by the op tests.
+
+Log-probs and entropy are computed in fp32 whatever the logits' dtype, so
+they are compared with the float64 reference to fp32 rounding: a few fp32
+epsilons relative to the magnitudes involved (lse, mean). Gradients are
+compared with the float64 reference gradient rounded to the logits' dtype:
+within 1 unit in the last place for bf16/fp16. For fp32 logits 1 ulp is
+below what any fp32 computation reaches: the saved fp32 lse and mean carry
+an absolute rounding error ~eps * (|lse| + |mean|), which moves every
+p = exp(z - lse) and every (z - mean) by as much. So fp32 gradients are held
+to 16 eps * (1 + S) * (|g_logp| + |g_entropy| (1 + S)) / T per row, with
+S = |lse| + |mean| (the caller passes that row bound). bf16/fp16 gradients
+get the same fp32 allowance on top of their 1 ulp: it matters only where
+fp32 itself cannot resolve the value, e.g. 1 - p for a label with p ~ 1.
+"""
+import torch
+
+FP32_EPS = torch.finfo(torch.float32).eps
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+MIN_ULP = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24, torch.float32: 2.0**-149}
+
+
+def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Unit in the last place of `dtype` at each value (given in float64)."""
+    _mant, exp = torch.frexp(values.abs())
+    u = torch.ldexp(torch.ones_like(values), (exp - 1 - MANTISSA_BITS[dtype]).to(torch.int64))
+    return torch.clamp(u, min=MIN_ULP[dtype])
+
+
+def assert_stats_close(got, ref, scale, what):
+    """|got - ref| <= 16 fp32 eps * (1 + scale), elementwise (scale ~ |lse| + |mean|)."""
+    got = got.double().cpu()
+    ref = ref.double().cpu()
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)), f"{what}: NaN pattern differs"
+    assert torch.equal(got[~finite & ~torch.isnan(ref)], ref[~finite & ~torch.isnan(ref)]), f"{what}: inf differs"
+    tol = 16 * FP32_EPS * (1 + scale.double().cpu().abs())
+    err = (got - ref).abs()
+    bad = finite & (err > tol)
+    assert not bad.any(), f"{what}: max err {err[finite].max().item():.3g}, tol {tol[bad][0].item():.3g}"
+
+
+def assert_grad_close(got, ref, dtype, fp32_row_bound=None, what="grad"):
+    """Gradient in `dtype` against the float64 reference gradient."""
+    got = got.double().cpu()
+    ref = ref.double().cpu()
+    if dtype == torch.float64:
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+        return
+    rounded = ref.to(dtype).double()
+    err = (got - rounded).abs()
+    if dtype == torch.float32:
+        tol = (16 * FP32_EPS * fp32_row_bound.double().cpu()).unsqueeze(-1).expand_as(ref)
+    else:
+        tol = ulp(rounded, dtype) + (16 * FP32_EPS * fp32_row_bound.double().cpu()).unsqueeze(-1)
+    bad = err > tol
+    assert not bad.any(), (
+        f"{what} ({dtype}): {int(bad.sum())} elements off by more than the tolerance; worst err "
+        f"{err.max().item():.3g} at ref {ref.flatten()[err.argmax()].item():.3g}")

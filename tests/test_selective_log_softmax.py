@@ -1,0 +1,396 @@
+"""selective_log_softmax / entropy_from_logits: numerics against the float64
+reference, gradients, opcheck, torch.compile, memory, in-place backward,
+determinism and bad input. Every test runs on each device in
+TWINKLE_MEM_TEST_DEVICES (default: cpu)."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import twinkle_mem
+from helpers import assert_grad_close, assert_stats_close
+from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+ops = torch.ops.twinkle_mem
+
+
+def make_case(n, v, dtype, device, scale=4.0, ignore_frac=0.0, ignore_index=-100, neg_inf_frac=0.0):
+    logits = (torch.randn(n, v, dtype=torch.float64) * scale).to(dtype)
+    if neg_inf_frac:
+        logits[torch.rand(n, v) < neg_inf_frac] = float("-inf")
+    labels = torch.randint(0, v, (n,))
+    if ignore_frac:
+        labels[torch.rand(n) < ignore_frac] = ignore_index
+    return logits.to(device), labels.to(device)
+
+
+def check_against_reference(logits, labels, temperature=1.0, ignore_index=None, with_entropy=True):
+    """Forward and backward against float64, with random upstream gradients."""
+    x = logits.detach().clone().requires_grad_(True)
+    out = twinkle_mem.selective_log_softmax(x, labels, with_entropy, temperature=temperature,
+                                            ignore_index=ignore_index)
+    logp, entropy = out if with_entropy else (out, None)
+    ref_logp, ref_entropy, ref_lse, ref_mean = selective_log_softmax_ref(logits, labels, temperature, ignore_index)
+    want = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    assert logp.dtype == want and logp.shape == labels.shape
+    scale = ref_lse.abs() + ref_mean.abs()
+    assert_stats_close(logp, ref_logp, scale, "logp")
+    if with_entropy:
+        assert_stats_close(entropy, ref_entropy, scale, "entropy")
+
+    g_logp = torch.randn(labels.shape, dtype=want, device=logits.device)
+    g_entropy = torch.randn(labels.shape, dtype=want, device=logits.device) if with_entropy else None
+    total = (logp * g_logp).sum() + ((entropy * g_entropy).sum() if with_entropy else 0)
+    (grad,) = torch.autograd.grad(total, x)
+    ref_grad = selective_log_softmax_grad_ref(logits, labels, g_logp, g_entropy, temperature, ignore_index)
+    assert grad.dtype == logits.dtype and grad.shape == logits.shape
+    if not torch.isfinite(logits).all():
+        # -inf logits have p = 0: their gradient is exactly 0 in the reference too.
+        nan_got, nan_ref = torch.isnan(grad), torch.isnan(ref_grad.to(grad.device))
+        assert torch.equal(nan_got, nan_ref), (nan_got.nonzero()[:4], nan_ref.nonzero()[:4])
+    s = (ref_lse.abs() + ref_mean.abs()).to(grad.device)
+    g_sum = g_logp.abs() + ((g_entropy.abs() * (1 + s)) if with_entropy else 0)
+    assert_grad_close(grad, ref_grad, logits.dtype, fp32_row_bound=(1 + s) * g_sum / temperature)
+
+
+# ----------------------------------------------------------------- numerics
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_matches_float64_reference(device, dtype, with_entropy, temperature):
+    logits, labels = make_case(37, 5003, dtype, device)  # odd V: SIMD tails
+    check_against_reference(logits, labels, temperature, with_entropy=with_entropy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qwen_vocab_few_rows(device, dtype):
+    # V = 151936 with N < threads: rows are split into vocab segments and merged.
+    logits, labels = make_case(3, 151936, dtype, device, scale=6.0)
+    check_against_reference(logits, labels, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ignore_index(device, dtype):
+    logits, labels = make_case(64, 999, dtype, device, ignore_frac=0.4, ignore_index=-100)
+    check_against_reference(logits, labels, 0.9, ignore_index=-100)
+    logp, entropy = twinkle_mem.selective_log_softmax(logits, labels, True, ignore_index=-100)
+    ignored = labels == -100
+    assert ignored.any() and (logp[ignored] == 0).all() and (entropy[ignored] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_negative_infinity_logits(device, dtype):
+    # Masked vocab entries (-inf) have probability 0 and gradient 0; not NaN.
+    logits, labels = make_case(16, 3000, dtype, device, neg_inf_frac=0.3)
+    logits[:, :2500] = float("-inf")  # whole blocks of -inf before finite values
+    labels = torch.randint(2500, 3000, (16,), device=device)
+    logits[torch.arange(16, device=device), labels] = 1.0  # labels on unmasked entries...
+    labels[0] = 0  # ...but one: the label itself is masked, logp = -inf
+    check_against_reference(logits, labels)
+    logp = twinkle_mem.selective_log_softmax(logits, labels)
+    assert logp[0] == float("-inf") and torch.isfinite(logp[1:]).all()
+
+
+def test_nan_propagates(device):
+    logits, labels = make_case(4, 5000, torch.float32, device)
+    logits[1, 4321] = float("nan")
+    logits[2, :] = float("-inf")
+    logits[2, 17] = float("nan")
+    logp, entropy = twinkle_mem.selective_log_softmax(logits, labels, True)
+    assert torch.isnan(logp[1]) and torch.isnan(entropy[1]) and torch.isnan(logp[2])
+    assert torch.isfinite(logp[[0, 3]]).all() and torch.isfinite(entropy[[0, 3]]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_contiguous_rows_and_leading_dims(device, dtype):
+    big, _ = make_case(2 * 9, 700, dtype, device)
+    logits = big.view(2, 9, 700)[:, :, :611]  # row stride 700 > V = 611, no copy needed
+    labels = torch.randint(0, 611, (2, 9), device=device)
+    assert not logits.is_contiguous()
+    logp = twinkle_mem.selective_log_softmax(logits, labels)
+    assert logp.shape == (2, 9)
+    ref = selective_log_softmax_ref(logits, labels)[0]
+    assert_stats_close(logp, ref, ref.abs() + 10, "logp")
+    check_against_reference(logits[0], labels[0])  # 2-D, row stride 700
+    # Leading dims that cannot be viewed as rows (a sliced sequence): a copy, said out loud.
+    shifted = logits[:, :-1]
+    with pytest.warns(UserWarning, match="contiguous copy"):
+        logp = twinkle_mem.selective_log_softmax(shifted, labels[:, 1:])
+    ref = selective_log_softmax_ref(shifted, labels[:, 1:])[0]
+    assert_stats_close(logp, ref, ref.abs() + 10, "logp")
+
+
+def test_int32_labels_equal_int64(device):
+    logits, labels = make_case(33, 4097, torch.bfloat16, device)
+    a = twinkle_mem.selective_log_softmax(logits, labels, True)
+    b = twinkle_mem.selective_log_softmax(logits, labels.int(), True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_empty_and_single_token_vocab(device):
+    logits = torch.randn(0, 128, device=device).requires_grad_()
+    logp, entropy = twinkle_mem.selective_log_softmax(logits, torch.zeros(0, dtype=torch.long, device=device), True)
+    assert logp.shape == (0,) and entropy.shape == (0,)
+    logp.sum().backward()
+    assert logits.grad.shape == (0, 128)
+    one, labels = make_case(5, 1, torch.float32, device)
+    check_against_reference(one, labels)  # V = 1: logp = 0, entropy = 0
+
+
+def test_large_negative_logp_not_bf16_quantized(device):
+    # bf16 logits, a target 40 below the max: logp ~ -40 must come back in fp32,
+    # where bf16 rounding would be off by up to 0.125.
+    logits = torch.randn(8, 32000, dtype=torch.float64)
+    labels = torch.randint(0, 32000, (8,))
+    logits[torch.arange(8), labels] = -40.0 - torch.rand(8, dtype=torch.float64)
+    logits = logits.bfloat16().to(device)
+    logp = twinkle_mem.selective_log_softmax(logits, labels.to(device))
+    ref = selective_log_softmax_ref(logits, labels.to(device))[0]
+    assert logp.dtype == torch.float32
+    rel = ((logp.double() - ref.double()) / ref.double()).abs().max().item()
+    assert rel < 1e-5, rel
+    assert not torch.equal(logp, logp.bfloat16().float())
+
+
+def test_entropy_from_logits(device):
+    logits, _ = make_case(6, 4, torch.float32, device)
+    logits3 = make_case(2 * 5, 3001, torch.bfloat16, device)[0].view(2, 5, 3001)
+    for x, t in ((logits, 1.0), (logits3, 1.3)):
+        entropy = twinkle_mem.entropy_from_logits(x, temperature=t)
+        ref = selective_log_softmax_ref(x, torch.zeros(x.shape[:-1], dtype=torch.long, device=device), t)
+        assert entropy.shape == x.shape[:-1]
+        assert_stats_close(entropy, ref[1], ref[2].abs() + ref[3].abs(), "entropy")
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(n=st.integers(0, 40), v=st.integers(1, 9000), dtype=st.sampled_from(DTYPES),
+       temperature=st.floats(0.3, 3.0), with_entropy=st.booleans(), ignore=st.booleans(),
+       scale=st.floats(0.1, 20.0), seed=st.integers(0, 2**31 - 1))
+def test_random_shapes_property(n, v, dtype, temperature, with_entropy, ignore, scale, seed):
+    torch.manual_seed(seed)
+    for device in __import__("conftest").DEVICES:
+        logits, labels = make_case(n, v, dtype, device, scale=scale, ignore_frac=0.3 if ignore else 0.0)
+        check_against_reference(logits, labels, temperature, ignore_index=-100 if ignore else None,
+                                with_entropy=with_entropy)
+
+
+# ----------------------------------------------------------------- autograd and registration
+def test_gradcheck_float64(device):
+    logits = torch.randn(5, 13, dtype=torch.float64, device=device, requires_grad=True)
+    labels = torch.tensor([0, 3, -100, 12, 7], device=device)
+
+    def f(x):
+        logp, entropy = twinkle_mem.selective_log_softmax(x, labels, True, temperature=0.8, ignore_index=-100)
+        return logp, entropy
+
+    assert torch.autograd.gradcheck(f, (logits,))
+    assert torch.autograd.gradcheck(lambda x: twinkle_mem.selective_log_softmax(x, labels.clamp(min=0)), (logits,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(device, dtype):
+    logits = torch.randn(6, 300, device=device).to(dtype)
+    labels = torch.tensor([1, 299, -100, 5, 0, 77], device=device)
+    for with_entropy in (False, True):
+        torch.library.opcheck(ops.selective_log_softmax_fwd.default,
+                              (logits.clone().requires_grad_(), labels, 1.25, -100, 0, 300, with_entropy, False))
+    _logp, _entropy, lse, mean = ops.selective_log_softmax_fwd(logits, labels, 1.25, -100, 0, 300, True, False)
+    g = torch.randn(6, device=device)
+    torch.library.opcheck(ops.selective_log_softmax_bwd.default, (g, g, logits, labels, lse, mean, 1.25, -100, 0))
+    torch.library.opcheck(ops.selective_log_softmax_bwd.default, (g, None, logits, labels, lse, None, 1.25, -100, 0))
+    torch.library.opcheck(ops.selective_log_softmax_bwd_.default,
+                          (g, g, logits.clone(), labels, lse, mean, 1.25, -100, 0))
+
+
+def test_torch_compile_fullgraph(device):
+    logits, labels = make_case(24, 1000, torch.bfloat16, device)
+
+    def loss_fn(x, y):
+        logp, entropy = twinkle_mem.selective_log_softmax(x, y, True, temperature=0.9, ignore_index=-100)
+        return (logp * 2.0).sum() - 0.01 * entropy.sum()
+
+    compiled = torch.compile(loss_fn, fullgraph=True)
+    x1 = logits.clone().requires_grad_()
+    x2 = logits.clone().requires_grad_()
+    eager = loss_fn(x1, labels)
+    eager.backward()
+    out = compiled(x2, labels)
+    out.backward()
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(x2.grad, x1.grad)
+
+
+# ----------------------------------------------------------------- memory
+def saved_tensors_during_forward(n, v, with_entropy=True):
+    logits = torch.randn(n, v, dtype=torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, v, (n,))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        twinkle_mem.selective_log_softmax(logits, labels, with_entropy)
+    return logits, saved
+
+
+def test_saves_nothing_vocab_sized_and_constant_count():
+    per_token = {}
+    for n in (512, 4096):
+        logits, saved = saved_tensors_during_forward(n, 8192)
+        others = [t for t in saved if t.data_ptr() != logits.data_ptr()]
+        refs = [t for t in saved if t.data_ptr() == logits.data_ptr()]
+        assert len(refs) == 1 and refs[0].shape == logits.shape  # a reference, not a copy
+        assert all(t.numel() <= n for t in others), [tuple(t.shape) for t in others]
+        per_token[n] = (len(saved), sum(t.numel() * t.element_size() for t in others) / n)
+    assert per_token[512] == per_token[4096], per_token  # same count, same bytes per token
+    assert per_token[4096][1] <= 16  # labels (8) + lse (4) + mean (4)
+
+
+PEAK_SCRIPT = textwrap.dedent("""
+    import sys, torch, twinkle_mem
+    n, v, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(2)
+    def hwm():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) * 1024
+    def rss():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS"):
+                return int(line.split()[1]) * 1024
+    logits = torch.randn(n, v).bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (n,))
+    twinkle_mem.selective_log_softmax(logits[:2], labels[:2], True)[0].sum().backward()  # warm up
+    logits.grad = None
+    open("/proc/self/clear_refs", "w").write("5")
+    base = rss()
+    logp, entropy = twinkle_mem.selective_log_softmax(logits, labels, True, inplace_backward=(mode == "inplace"))
+    (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), logits)
+    same = grad.data_ptr() == logits.data_ptr()
+    print(hwm() - base, n * v * 2, int(same))
+""")
+
+
+@pytest.mark.parametrize("mode", ["out_of_place", "inplace"])
+def test_peak_memory_beyond_logits(mode, tmp_path):
+    script = tmp_path / "peak.py"
+    script.write_text(PEAK_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), "1024", "65536", mode], capture_output=True, text=True,
+                         check=True).stdout.split()
+    extra, logits_bytes, same_storage = int(out[0]), int(out[1]), int(out[2])
+    grad_bytes = 0 if mode == "inplace" else logits_bytes
+    assert same_storage == (mode == "inplace")
+    assert extra - grad_bytes <= 0.01 * logits_bytes, (extra, grad_bytes, logits_bytes)
+
+
+def test_inplace_backward_same_gradient_and_logits_overwritten(device):
+    logits, labels = make_case(40, 3001, torch.bfloat16, device, ignore_frac=0.2)
+    g = [torch.randn(40, device=device) for _ in range(2)]
+    grads = []
+    for inplace in (False, True):
+        x = logits.clone().requires_grad_()
+        logp, entropy = twinkle_mem.selective_log_softmax(x, labels, True, ignore_index=-100,
+                                                          inplace_backward=inplace)
+        version = x._version
+        (grad,) = torch.autograd.grad((logp * g[0]).sum() + (entropy * g[1]).sum(), x)
+        grads.append(grad)
+        if inplace:
+            assert grad.data_ptr() == x.data_ptr() and x._version > version
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_inplace_backward_is_caught_when_logits_are_needed_again(device):
+    logits, labels = make_case(8, 500, torch.float32, device)
+    w = torch.randn(500, device=device, requires_grad=True)
+    x = logits.clone().requires_grad_()
+    other_use = (x * w).sum()  # saves x for w's gradient; its backward runs after ours
+    logp = twinkle_mem.selective_log_softmax(x, labels, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (logp.sum() + other_use).backward()
+    # Control: without inplace_backward the same graph is fine.
+    x = logits.clone().requires_grad_()
+    other_use = (x * w).sum()
+    (twinkle_mem.selective_log_softmax(x, labels).sum() + other_use).backward()
+
+
+# ----------------------------------------------------------------- determinism
+def test_bitwise_deterministic_across_runs_and_threads(device):
+    logits, labels = make_case(3, 151936, torch.bfloat16, device)  # split rows
+    logits2, labels2 = make_case(300, 7001, torch.bfloat16, device)
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 2, 1):
+            torch.set_num_threads(threads)
+            run = []
+            for x0, y in ((logits, labels), (logits2, labels2)):
+                x = x0.clone().requires_grad_()
+                logp, entropy = twinkle_mem.selective_log_softmax(x, y, True)
+                (grad,) = torch.autograd.grad(logp.sum() + 0.5 * entropy.sum(), x)
+                run += [logp, entropy, grad]
+            results.append(run)
+    finally:
+        torch.set_num_threads(old)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+# ----------------------------------------------------------------- bad input
+def test_bad_input_raises_clear_errors(device):
+    logits, labels = make_case(4, 10, torch.float32, device)
+    cases = [
+        (dict(logits=logits.long(), index=labels), "logits"),
+        (dict(logits=logits, index=labels.float()), "index"),
+        (dict(logits=logits, index=labels[:3]), "index shape"),
+        (dict(logits=logits, index=labels, temperature=0.0), "temperature"),
+        (dict(logits=logits, index=labels, temperature=float("nan")), "temperature"),
+        (dict(logits=logits, index=labels, ignore_index=1.5), "ignore_index"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            twinkle_mem.selective_log_softmax(**kwargs)
+    if device != "cpu":
+        with pytest.raises(ValueError, match="index is on"):
+            twinkle_mem.selective_log_softmax(logits, labels.cpu())
+    for bad_label in (10, -1, 2**40):
+        bad = labels.clone()
+        bad[2] = bad_label
+        with pytest.raises((ValueError, RuntimeError), match="labels"):
+            twinkle_mem.selective_log_softmax(logits, bad)
+    # ignore_index is exempt from the range check
+    bad = labels.clone()
+    bad[2] = -100
+    twinkle_mem.selective_log_softmax(logits, bad, ignore_index=-100)
+
+
+def test_raw_ops_validate_arguments(device):
+    logits, labels = make_case(4, 10, torch.float32, device)
+    with pytest.raises(RuntimeError, match="labels"):
+        ops.selective_log_softmax_fwd(logits, labels[:2], 1.0, -100, 0, 10, False)
+    with pytest.raises(RuntimeError, match="vocab"):
+        ops.selective_log_softmax_fwd(logits, labels, 1.0, -100, 5, 10, False)  # shard past vocab_size
+    with pytest.raises(RuntimeError, match="unit stride"):
+        ops.selective_log_softmax_fwd(logits.t(), labels.repeat(3)[:10], 1.0, -100, 0, 10, False)
+    with pytest.raises(RuntimeError, match="inv_temperature"):
+        ops.selective_log_softmax_fwd(logits, labels, -1.0, -100, 0, 10, False)
+    _, _, lse, mean = ops.selective_log_softmax_fwd(logits, labels, 1.0, -100, 0, 10, True)
+    with pytest.raises(RuntimeError, match="lse"):
+        ops.selective_log_softmax_bwd(lse, None, logits, labels, lse[:3], None, 1.0, -100, 0)
+    with pytest.raises(RuntimeError, match="mean"):
+        ops.selective_log_softmax_bwd(lse, lse, logits, labels, lse, None, 1.0, -100, 0)
+    with pytest.raises(RuntimeError, match="grad_logp"):
+        ops.selective_log_softmax_bwd(lse.double(), None, logits, labels, lse, None, 1.0, -100, 0)
+
+
+def test_cli_reports_backends():
+    out = subprocess.run([sys.executable, "-m", "twinkle_mem"], capture_output=True, text=True, check=True).stdout
+    assert "twinkle-mem" in out and "cpu   loaded" in out
+    assert twinkle_mem.backends()["cpu"] == "loaded"
