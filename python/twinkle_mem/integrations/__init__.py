@@ -1,0 +1,1 @@
+"""Integrations of twinkle-mem into training frameworks (each imported on demand)."""

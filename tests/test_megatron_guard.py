@@ -1,0 +1,252 @@
+"""The logits guard, under megatron-core 0.16.1's real no-pipelining scheduler on the
+CPU: on its own (a hand-written forward step) and inside twinkle-kit 0.5.1's
+``MegatronModel.forward_backward``.
+
+Liveness is measured on storages (``twinkle_helpers.LogitsTracker``): a logits
+tensor counts as alive while anything, Python or autograd, still holds its memory.
+"""
+import logging
+
+import pytest
+import torch
+
+from twinkle_mem.megatron import (collect_reports, current_logits_reporting, guard_report, logits_guard,
+                                  logits_wanted, micro_batch_report, reporting_logits)
+
+try:  # tests/ as a package, or as a plain directory on sys.path
+    from . import twinkle_helpers as th
+except ImportError:
+    import twinkle_helpers as th
+
+VOCAB, SEQ = 512, 32
+LOGITS_BYTES = SEQ * VOCAB * 4  # one micro-batch of [1, SEQ, VOCAB] fp32 logits
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron():
+    with th.megatron_cpu():
+        yield
+
+
+# --- the helpers on their own -------------------------------------------------
+
+
+def test_logits_wanted():
+
+    class NeedsLogits:
+        require_logits = True
+
+    assert not logits_wanted()
+    assert not logits_wanted(False, object())
+    assert logits_wanted(True)
+    assert logits_wanted(False, NeedsLogits())
+
+
+def test_reporting_logits_nests_and_resets():
+    assert current_logits_reporting() is None
+    with reporting_logits(True):
+        with reporting_logits(False):
+            assert current_logits_reporting() is False
+        assert current_logits_reporting() is True
+    assert current_logits_reporting() is None
+
+
+def test_micro_batch_report():
+    logits = torch.randn(1, 3, 5, requires_grad=True) * 2
+    logps = logits.sum(-1)
+    report = micro_batch_report(loss=logps.sum(), logps=logps, logits=logits, values=None, step=3)
+    assert set(report) == {"loss", "logps", "step"}  # no logits asked for, None left out
+    assert not report["logps"].requires_grad and report["step"] == 3
+    with reporting_logits(True):
+        kept = micro_batch_report(logps=logps, logits=logits)
+    assert kept["logits"].untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+    assert not kept["logits"].requires_grad
+    assert "logits" not in micro_batch_report(logits=logits, keep_logits=False)
+    assert "logits" not in micro_batch_report(logits=None, keep_logits=True)
+
+
+def test_guard_report_and_collect():
+    report = {"loss": 1.0, "logits": torch.zeros(1), "logps": None}
+    assert guard_report(report, keep_logits=False) == {"loss": 1.0}
+    assert set(guard_report(report, keep_logits=True)) == {"loss", "logits"}
+    a, b = torch.zeros(1), torch.ones(1)
+    got = collect_reports([{"logps": a}, {"logps": None}, {}, None, {"logps": b, "logits": a}], ["logps", "logits"])
+    assert got["logps"] == [a, b] and got["logits"] == [a]
+    assert collect_reports(None, ["logps"]) == {"logps": []}
+
+
+def run_schedule(toy, batches, forward_only, report):
+    """Megatron's real scheduler over ``batches`` with a GRPO-like forward step;
+    returns its reports and the logits bytes alive when it returned."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        input_ids = next(data_iterator)
+        logits = model(input_ids)
+
+        def loss_func(logits):
+            # gather - logsumexp: autograd saves the logits, as twinkle's log-softmax does
+            logps = logits.gather(-1, input_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+            loss = -logps.sum()
+            return loss, torch.tensor(logps.numel()), report(loss=loss, logps=logps, logits=logits)
+
+        return logits, loss_func
+
+    reports = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[toy],
+                                          num_microbatches=len(batches), seq_length=SEQ, micro_batch_size=1,
+                                          forward_only=forward_only)
+    return reports, toy.tracker.sample()
+
+
+def naive_report(loss, logps, logits):
+    return {"loss": loss.detach(), "logps": logps.detach(), "logits": logits.detach()}
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_scheduler_keeps_no_logits_under_the_guard(forward_only):
+    batches = [torch.randint(0, VOCAB, (1, SEQ)) for _ in range(2)]
+    toy = th.ToyLM(VOCAB)
+    _, live = run_schedule(toy, batches, forward_only, naive_report)
+    assert live == 2 * LOGITS_BYTES  # control: the naive report pins every micro-batch's logits
+    assert toy.tracker.peak == 2 * LOGITS_BYTES
+
+    toy = th.ToyLM(VOCAB)
+    with logits_guard(return_logits=False, forward_only=forward_only):
+        reports, live = run_schedule(toy, batches, forward_only, micro_batch_report)
+    assert live == 0
+    assert toy.tracker.peak == LOGITS_BYTES  # only the micro-batch in flight, ever
+    assert len(collect_reports(reports, ["logps"])["logps"]) == 2
+
+
+def test_forward_only_guard_builds_no_graph():
+    """Control for the forward-only case above: the report alone is not enough,
+    the graph of one micro-batch holds its logits through the next forward."""
+    batches = [torch.randint(0, VOCAB, (1, SEQ)) for _ in range(2)]
+    toy = th.ToyLM(VOCAB)
+    with reporting_logits(False):
+        _, live = run_schedule(toy, batches, True, micro_batch_report)
+    assert live == 0 and toy.tracker.peak == 2 * LOGITS_BYTES
+
+
+def test_scheduler_returns_logits_when_asked():
+    batches = [torch.randint(0, VOCAB, (1, SEQ)) for _ in range(2)]
+    toy = th.ToyLM(VOCAB)
+    with logits_guard(return_logits=True, forward_only=True):
+        reports, _ = run_schedule(toy, batches, True, micro_batch_report)
+    logits = collect_reports(reports, ["logits"])["logits"]
+    assert len(logits) == 2
+    with torch.no_grad():
+        for got, input_ids in zip(logits, batches):
+            assert torch.equal(got, toy(input_ids))
+
+
+# --- twinkle-kit's MegatronModel.forward_backward ----------------------------
+
+
+@pytest.fixture
+def guard():
+    from twinkle_mem.integrations import twinkle as integration
+    integration.install(log_softmax=False, mask_skip="never", logits_guard=True)
+    try:
+        yield
+    finally:
+        integration.uninstall()
+
+
+@pytest.fixture
+def cpu():
+    with th.cpu_platform("cpu"):
+        yield
+
+
+def run_twinkle(model, forward_only=False, **kwargs):
+    toy = model.model[0]
+    live = []
+    with th.sample_after_scheduler(toy.tracker, live):
+        samples = th.lm_samples([SEQ, SEQ - 3], VOCAB)
+        if forward_only:
+            out = model.forward_only(inputs=samples, micro_batch_size=1, **kwargs)
+        else:
+            out = model.forward_backward(inputs=samples, micro_batch_size=1, **kwargs)
+    return out, live[0]
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_twinkle_unguarded_pins_every_micro_batch(cpu, forward_only):
+    """Control for the test below: twinkle-kit 0.5.1 as shipped."""
+    model = th.twinkle_megatron_model(th.ToyLM(VOCAB))
+    out, live = run_twinkle(model, forward_only)
+    assert out["logits"] is None
+    assert live == 2 * LOGITS_BYTES
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_twinkle_guarded_keeps_no_logits(cpu, guard, forward_only):
+    toy = th.ToyLM(VOCAB)
+    model = th.twinkle_megatron_model(toy)
+    out, live = run_twinkle(model, forward_only)
+    assert live == 0
+    assert toy.tracker.peak == LOGITS_BYTES
+    assert toy.tracker.live_bytes() == 0
+    assert out["logits"] is None
+    assert out["logps"].shape == (2, SEQ)
+    assert out["loss"] > 0
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_twinkle_guarded_returns_logits_when_asked(cpu, guard, forward_only):
+    toy = th.ToyLM(VOCAB)
+    model = th.twinkle_megatron_model(toy)
+    out, _ = run_twinkle(model, forward_only, return_logits=True)
+    samples = th.lm_samples([SEQ, SEQ - 3], VOCAB)
+    assert out["logits"].shape == (2, SEQ, VOCAB)
+    with torch.no_grad():
+        for i, sample in enumerate(samples):
+            input_ids = torch.zeros(1, SEQ, dtype=torch.long)  # twinkle pads input_ids with 0
+            input_ids[0, :len(sample["input_ids"])] = sample["input_ids"]
+            assert torch.equal(out["logits"][i], toy(input_ids)[0])
+
+
+def test_twinkle_guarded_reports_logits_a_loss_requires(cpu, guard):
+    from twinkle.loss import CrossEntropyLoss
+
+    class LogitsLoss(CrossEntropyLoss):
+        require_logits = True
+
+    model = th.twinkle_megatron_model(th.ToyLM(VOCAB), loss=LogitsLoss(reduction="sum"))
+    _, live = run_twinkle(model)
+    assert live == 2 * LOGITS_BYTES
+
+
+def test_twinkle_guarded_survives_a_failed_micro_batch(cpu, guard, monkeypatch):
+    """Under TWINKLE_FAIL_FAST=0 a micro-batch whose processing fails reports no logps;
+    unguarded, twinkle hands that None to torch.cat."""
+    monkeypatch.setenv("TWINKLE_FAIL_FAST", "0")
+    # pytest's log capture keeps twinkle's warning record, whose args hold the exception,
+    # its traceback and so the failed micro-batch's frame and logits: make no record.
+    monkeypatch.setattr(logging.getLogger("twinkle"), "disabled", True)
+    model = th.twinkle_megatron_model(th.ToyLM(VOCAB))
+    processor = model.optimizer_group[""].processor
+    real_unpack = processor.unpack_packed_sequences
+    calls = []
+
+    def unpack_fails_second_time(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("simulated data-processing error")
+        return real_unpack(*args, **kwargs)
+
+    monkeypatch.setattr(processor, "unpack_packed_sequences", unpack_fails_second_time)
+    out, live = run_twinkle(model)
+    assert len(calls) >= 2  # twinkle calls it again to unpack the returned inputs
+    assert out["logps"].shape == (1, SEQ)  # the failed micro-batch contributes nothing
+    assert live == 0
+
+
+def test_reduce_loss_outside_forward_backward_is_twinkles(guard):
+    from twinkle.model.megatron.strategy.megatron import MegatronStrategy
+    model = th.twinkle_megatron_model(th.ToyLM(VOCAB))
+    logits = torch.randn(1, 2, 3)
+    _, _, report = model.strategy.reduce_loss(torch.tensor(1.0), torch.tensor(2), logits, None)
+    assert report["logps"] is None and torch.equal(report["logits"], logits)
+    assert isinstance(model.strategy, MegatronStrategy)
