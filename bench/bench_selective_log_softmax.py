@@ -1,0 +1,259 @@
+"""Benchmark: per-token log-probs + entropy, forward + backward, every peer side by side.
+
+Each (peer, N) runs in a fresh process so that its peak RSS is its own:
+  naive          log_softmax(logits.float()) + gather (+ entropy from the same tensor)
+  twinkle_loop   twinkle-kit 0.5.1's selective_log_softmax (its per-row loop, bf16 branch),
+                 imported from twinkle-kit when installed, else an equivalent written here
+  chunked_fp32   a chunked fp32 recompute autograd.Function in PyTorch (the fix proposed
+                 for twinkle-kit)
+  compiled       torch.compile of naive
+  twinkle_mem    this package; twinkle_mem_inplace: with inplace_backward=True
+Reported: forward+backward time (median of reps), peak RSS beyond logits and grad,
+bytes saved for backward (beyond the logits reference), max error of logp and entropy
+against float64 (first 64 rows). Prints a table, writes JSON and a PNG of peak memory
+against N to bench/results/.
+
+  python bench/bench_selective_log_softmax.py                      # N=512,1024,2048, V=151936
+  python bench/bench_selective_log_softmax.py --sizes 16384 --peers twinkle_mem_inplace --reps 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PEERS = ["naive", "twinkle_loop", "chunked_fp32", "compiled", "twinkle_mem", "twinkle_mem_inplace"]
+
+
+# ----------------------------------------------------------------- peers (run in the child)
+def peer_functions(torch):
+    import torch.nn.functional as F
+
+    def naive(logits, labels):
+        logp_all = torch.log_softmax(logits.float(), dim=-1)
+        logp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, entropy
+
+    def twinkle_loop(logits, labels):
+        try:
+            from twinkle.utils.torch_utils import selective_log_softmax
+        except ImportError:  # the same algorithm: one full-vocab log_softmax per leading row, in bf16
+            def selective_log_softmax(lg, index, return_entropy=False):
+                logps, ents = [], []
+                for row, row_labels in zip(lg, index):
+                    row_logps = F.log_softmax(row, dim=-1)
+                    logps.append(row_logps.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1))
+                    ents.append(-(row_logps.exp() * row_logps).sum(-1))
+                return torch.stack(logps), torch.stack(ents)
+        logp, entropy = selective_log_softmax(logits.unsqueeze(0), labels.unsqueeze(0), return_entropy=True)
+        return logp[0], entropy[0]
+
+    class ChunkedFP32(torch.autograd.Function):
+        CHUNK = 256
+
+        @staticmethod
+        def forward(ctx, logits, labels):
+            logp = torch.empty(logits.shape[0], dtype=torch.float32)
+            entropy = torch.empty_like(logp)
+            lse = torch.empty_like(logp)
+            mean = torch.empty_like(logp)
+            for s in range(0, logits.shape[0], ChunkedFP32.CHUNK):
+                x = logits[s:s + ChunkedFP32.CHUNK].float()
+                lse[s:s + x.shape[0]] = torch.logsumexp(x, -1)
+                p = torch.exp(x - lse[s:s + x.shape[0], None])
+                mean[s:s + x.shape[0]] = (p * x).sum(-1)
+                logp[s:s + x.shape[0]] = x.gather(-1, labels[s:s + x.shape[0], None])[:, 0] - lse[s:s + x.shape[0]]
+            entropy = lse - mean
+            ctx.save_for_backward(logits, labels, lse, mean)
+            return logp, entropy
+
+        @staticmethod
+        def backward(ctx, g_logp, g_entropy):
+            logits, labels, lse, mean = ctx.saved_tensors
+            grad = torch.empty_like(logits)
+            for s in range(0, logits.shape[0], ChunkedFP32.CHUNK):
+                e = min(s + ChunkedFP32.CHUNK, logits.shape[0])
+                x = logits[s:e].float()
+                p = torch.exp(x - lse[s:e, None])
+                d = -g_logp[s:e, None] * p - g_entropy[s:e, None] * p * (x - mean[s:e, None])
+                d.scatter_add_(-1, labels[s:e, None], g_logp[s:e, None])
+                grad[s:e] = d
+            return grad, None
+
+    def chunked_fp32(logits, labels):
+        return ChunkedFP32.apply(logits, labels)
+
+    def twinkle_mem_fn(inplace):
+        import twinkle_mem
+
+        def run(logits, labels):
+            return twinkle_mem.selective_log_softmax(logits, labels, True, inplace_backward=inplace)
+        return run
+
+    return {
+        "naive": naive,
+        "twinkle_loop": twinkle_loop,
+        "chunked_fp32": chunked_fp32,
+        "compiled": torch.compile(naive, dynamic=False),
+        "twinkle_mem": twinkle_mem_fn(False),
+        "twinkle_mem_inplace": twinkle_mem_fn(True),
+    }
+
+
+def _status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def child(peer, n, v, reps):
+    import torch
+
+    torch.manual_seed(0)
+    fn = peer_functions(torch)[peer]
+    base_logits = (torch.randn(n, v) * 2).bfloat16()
+    labels = torch.randint(0, v, (n,))
+    logits_bytes = base_logits.numel() * base_logits.element_size()
+
+    def run_once(measure):
+        logits = base_logits.clone().requires_grad_() if peer == "twinkle_mem_inplace" else base_logits.requires_grad_()
+        if measure:
+            open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS
+        base = _status("VmRSS")
+        t0 = time.perf_counter()
+        logp, entropy = fn(logits, labels)
+        (grad,) = torch.autograd.grad(logp.sum() + 0.01 * entropy.sum(), logits)
+        elapsed = time.perf_counter() - t0
+        peak = _status("VmHWM") - base
+        grad_bytes = 0 if grad.data_ptr() == logits.data_ptr() else logits_bytes
+        return elapsed, peak - grad_bytes, logp.detach(), entropy.detach()
+
+    run_once(False)  # warm-up (and compile)
+    times, extra_peak = [], None
+    for r in range(reps):
+        elapsed, extra, logp, entropy = run_once(True)
+        times.append(elapsed)
+        extra_peak = extra if extra_peak is None else min(extra_peak, extra)
+
+    # Saved for backward, beyond the logits reference.
+    saved = []
+    logits = base_logits.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fn(logits, labels)
+    saved_bytes = sum(t.numel() * t.element_size() for t in saved
+                      if t.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr())
+
+    rows = slice(0, min(64, n))
+    z = base_logits[rows].double()
+    ref_lse = torch.logsumexp(z, -1)
+    ref_logp = z.gather(-1, labels[rows, None])[:, 0] - ref_lse
+    ref_entropy = ref_lse - (torch.softmax(z, -1) * z).sum(-1)
+    err_logp = (logp[rows].double() - ref_logp).abs().max().item()
+    err_entropy = (entropy[rows].double() - ref_entropy).abs().max().item()
+    times.sort()
+    return {"peer": peer, "n": n, "v": v, "time_s": times[len(times) // 2], "times_s": times,
+            "extra_peak_bytes": extra_peak, "logits_bytes": logits_bytes, "saved_bytes": saved_bytes,
+            "err_logp": err_logp, "err_entropy": err_entropy, "logp_dtype": str(logp.dtype)}
+
+
+# ----------------------------------------------------------------- orchestration (parent)
+def run_peer(peer, n, v, reps, timeout):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", peer, "--sizes", str(n), "--vocab", str(v),
+           "--reps", str(reps)]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"peer": peer, "n": n, "v": v, "error": f"timed out after {timeout}s"}
+    if out.returncode != 0:
+        tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["?"]
+        return {"peer": peer, "n": n, "v": v, "error": tail[0][:200]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="512,1024,2048", help="token counts N (the table uses the largest)")
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per (peer, N) process")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "selective_log_softmax"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.child:
+        print(json.dumps(child(args.child, sizes[0], args.vocab, args.reps)))
+        return
+
+    import torch
+
+    peers = args.peers.split(",")
+    results = []
+    total = len(peers) * len(sizes)
+    t_start = time.time()
+    for i, (n, peer) in enumerate((n, p) for n in sizes for p in peers):
+        reps = args.reps if n == max(sizes) else 1
+        print(f"[{i + 1}/{total}] {peer:20s} N={n:6d} V={args.vocab} ... ", end="", flush=True)
+        r = run_peer(peer, n, args.vocab, reps, args.timeout)
+        results.append(r)
+        print(r.get("error") or f"{r['time_s']:.3f} s, extra peak {r['extra_peak_bytes'] / 2**20:.0f} MiB "
+              f"({time.time() - t_start:.0f} s elapsed)", flush=True)
+
+    n_table = max(sizes)
+    rows = [r for r in results if r["n"] == n_table]
+    ok = {r["peer"]: r for r in rows if "error" not in r}
+    ref_time = ok.get("compiled", {}).get("time_s")
+    print(f"\nselective log-softmax + entropy, fwd+bwd, N={n_table}, V={args.vocab}, bf16 logits "
+          f"({rows[0].get('logits_bytes', 0) / 2**30:.2f} GiB), torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    header = f"{'peer':22s} {'fwd+bwd s':>10s} {'vs compiled':>11s} {'peak beyond logits+grad':>24s} " \
+             f"{'saved bytes':>12s} {'err logp':>9s} {'err H':>9s}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['peer']:22s} {r['error']}")
+            continue
+        ratio = f"{ref_time / r['time_s']:.1f}x" if ref_time else "-"
+        peak = f"{r['extra_peak_bytes'] / 2**20:8.0f} MiB ({r['extra_peak_bytes'] / r['logits_bytes']:5.1%})"
+        print(f"{r['peer']:22s} {r['time_s']:10.3f} {ratio:>11s} {peak:>24s} {r['saved_bytes']:12d} "
+              f"{r['err_logp']:9.1e} {r['err_entropy']:9.1e}")
+
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+            "cpu": platform.processor(), "vocab": args.vocab, "date": time.strftime("%Y-%m-%d %H:%M")}
+    with open(args.out + ".json", "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for peer in peers:
+            pts = [(r["n"], r["extra_peak_bytes"] / 2**20) for r in results if r["peer"] == peer and "error" not in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=peer)
+        ax.set_xlabel("tokens N")
+        ax.set_ylabel("peak RSS beyond logits + grad (MiB)")
+        ax.set_yscale("symlog", linthresh=1)
+        ax.set_title(f"fwd+bwd peak memory, V={args.vocab}, bf16")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.out + ".png", dpi=110)
+        print(f"\nwrote {args.out}.json and {args.out}.png")
+    except ImportError:
+        print(f"\nwrote {args.out}.json (matplotlib not installed: no plot)")
+
+
+if __name__ == "__main__":
+    main()
