@@ -7,9 +7,11 @@
   so a test can tell how many bytes of logits are still alive at any point.
 - ``twinkle_megatron_model()``: twinkle's real ``MegatronModel`` around a
   ``ToyLM``, built without downloading a checkpoint.
-- ``peak_rss_delta()``: peak resident memory of a statement, in a fresh process.
+- ``measure_in_subprocess()`` / ``peak_rss_delta()``: peak resident memory (and time)
+  of a statement, in a fresh process.
 """
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -95,7 +97,9 @@ class ToyLM(nn.Module):
         super().__init__()
         from megatron.core.enums import ModelType
         from megatron.core.transformer import TransformerConfig
-        self.config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1)
+        # calculate_per_token_loss as twinkle configures Megatron models
+        self.config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1,
+                                        calculate_per_token_loss=True)
         self.model_type = ModelType.encoder_or_decoder
         self.vp_stage = None
         gen = torch.Generator().manual_seed(seed)
@@ -213,8 +217,8 @@ def lm_samples(lengths, vocab: int, seed: int = 0):
     return samples
 
 
-_PEAK_SCRIPT = """
-import sys
+_MEASURE_SCRIPT = """
+import json, sys, time
 sys.path[:0] = {path!r}
 
 def _status(key):
@@ -223,6 +227,7 @@ def _status(key):
             if line.startswith(key):
                 return int(line.split()[1]) * 1024
 
+EXTRA = {{}}
 {setup}
 
 def _run():
@@ -230,27 +235,40 @@ def _run():
 
 _out = _run()  # warm-up: lazy initialisation is not what is measured
 del _out
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # resets VmHWM to the current RSS
-_base = _status("VmRSS")
-_out = _run()
-print(_status("VmHWM") - _base)
+_peaks, _times = [], []
+for _ in range({reps}):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    _base = _status("VmRSS")
+    _start = time.perf_counter()
+    _out = _run()
+    _times.append(time.perf_counter() - _start)
+    _peaks.append(_status("VmHWM") - _base)
+    del _out
+print(json.dumps({{"peak": max(_peaks), "times": _times, "extra": EXTRA}}))
 """
 
 
-def peak_rss_delta(setup: str, stmt: str) -> int:
-    """Bytes by which the resident-set high-water mark rises while ``stmt`` runs
-    (in a fresh interpreter, after ``setup`` and one warm-up run of ``stmt``).
+def measure_in_subprocess(setup: str, stmt: str, reps: int = 1, threads: int = 1) -> dict:
+    """Run ``stmt`` (a function body) in a fresh interpreter after ``setup`` and one
+    warm-up run, ``reps`` times. Returns ``peak``: the largest rise of the resident-set
+    high-water mark over one run (bytes), ``times`` (seconds) and ``extra``: whatever
+    the statement put in the dict ``EXTRA``.
 
-    Meaningful for allocations of tens of MiB: glibc serves those with mmap, so
-    each one is touched-in and returned page by page."""
-    script = _PEAK_SCRIPT.format(path=list(sys.path), setup=textwrap.dedent(setup),
-                                 stmt=textwrap.indent(textwrap.dedent(stmt), "    "))
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    The peak is meaningful for allocations of tens of MiB: glibc serves those with
+    mmap, so each one is touched in and returned page by page."""
+    script = _MEASURE_SCRIPT.format(path=list(sys.path), setup=textwrap.dedent(setup), reps=reps,
+                                    stmt=textwrap.indent(textwrap.dedent(stmt), "    "))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0:
-        raise RuntimeError(f"peak measurement failed:\n{done.stderr[-3000:]}")
-    return int(done.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"measurement failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def peak_rss_delta(setup: str, stmt: str) -> int:
+    """Peak resident-memory rise (bytes) while ``stmt`` runs; see :func:`measure_in_subprocess`."""
+    return measure_in_subprocess(setup, stmt)["peak"]
 
 
 def large_allocations(fn, min_bytes: int):
