@@ -1,0 +1,125 @@
+"""Logits kept alive across twinkle-kit's Megatron ``forward_backward`` with 2 micro-batches,
+before and after twinkle-mem's logits guard, each case in a fresh process.
+
+    PYTHONPATH=python python bench/bench_logits_guard.py [--seq 4096] [--vocab 32000] [--reps 2]
+
+twinkle-kit 0.5.1's real ``MegatronModel.forward_backward`` / ``forward_only`` on
+megatron-core 0.16.1's real no-pipelining scheduler (gloo, world size 1, CPU),
+around a one-layer bf16 toy LM (``tests/twinkle_helpers.ToyLM``), ``return_logits=False``.
+Per case: logits bytes still alive when the scheduler returns (weak references to
+the logits' storages), the most logits bytes alive at once, the rise of the
+resident-set high-water mark over the call, and its time.
+Writes bench/results/bench_logits_guard.json and .png.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+import twinkle_helpers as th  # noqa: E402
+
+VARIANTS = [
+    ("twinkle-kit 0.5.1", None),
+    ("+ logits guard", "integration.install(log_softmax=False, mask_skip='never')"),
+    ("+ guard + twinkle-mem op", "integration.install(mask_skip='never')"),
+]
+
+SETUP = """
+import torch
+import twinkle_helpers as th
+from twinkle_mem.integrations import twinkle as integration
+megatron = th.megatron_cpu()  # kept referenced: left when the process ends
+megatron.__enter__()
+cpu = th.cpu_platform("cpu")
+cpu.__enter__()
+{install}
+toy = th.ToyLM({vocab}, hidden={hidden}, dtype=torch.bfloat16)
+model = th.twinkle_megatron_model(toy)
+"""
+
+STMT = """
+toy.tracker = th.LogitsTracker()
+samples = th.lm_samples([{seq}, {seq}], {vocab})
+for s in samples:
+    del s["attention_mask"]  # no dense mask: only logits differ between the cases
+live = []
+with th.sample_after_scheduler(toy.tracker, live):
+    out = model.forward_backward(inputs=samples, micro_batch_size=1, forward_only={forward_only})
+EXTRA.update(retained=live[0], peak_live=toy.tracker.peak, loss=out["loss"])
+return out
+"""
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--hidden", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=2)
+    args = parser.parse_args()
+
+    import megatron.core
+    import torch
+    import twinkle.version
+    logits_bytes = args.seq * args.vocab * 2  # one micro-batch, bf16
+    rows = []
+    for forward_only in (False, True):
+        for name, install in VARIANTS:
+            got = th.measure_in_subprocess(
+                SETUP.format(install=install or "", vocab=args.vocab, hidden=args.hidden),
+                STMT.format(seq=args.seq, vocab=args.vocab, forward_only=forward_only), reps=args.reps)
+            extra = got["extra"]
+            rows.append(dict(mode="forward_only" if forward_only else "forward_backward", case=name,
+                             retained_bytes=extra["retained"], peak_live_logits_bytes=extra["peak_live"],
+                             peak_rss_bytes=got["peak"], s_median=statistics.median(got["times"]),
+                             loss=extra["loss"]))
+            r = rows[-1]
+            print(f"{r['mode']:16} {name:26} retained {r['retained_bytes'] / 2**20:7.1f} MiB"
+                  f"  peak live logits {r['peak_live_logits_bytes'] / 2**20:7.1f} MiB"
+                  f"  peak RSS rise {r['peak_rss_bytes'] / 2**20:7.1f} MiB  {r['s_median']:6.2f} s"
+                  f"  loss {r['loss']:.4f}", flush=True)
+
+    meta = dict(seq=args.seq, vocab=args.vocab, hidden=args.hidden, micro_batches=2, micro_batch_size=1,
+                dtype="bfloat16", logits_bytes_per_micro_batch=logits_bytes, reps=args.reps, threads=1,
+                torch=torch.__version__, twinkle_kit=twinkle.version.__version__,
+                megatron_core=megatron.core.__version__, python=platform.python_version(), cores=os.cpu_count())
+    out_dir = os.path.join(HERE, "results")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "bench_logits_guard.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=2)
+    _plot(rows, meta, os.path.join(out_dir, "bench_logits_guard.png"))
+
+
+def _plot(rows, meta, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    modes = ["forward_backward", "forward_only"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, mode in zip(axes, modes):
+        sel = [r for r in rows if r["mode"] == mode]
+        x = range(len(sel))
+        width = 0.27
+        for i, (key, label) in enumerate([("retained_bytes", "retained at scheduler return"),
+                                          ("peak_live_logits_bytes", "peak live logits"),
+                                          ("peak_rss_bytes", "peak RSS rise")]):
+            ax.bar([xi + (i - 1) * width for xi in x], [r[key] / 2**20 for r in sel], width, label=label)
+        ax.axhline(meta["logits_bytes_per_micro_batch"] / 2**20, color="k", ls="--", lw=1,
+                   label="one micro-batch's logits")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([r["case"] for r in sel], fontsize=8)
+        ax.set_title(mode)
+        ax.set_ylabel("MiB")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"twinkle-kit Megatron forward_backward, 2 micro-batches of [1, {meta['seq']}, {meta['vocab']}] "
+                 f"bf16 logits, return_logits=False")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
