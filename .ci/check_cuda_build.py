@@ -1,0 +1,256 @@
+#!/usr/bin/env python3
+"""CI check of the CUDA backend, for a machine without a GPU (run after `pip install .`).
+
+1. The installed package holds the CUDA library `_C_cuda*.so`; under a CUDA
+   torch it loads and registers CUDA kernels for every op, under a CPU-only
+   torch the package still imports (and leaves it unloaded).
+2. `ptxas -v` on csrc/cuda/selective_log_softmax.cu, compiled as setup.py
+   compiles it (same defines, includes and flags) for every real arch of
+   TORCH_CUDA_ARCH_LIST (default "8.0;9.0+PTX", as setup.py): every hot kernel
+   (all but the float64 instances) must report 0 bytes of stack frame and 0
+   bytes of spill stores/loads. Registers are reported.
+3. The kernels' indexing, run on the CPU (csrc/cuda/emulation/), against a
+   float64 reference.
+
+Usage: python .ci/check_cuda_build.py [--ptxas-log FILE] [--skip-install-check] [--skip-emulation]
+Exit status 0 when all checks pass. Takes about a minute on two cores.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CU_FILE = os.path.join(ROOT, "csrc", "cuda", "selective_log_softmax.cu")
+EMULATION = os.path.join(ROOT, "csrc", "cuda", "emulation", "emulate_kernels.cpp")
+OPS = ("selective_log_softmax_fwd", "selective_log_softmax_bwd", "selective_log_softmax_bwd_")
+
+# Keep in sync with setup.py (the CUDAExtension of twinkle_mem._C_cuda).
+TORCH_TARGET_VERSION = "0x020a000000000000"
+NVCC_FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+DEFINES = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", "-DPy_LIMITED_API=0x030A0000", "-DUSE_CUDA"]
+DEFAULT_ARCHS = "8.0;9.0+PTX"
+
+
+def fail(msg: str) -> None:
+    print(f"FAIL: {msg}")
+    sys.exit(1)
+
+
+def find_cuda_home() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return home
+    nvcc = shutil.which("nvcc")
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else None
+
+
+# ------------------------------------------------------------ 1. installed library
+def check_installed() -> None:
+    spec = importlib.util.find_spec("twinkle_mem")  # locates, does not import
+    if spec is None or not spec.submodule_search_locations:
+        fail("twinkle_mem is not installed in this Python (run `pip install .` first)")
+    pkg_dir = list(spec.submodule_search_locations)[0]
+    libs = sorted(glob.glob(os.path.join(pkg_dir, "_C_cuda*.so")))
+    if not libs:
+        fail(f"no _C_cuda*.so in the installed package {pkg_dir}: the CUDA library was not built "
+             "(is nvcc on PATH or CUDA_HOME set during `pip install .`?)")
+    print(f"ok: CUDA library installed: {libs[0]} ({os.path.getsize(libs[0]) / 1e6:.1f} MB)")
+    if os.path.realpath(pkg_dir).startswith(os.path.realpath(os.path.join(ROOT, "python"))):
+        print("  note: this is the source tree's package (an in-place build), not an installed copy")
+
+    # Load in a fresh interpreter, outside the source tree.
+    probe = (
+        "import json, torch, twinkle_mem\n"
+        "from twinkle_mem import _native\n"
+        "has = {op: torch._C._dispatch_has_kernel_for_dispatch_key('twinkle_mem::' + op, 'CUDA') for op in %r}\n"
+        "print(json.dumps({'cuda': torch.version.cuda, 'status': _native.status, 'has': has}))\n" % (OPS,)
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tempfile.gettempdir())
+    if proc.returncode != 0:
+        fail(f"`import twinkle_mem` failed:\n{proc.stderr[-3000:]}")
+    import json
+
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    state = info["status"].get("cuda", "")
+    if info["cuda"]:
+        if state != "loaded":
+            fail(f"torch has CUDA {info['cuda']} but the CUDA library was not loaded: {state!r}")
+        missing = [op for op, ok in info["has"].items() if not ok]
+        if missing:
+            fail(f"no CUDA kernel registered for {missing}")
+        print(f"ok: loaded under torch CUDA {info['cuda']}; CUDA kernels registered for {', '.join(OPS)}")
+    else:
+        if not state.startswith("built, not loaded"):
+            fail(f"CPU-only torch: expected the CUDA library to be left unloaded, status {state!r}")
+        print("ok: CPU-only torch imports the package and leaves the CUDA library unloaded")
+
+
+# ------------------------------------------------------------------- 2. ptxas -v
+def gencode_flags(arch_list: str) -> tuple[list[str], list[str]]:
+    flags, real = [], []
+    for arch in arch_list.replace(",", ";").replace(" ", ";").split(";"):
+        if not arch:
+            continue
+        num = arch.replace("+PTX", "").replace(".", "")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        real.append(f"sm_{num}")
+        if arch.endswith("+PTX"):
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags, real
+
+
+def compile_for_ptxas(cuda_home: str, arch_list: str) -> str:
+    import torch.utils.cpp_extension as cpp_ext
+
+    os.environ["CUDA_HOME"] = cuda_home
+    cpp_ext.CUDA_HOME = cuda_home
+    includes = [os.path.join(ROOT, "csrc")] + cpp_ext.include_paths(device_type="cuda")
+    includes.append(os.path.join(cuda_home, "include"))
+    gencode, _ = gencode_flags(arch_list)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [os.path.join(cuda_home, "bin", "nvcc"), "-fatbin", CU_FILE, "-o", os.path.join(tmp, "k.fatbin"),
+               *NVCC_FLAGS, *cpp_ext.COMMON_NVCC_FLAGS, *DEFINES, *[f"-I{i}" for i in includes], *gencode,
+               "-Xptxas=-v", "--resource-usage", "--threads", "2"]
+        print("compiling for ptxas -v:", " ".join(os.path.basename(c) if c == CU_FILE else c for c in cmd[:2]),
+              "... " + " ".join(gencode))
+        start = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        print(f"  nvcc took {time.time() - start:.0f} s")
+        if proc.returncode != 0:
+            fail(f"nvcc failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        return proc.stdout + proc.stderr
+
+
+def parse_ptxas(log: str) -> dict[tuple[str, str], dict[str, int]]:
+    """(mangled kernel, arch) -> {regs, stack, spill_stores, spill_loads}."""
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    arch_of: dict[str, str] = {}
+    current = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)' for '(\w+)'", line)
+        if m:
+            current = (m.group(1), m.group(2))
+            arch_of[m.group(1)] = m.group(2)
+            out.setdefault(current, {})
+            continue
+        m = re.search(r"Function properties for (\S+)", line)
+        if m:
+            name = m.group(1)
+            current = (name, arch_of.get(name, "?")) if name in arch_of else None
+            continue
+        if current is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            out[current].update(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            out[current]["regs"] = int(m[1])
+    return out
+
+
+def demangle(names: list[str]) -> list[str]:
+    tool = shutil.which("c++filt")
+    if not tool:
+        return names
+    proc = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True)
+    lines = proc.stdout.splitlines()
+    return lines if len(lines) == len(names) else names
+
+
+def short(demangled: str) -> str:
+    s = demangled.split("(")[0].replace("void ", "").replace("twinkle_mem::cuda::", "")
+    return s.replace("__nv_bfloat16", "bf16").replace("__half", "fp16").replace("float", "fp32") \
+            .replace("double", "fp64").replace("long", "int64").replace("int,", "int32,").replace("int>", "int32>")
+
+
+def check_ptxas(log: str, expected_archs: list[str]) -> None:
+    usage = parse_ptxas(log)
+    if not usage:
+        fail("no `ptxas info` lines found: was -Xptxas=-v passed?")
+    keys = sorted(usage)
+    names = demangle([k[0] for k in keys])
+    bad = []
+    print(f"\n{'arch':6s} {'regs':>4s} {'stack':>5s} {'spill st/ld':>11s}  kernel")
+    for (mangled, arch), name in sorted(zip(keys, names), key=lambda kn: (kn[0][1], short(kn[1]))):
+        u = usage[(mangled, arch)]
+        if "stack" not in u:
+            fail(f"no stack/spill line for {name} ({arch})")
+        hot = "<double" not in name  # the float64 path is the simple (cold) one
+        spills = u["stack"] or u["spill_stores"] or u["spill_loads"]
+        flag = "" if not spills else ("  <-- SPILL" if hot else "  (fp64, not checked)")
+        print(f"{arch:6s} {u.get('regs', -1):4d} {u['stack']:5d} {u['spill_stores']:5d}/{u['spill_loads']:<5d}  "
+              f"{short(name)}{flag}")
+        if hot and spills:
+            bad.append(f"{short(name)} on {arch}")
+    seen_archs = sorted({k[1] for k in keys})
+    missing = [a for a in expected_archs if a not in seen_archs]
+    if missing:
+        fail(f"no ptxas report for {missing} (saw {seen_archs})")
+    hot_kernels = {short(n) for n in names if "<double" not in n}
+    for required in ("forward_kernel", "backward_kernel", "merge_segments_kernel"):
+        if not any(h.startswith(required) for h in hot_kernels):
+            fail(f"no {required} in the ptxas report")
+    if bad:
+        fail("hot kernels spill registers or use a local-memory stack: " + ", ".join(bad))
+    print(f"ok: {len(hot_kernels)} hot kernels x {len(seen_archs)} archs ({', '.join(seen_archs)}): "
+          "0 bytes stack, 0 spills")
+
+
+# --------------------------------------------------------------- 3. emulation
+def check_emulation() -> None:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        fail("no C++ compiler for the kernel emulation (set CXX)")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = os.path.join(tmp, "emulate_kernels")
+        start = time.time()
+        build = subprocess.run([cxx, "-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas",
+                                f"-I{os.path.join(ROOT, 'csrc')}", EMULATION, "-o", exe],
+                               capture_output=True, text=True)
+        if build.returncode != 0:
+            fail(f"building the kernel emulation failed:\n{build.stderr[-4000:]}")
+        run = subprocess.run([exe], capture_output=True, text=True)
+        print(run.stdout[-3000:].rstrip())
+        if run.returncode != 0:
+            fail("the CUDA kernels, run on the CPU, disagree with the float64 reference")
+        print(f"ok: kernels emulated on the CPU match the reference ({time.time() - start:.0f} s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ptxas-log", help="parse this ptxas -v log instead of compiling")
+    parser.add_argument("--skip-install-check", action="store_true", help="skip the installed-library check")
+    parser.add_argument("--skip-emulation", action="store_true", help="skip the CPU emulation of the kernels")
+    args = parser.parse_args()
+
+    if not args.skip_install_check:
+        check_installed()
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
+    _, real_archs = gencode_flags(arch_list)
+    if args.ptxas_log:
+        with open(args.ptxas_log) as f:
+            log = f.read()
+    else:
+        cuda_home = find_cuda_home()
+        if cuda_home is None:
+            fail("nvcc not found (set CUDA_HOME): the CUDA build cannot be checked")
+        log = compile_for_ptxas(cuda_home, arch_list)
+    check_ptxas(log, real_archs)
+    if not args.skip_emulation:
+        check_emulation()
+    print("\nCUDA build checks passed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,358 @@
+"""CUDA benchmark of selective log-softmax: every peer in one run, against the device's copy bandwidth.
+
+Peers (per-token log-prob of the label, temperature 1):
+  naive         torch.log_softmax(logits.float(), -1).gather(-1, labels)
+  compiled      torch.compile of naive
+  twinkle_mem   twinkle_mem.selective_log_softmax (CUDA kernels); twinkle_mem+H also returns the entropy
+  liger         Liger-Kernel's fused_selective_log_softmax (Triton, forward only), when importable
+Modes: fwd (logp only) and fwd+bwd (autograd.grad of logp with a random upstream gradient).
+
+Bandwidth is counted the same way for every peer: fwd = one read of the logits,
+fwd+bwd = two reads and one write of a logits-sized tensor. It is reported as
+GB/s and as a fraction of the copy bandwidth measured in the same run (a large
+device-to-device copy, counting bytes read + written). Targets (issue 4, H200,
+N=16384, V=151936, bf16): fwd >= 85 %, fwd+bwd >= 80 % of the copy bandwidth,
+and faster than every peer.
+
+Writes a table to stdout, and bench_cuda.json + bench_cuda.png to --out.
+
+  python bench/bench_cuda.py                       # N=16384, V=151936, bf16
+  python bench/bench_cuda.py --n 4096 --dtype fp32 --peers twinkle_mem,naive
+  python bench/bench_cuda.py --smoke               # small correctness pass (for compute-sanitizer)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PEERS = ["naive", "compiled", "twinkle_mem", "twinkle_mem+H", "liger"]
+
+
+# -------------------------------------------------------------------- timing
+# DEVICE is "cuda" for real runs; "cpu" only dry-runs this script's own logic (--device cpu).
+DEVICE = "cuda"
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_cuda(fn, reps: int, warmup: int) -> list[float]:
+    """Milliseconds of each of `reps` calls, timed with CUDA events after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        if DEVICE != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def copy_bandwidth(gib: float = 4.0, reps: int = 10) -> float:
+    """GB/s of a device-to-device copy, counting bytes read + written (median of reps)."""
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, device=DEVICE).random_(0, 255)
+    dst = torch.empty_like(src)
+    times = time_cuda(lambda: dst.copy_(src), reps, warmup=3)
+    del src, dst
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * n / (statistics.median(times) * 1e-3) / 1e9
+
+
+def memory_allocated() -> int:
+    return torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+
+
+def reset_peak() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def max_memory_allocated() -> int:
+    return torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+
+
+# --------------------------------------------------------------------- peers
+def naive(logits, labels):
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def make_peer(name: str):
+    """(forward fn(logits, labels) -> logp, supports_backward) or raises ImportError with the reason."""
+    if name == "naive":
+        return naive, True
+    if name == "compiled":
+        return torch.compile(naive, dynamic=False), True
+    if name in ("twinkle_mem", "twinkle_mem+H"):
+        import twinkle_mem
+
+        if DEVICE == "cuda" and twinkle_mem.backends().get("cuda") != "loaded":
+            raise ImportError(f"twinkle_mem CUDA backend not loaded: {twinkle_mem.backends()}")
+        if name == "twinkle_mem":
+            return (lambda x, y: twinkle_mem.selective_log_softmax(x, y)), True
+        return (lambda x, y: twinkle_mem.selective_log_softmax(x, y, True)[0]), True
+    if name == "liger":
+        from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
+
+        def liger(x, y):
+            # Liger takes [B, L+1, V] logits and scores positions 0..L-1 against input_ids[:, -L:]:
+            # give it one extra row (its bytes are 1/N of the total) so that it scores all N rows.
+            return fused_selective_log_softmax(x.unsqueeze(0), y.unsqueeze(0), temperature=1.0)[0]
+
+        return liger, False
+    raise ValueError(name)
+
+
+def bench_peer(name, logits, labels, reps, warmup, modes, ref_rows):
+    """Timing rows for each mode, and max |logp - naive| over the first len(ref_rows) rows."""
+    fn, has_bwd = make_peer(name)
+    n, v = labels.shape[0], logits.shape[1]
+    x = logits[:n] if name != "liger" else logits  # liger reads row n as its "next" row; others ignore it
+    rows, max_diff = [], float("nan")
+    for mode in modes:
+        if mode == "fwd+bwd" and not has_bwd:
+            continue
+        if mode == "fwd":
+            def call():
+                with torch.no_grad():
+                    return fn(x, labels)
+        else:
+            xg = x.detach().requires_grad_(True)
+            g = torch.randn(n, device=x.device, dtype=torch.float32)
+
+            def call():
+                out = fn(xg, labels)
+                return torch.autograd.grad(out, xg, grad_outputs=g)[0]
+
+        t0 = time.time()
+        out = call()  # first call: compilation, autotuning
+        sync()
+        first_s = time.time() - t0
+        if mode == "fwd":
+            max_diff = (out[: ref_rows.shape[0]].float() - ref_rows).abs().max().item()
+        del out
+        sync()
+        reset_peak()
+        base = memory_allocated()
+        call()
+        sync()
+        peak_extra = max_memory_allocated() - base
+        times = time_cuda(call, reps, warmup)
+        bytes_moved = n * v * logits.element_size() * (1 if mode == "fwd" else 3)
+        med = statistics.median(times)
+        q = statistics.quantiles(times, n=5) if len(times) >= 5 else [min(times)] * 4
+        rows.append({
+            "peer": name, "mode": mode, "ms_median": med, "ms_p20": q[0], "ms_p80": q[3], "ms_min": min(times),
+            "gbps": bytes_moved / (med * 1e-3) / 1e9, "bytes": bytes_moved,
+            "peak_extra_gib": peak_extra / 2**30, "first_call_s": first_s,
+        })
+    return rows, max_diff
+
+
+# --------------------------------------------------------------------- smoke
+def smoke() -> int:
+    """Small shapes through every CUDA kernel path (aligned/misaligned rows, split rows, in-place,
+    ignore_index, bad labels), against the float64 reference. For compute-sanitizer runs."""
+    import twinkle_mem
+    from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
+
+    assert twinkle_mem.backends().get("cuda") == "loaded", twinkle_mem.backends()
+    torch.manual_seed(0)
+    worst = 0.0
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        for n, v, pad in ((5, 1000, 0), (3, 1037, 3), (2, 20000, 0), (1, 40001, 1), (4, 7, 1), (7, 1, 0)):
+            base = (torch.randn(n, v + pad, dtype=torch.float64, device="cuda") * 3).to(dtype)
+            logits = base[:, pad:]  # misaligned rows when pad is odd
+            labels = torch.randint(0, v, (n,), device="cuda")
+            labels[0] = -100
+            x = logits.detach().clone().requires_grad_(True)
+            logp, ent = twinkle_mem.selective_log_softmax(x, labels, True, temperature=0.7, ignore_index=-100)
+            r_logp, r_ent, _, _ = selective_log_softmax_ref(logits, labels, 0.7, -100)
+            g = torch.randn(n, dtype=logp.dtype, device="cuda")
+            (grad,) = torch.autograd.grad((logp * g).sum() + ent.sum(), x)
+            r_grad = selective_log_softmax_grad_ref(logits, labels, g, torch.ones_like(g), 0.7, -100)
+            err = max((logp.double() - r_logp).abs().max().item(), (ent.double() - r_ent).abs().max().item())
+            gerr = ((grad.double() - r_grad).abs() / (r_grad.abs() + 1e-3)).max().item()
+            worst = max(worst, err)
+            tol = 1e-9 if dtype == torch.float64 else 1e-4
+            gtol = {torch.bfloat16: 2e-2, torch.float16: 4e-3}.get(dtype, 1e-3)
+            status = "ok" if err < tol and gerr < gtol else "MISMATCH"
+            print(f"smoke {str(dtype):15s} n={n:<3d} v={v:<6d} pad={pad}: stats err {err:.2e}, grad rel err "
+                  f"{gerr:.2e}  {status}")
+            if status != "ok":
+                return 1
+            # in-place backward over a non-leaf copy
+            y = logits.detach().clone().requires_grad_(True)
+            z = y * 1
+            lp = twinkle_mem.selective_log_softmax(z, labels, ignore_index=-100, inplace_backward=True)
+            (gi,) = torch.autograd.grad((lp * g).sum(), y)
+            r_gi = selective_log_softmax_grad_ref(logits, labels, g, None, 1.0, -100)
+            if ((gi.double() - r_gi).abs() / (r_gi.abs() + 1e-3)).max().item() >= gtol:
+                print("smoke: in-place backward MISMATCH")
+                return 1
+    bad = torch.tensor([1, 5000, 2], device="cuda")
+    try:
+        twinkle_mem.selective_log_softmax(torch.randn(3, 100, device="cuda"), bad)
+        print("smoke: out-of-range label did NOT raise")
+        return 1
+    except (RuntimeError, ValueError) as e:
+        print(f"smoke: out-of-range label raised: {str(e).splitlines()[0][:160]}")
+    print(f"smoke: all ok (worst stats error {worst:.2e})")
+    return 0
+
+
+# ---------------------------------------------------------------------- main
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=16384)
+    p.add_argument("--v", type=int, default=151936)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--peers", default=",".join(PEERS))
+    p.add_argument("--modes", default="fwd,fwd+bwd")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--smoke", action="store_true", help="small correctness pass over every kernel path, then exit")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: dry-run of this script's logic only (no CUDA kernels, meaningless numbers)")
+    args = p.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("bench_cuda: no CUDA device")
+        return 2
+    if args.smoke:
+        return smoke()
+
+    os.makedirs(args.out, exist_ok=True)
+    if DEVICE == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        device_name, sms = props.name, props.multi_processor_count
+    else:
+        device_name, sms = f"CPU dry run ({platform.processor() or platform.machine()})", 0
+    copy_gbps = copy_bandwidth(4.0 if DEVICE == "cuda" else 0.125)
+    print(f"device: {device_name}, {sms} SMs; torch {torch.__version__} (CUDA "
+          f"{torch.version.cuda}); copy bandwidth {copy_gbps:.0f} GB/s (read + write)")
+
+    dtype = DTYPES[args.dtype]
+    torch.manual_seed(0)
+    # One extra row for Liger's [B, L+1, V] convention; the other peers use the first N rows.
+    logits = (torch.randn(args.n + 1, args.v, device=DEVICE, dtype=torch.float32) * 2).to(dtype)
+    labels = torch.randint(0, args.v, (args.n,), device=DEVICE)
+    modes = args.modes.split(",")
+
+    # Agreement with naive on the first rows (fp32 log_softmax of the same values; rows are independent).
+    ref_rows = naive(logits[:256], labels[:256])
+    check, rows, skipped = {}, [], {}
+    for name in args.peers.split(","):
+        try:
+            peer_rows, check[name] = bench_peer(name, logits, labels, args.reps, args.warmup, modes, ref_rows)
+            rows += peer_rows
+        except ImportError as e:
+            skipped[name] = f"not importable: {e}"
+        except Exception as e:  # a peer failing must not hide the others
+            skipped[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            traceback.print_exc()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- table
+    print(f"\nN={args.n} V={args.v} {args.dtype}; bandwidth: fwd counts 1 read, fwd+bwd 2 reads + 1 write")
+    print(f"{'peer':14s} {'mode':8s} {'median ms':>10s} {'p20':>8s} {'p80':>8s} {'GB/s':>7s} {'% copy':>7s} "
+          f"{'peak+ GiB':>9s} {'max|d| vs naive':>15s}")
+    for r in rows:
+        r["frac_copy"] = r["gbps"] / copy_gbps
+        print(f"{r['peer']:14s} {r['mode']:8s} {r['ms_median']:10.3f} {r['ms_p20']:8.3f} {r['ms_p80']:8.3f} "
+              f"{r['gbps']:7.0f} {100 * r['frac_copy']:6.1f}% {r['peak_extra_gib']:9.2f} "
+              f"{check.get(r['peer'], float('nan')):15.2e}")
+    for name, why in skipped.items():
+        print(f"{name:14s} skipped: {why}")
+
+    # ---- targets
+    verdicts = {}
+    for mode, target in (("fwd", 0.85), ("fwd+bwd", 0.80)):
+        mine = [r for r in rows if r["peer"] == "twinkle_mem" and r["mode"] == mode]
+        if not mine:
+            continue
+        others = [r for r in rows if r["mode"] == mode and not r["peer"].startswith("twinkle_mem")]
+        best_other = min((r["ms_median"] for r in others), default=float("inf"))
+        verdicts[mode] = {
+            "frac_copy": mine[0]["frac_copy"], "target": target, "meets_bandwidth": mine[0]["frac_copy"] >= target,
+            "fastest": mine[0]["ms_median"] < best_other, "best_peer_ms": best_other,
+        }
+        v = verdicts[mode]
+        print(f"target {mode:8s}: {100 * v['frac_copy']:.1f}% of copy (>= {100 * target:.0f}%: "
+              f"{'PASS' if v['meets_bandwidth'] else 'FAIL'}); faster than every peer: "
+              f"{'PASS' if v['fastest'] else 'FAIL'}")
+
+    # ---- JSON
+    try:
+        import twinkle_mem
+
+        tm_version = twinkle_mem.__version__
+    except Exception:
+        tm_version = None
+    result = {
+        "shape": {"n": args.n, "v": args.v, "dtype": args.dtype},
+        "device": device_name, "sms": sms, "torch": torch.__version__,
+        "cuda": torch.version.cuda, "twinkle_mem": tm_version, "python": platform.python_version(),
+        "copy_gbps": copy_gbps, "rows": rows, "skipped": skipped, "max_abs_diff_vs_naive": check,
+        "verdicts": verdicts, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    with open(os.path.join(args.out, "bench_cuda.json"), "w") as f:
+        json.dump(result, f, indent=2)
+
+    # ---- PNG
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+        for ax, mode in zip(axes[0], modes):
+            sel = [r for r in rows if r["mode"] == mode]
+            ax.bar([r["peer"] for r in sel], [r["gbps"] for r in sel],
+                   color=["tab:green" if r["peer"].startswith("twinkle_mem") else "tab:gray" for r in sel])
+            ax.axhline(copy_gbps, color="tab:red", ls="--", label=f"copy {copy_gbps:.0f} GB/s")
+            for frac in (0.85 if mode == "fwd" else 0.80,):
+                ax.axhline(frac * copy_gbps, color="tab:orange", ls=":", label=f"target {100 * frac:.0f}%")
+            for i, r in enumerate(sel):
+                ax.text(i, r["gbps"], f"{r['ms_median']:.2f} ms", ha="center", va="bottom", fontsize=8)
+            ax.set_title(f"{mode}: N={args.n} V={args.v} {args.dtype}")
+            ax.set_ylabel("effective GB/s")
+            ax.legend(fontsize=8)
+            ax.tick_params(axis="x", labelrotation=20)
+        fig.suptitle(f"selective log-softmax on {device_name}")
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "bench_cuda.png"), dpi=110)
+    except Exception as e:
+        print(f"(no PNG: {e})")
+    print(f"wrote {os.path.join(args.out, 'bench_cuda.json')} and bench_cuda.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
