@@ -56,9 +56,10 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
     # Resolve every patch point before touching any, so a failure leaves twinkle as it was.
     import twinkle.utils.torch_utils as torch_utils
     from twinkle import Platform
-    from twinkle.model.megatron.megatron import MegatronModel
-    from twinkle.model.megatron.strategy.megatron import MegatronStrategy
     from twinkle.processor.base import InputProcessor
+    if logits_guard:
+        from twinkle.model.megatron.megatron import MegatronModel
+        from twinkle.model.megatron.strategy.megatron import MegatronStrategy
     if log_softmax:
         from twinkle_mem import selective_log_softmax as op  # the native op, loaded only now
         original = torch_utils.selective_log_softmax
