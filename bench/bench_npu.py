@@ -1,0 +1,117 @@
+"""Selective log-softmax on an Ascend NPU: twinkle-mem's AscendC kernel against
+its composite fallback, the eager PyTorch formula and torch_npu's fused
+cross-entropy (torch_npu.npu_cross_entropy_loss, which returns the loss and
+the full log_prob; its gradient flows through the loss only).
+
+For each shape and dtype: agreement with a float64 reference (max |logp
+error|), time of forward and forward+backward (median, p20, p80 over
+--iters runs) and the peak NPU memory above the inputs. Rows go to a JSON
+file tagged with the device, SoC and versions.
+
+Run on a CANN node (bench/npu_check.sh does): python bench/bench_npu.py --out results.json
+"""
+import argparse
+import contextlib
+import json
+import platform
+import time
+
+import torch
+import torch_npu  # noqa: F401
+
+import twinkle_mem
+from twinkle_mem import composite
+from twinkle_mem.reference import selective_log_softmax_ref
+
+SHAPES = [(4096, 151936), (16384, 151936), (8192, 32000)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def peers():
+    def native(x, y):
+        return twinkle_mem.selective_log_softmax(x, y)
+
+    composite_fallback = native  # the same call, measured inside composite.forced(("npu",))
+
+    def eager(x, y):
+        return torch.log_softmax(x.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+    def npu_cross_entropy(x, y):
+        loss, _log_prob, _zloss, _lse = torch_npu.npu_cross_entropy_loss(x, y, reduction="none")
+        return -loss.float()
+
+    none = contextlib.nullcontext
+    return {"twinkle_mem": (native, none), "twinkle_mem_composite": (composite_fallback, lambda: composite.forced(("npu",))),
+            "eager_log_softmax": (eager, none), "npu_cross_entropy_loss": (npu_cross_entropy, none)}
+
+
+def timed(fn, iters):
+    times = []
+    for _ in range(iters):
+        torch.npu.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.npu.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+    return {"p20_ms": q(0.2), "median_ms": q(0.5), "p80_ms": q(0.8)}
+
+
+def run(args):
+    rows = []
+    dev = torch.device("npu", 0)
+    for n, v in SHAPES:
+        for dname in args.dtypes:
+            dtype = DTYPES[dname]
+            x0 = (torch.randn(n, v, device=dev) * 4).to(dtype)
+            y = torch.randint(0, v, (n,), device=dev)
+            ref = selective_log_softmax_ref(x0[:256].cpu(), y[:256].cpu())[0]
+            for name, (fn, context) in peers().items():
+                row = {"peer": name, "n": n, "v": v, "dtype": dname}
+                ctx = context()
+                ctx.__enter__()
+                try:
+                    logp = fn(x0[:256], y[:256])
+                    row["max_abs_err"] = (logp.double().cpu() - ref).abs().max().item()
+                    row["forward"] = timed(lambda: fn(x0, y), args.iters)
+                    x = x0.clone().requires_grad_()
+
+                    def step():
+                        x.grad = None
+                        fn(x, y).sum().backward()
+
+                    step()
+                    torch.npu.synchronize()
+                    torch.npu.reset_peak_memory_stats()
+                    base = torch.npu.memory_allocated()
+                    row["forward_backward"] = timed(step, args.iters)
+                    row["peak_extra_gib"] = (torch.npu.max_memory_allocated() - base) / 2**30
+                    del x
+                except Exception as exc:  # a peer that cannot run this case is reported, not fatal
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                finally:
+                    ctx.__exit__(None, None, None)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del x0
+            torch.npu.empty_cache()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
+    parser.add_argument("--out", default="bench_npu.json")
+    args = parser.parse_args()
+    rows = run(args)
+    meta = {"device": torch.npu.get_device_name(0), "torch": torch.__version__, "torch_npu": torch_npu.__version__,
+            "twinkle_mem": twinkle_mem.__version__, "backends": twinkle_mem.backends(), "host": platform.node()}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
