@@ -110,7 +110,8 @@ class BuildExt(BuildExtension):
         out_dir = os.path.join(os.path.abspath(self.build_lib), "twinkle_mem")
         os.makedirs(build_dir, exist_ok=True)
         subprocess.check_call(
-            ["cmake", ROOT, f"-DTWINKLE_MEM_NPU_OUTPUT_DIR={out_dir}", "-DCMAKE_BUILD_TYPE=Release"], cwd=build_dir
+            ["cmake", ROOT, f"-DTWINKLE_MEM_NPU_OUTPUT_DIR={out_dir}", f"-DTWINKLE_MEM_PYTHON={sys.executable}",
+             "-DCMAKE_BUILD_TYPE=Release"], cwd=build_dir
         )
         subprocess.check_call(["cmake", "--build", ".", "-j"], cwd=build_dir)
         if self.inplace:
