@@ -34,6 +34,7 @@ _log_softmax_pair: Optional[Tuple[Any, Any]] = None  # (twinkle's original, twin
 
 
 def is_installed() -> bool:
+    """Whether :func:`install` is in effect."""
     return _settings is not None
 
 
@@ -121,8 +122,8 @@ def _patch(owner: Any, name: str, new: Any) -> None:
 def _twinkle_modules_binding(obj: Any) -> List[Any]:
     return [
         module for name, module in list(sys.modules.items())
-        if module is not None and (name == "twinkle" or name.startswith("twinkle."))
-        and vars(module).get("selective_log_softmax") is obj
+        if (name == "twinkle" or name.startswith("twinkle."))
+        and getattr(module, "__dict__", {}).get("selective_log_softmax") is obj
     ]
 
 
