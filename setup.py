@@ -26,13 +26,17 @@ def _rel(pattern):
 
 
 def _find_nvcc():
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if cuda_home and os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
-        return cuda_home
+    """The CUDA toolkit root: the first candidate holding bin/nvcc and include/cuda_runtime.h."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
     nvcc = shutil.which("nvcc")
     if nvcc:
-        # Resolve links: /usr/local/bin/nvcc -> /usr/local/cuda-13.0/bin/nvcc.
-        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+        # /usr/local/bin/nvcc may be a link or a wrapper script: try its real home, then the usual one.
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates.append("/usr/local/cuda")
+    for home in candidates:
+        if home and os.path.exists(os.path.join(home, "bin", "nvcc")) and os.path.exists(
+                os.path.join(home, "include", "cuda_runtime.h")):
+            return home
     return None
 
 

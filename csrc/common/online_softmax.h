@@ -119,6 +119,33 @@ TM_HOST_DEVICE V grad_logit(V z, V onehot, V lse, V mean, V g_logp, V g_entropy,
   return inv_temperature * (g_logp * (onehot - p) - g_entropy * p * (z_finite - mean));
 }
 
+// Off the label (onehot = 0) grad_logit reads p * (a + b z), with
+//   a = (g_entropy * mean - g_logp) / T,   b = -g_entropy / T,
+// one FMA per element instead of five operations. In the linear term z is
+// clamped from below at lse - exp_underflow (where p is already 0 in acc_t), so
+// that b z stays finite at z = -inf: p * finite = 0, where 0 * inf is NaN.
+template <typename acc_t>
+struct OffLabelGrad {
+  acc_t a;
+  acc_t b;
+  acc_t z_floor;
+};
+
+template <typename acc_t>
+TM_HOST_DEVICE acc_t exp_underflow() { return sizeof(acc_t) == 4 ? acc_t(88) : acc_t(746); }
+
+template <typename acc_t>
+TM_HOST_DEVICE OffLabelGrad<acc_t> off_label_grad(acc_t lse, acc_t mean, acc_t g_logp, acc_t g_entropy,
+                                                  acc_t inv_temperature) {
+  return {(g_entropy * mean - g_logp) * inv_temperature, -g_entropy * inv_temperature,
+          lse - exp_underflow<acc_t>()};
+}
+
+template <typename V>
+TM_HOST_DEVICE V grad_off_label(V z, V lse, V a, V b, V z_floor) {
+  return exp_(z - lse) * (a + b * max_(z_floor, z));
+}
+
 // Label classification shared by every kernel.
 // A row is ignored when its label equals ignore_index; otherwise its target
 // lies on this vocab shard when vocab_start <= label < vocab_start + V.

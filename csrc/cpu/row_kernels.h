@@ -75,15 +75,15 @@ void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, typename VecTraits<
                   typename VecTraits<Vec>::acc_t g_entropy, typename VecTraits<Vec>::acc_t inv_T) {
   using acc_t = typename VecTraits<Vec>::acc_t;
   constexpr int64_t W = VecTraits<Vec>::W;
-  const Vec v_zero(acc_t(0)), v_lse(lse), v_mean(mean), v_g_logp(g_logp), v_g_entropy(g_entropy),
-      v_inv_T(inv_T);
+  const OffLabelGrad<acc_t> c = off_label_grad(lse, mean, g_logp, g_entropy, inv_T);
+  const Vec v_lse(lse), v_a(c.a), v_b(c.b), v_z_floor(c.z_floor), v_inv_T(inv_T);
   int64_t i = 0;
   for (; i + W <= n; i += W) {
     const Vec z = load_vec(x + i) * v_inv_T;
-    store_vec(d + i, grad_logit<Vec, acc_t>(z, v_zero, v_lse, v_mean, v_g_logp, v_g_entropy, v_inv_T));
+    store_vec(d + i, grad_off_label(z, v_lse, v_a, v_b, v_z_floor));
   }
   for (; i < n; ++i) {
     const acc_t z = load_scalar(x + i) * inv_T;
-    store_scalar(d + i, grad_logit<acc_t, acc_t>(z, acc_t(0), lse, mean, g_logp, g_entropy, inv_T));
+    store_scalar(d + i, grad_off_label(z, lse, c.a, c.b, c.z_floor));
   }
 }
