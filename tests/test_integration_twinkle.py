@@ -126,6 +126,23 @@ def test_twinkle_call_sites_compute_with_twinkle_mem():
     torch.testing.assert_close(logp, ours, rtol=0, atol=0)
 
 
+def test_tensor_parallel_keeps_twinkles_function(monkeypatch):
+    # Until the vocab-parallel op lands, TP > 1 must not turn twinkle's working
+    # log-prob path into an error: the adapter hands those calls to twinkle's
+    # own function (bf16 in, bf16 out: its dtype tells which one ran).
+    import twinkle.loss.grpo as grpo
+    logits = torch.randn(2, 5, 97, dtype=torch.bfloat16)
+    labels = torch.randint(0, 97, (2, 5))
+    integration.install()
+    try:
+        monkeypatch.setattr(integration, "_tensor_parallel_group", lambda: "tp-group")
+        assert grpo.selective_log_softmax(logits, labels).dtype == torch.bfloat16
+        monkeypatch.setattr(integration, "_tensor_parallel_group", lambda: None)
+        assert grpo.selective_log_softmax(logits, labels).dtype == torch.float32
+    finally:
+        integration.uninstall()
+
+
 def test_twinkle_megatron_model_uses_twinkle_mem(monkeypatch):
     calls = []
     real_op = twinkle_mem.selective_log_softmax
