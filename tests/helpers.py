@@ -15,6 +15,9 @@ fp32 itself cannot resolve the value, e.g. 1 - p for a label with p ~ 1.
 """
 import torch
 
+import twinkle_mem
+from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
+
 FP32_EPS = torch.finfo(torch.float32).eps
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 MIN_ULP = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24, torch.float32: 2.0**-149}
@@ -57,3 +60,42 @@ def assert_grad_close(got, ref, dtype, fp32_row_bound=None, what="grad"):
     assert not bad.any(), (
         f"{what} ({dtype}): {int(bad.sum())} elements off by more than the tolerance; worst err "
         f"{err.max().item():.3g} at ref {ref.flatten()[err.argmax()].item():.3g}")
+
+
+def make_case(n, v, dtype, device="cpu", scale=4.0, ignore_frac=0.0, ignore_index=-100, neg_inf_frac=0.0):
+    logits = (torch.randn(n, v, dtype=torch.float64) * scale).to(dtype)
+    if neg_inf_frac:
+        logits[torch.rand(n, v) < neg_inf_frac] = float("-inf")
+    labels = torch.randint(0, v, (n,))
+    if ignore_frac:
+        labels[torch.rand(n) < ignore_frac] = ignore_index
+    return logits.to(device), labels.to(device)
+
+
+def check_against_reference(logits, labels, temperature=1.0, ignore_index=None, with_entropy=True):
+    """Forward and backward against float64, with random upstream gradients."""
+    x = logits.detach().clone().requires_grad_(True)
+    out = twinkle_mem.selective_log_softmax(x, labels, with_entropy, temperature=temperature,
+                                            ignore_index=ignore_index)
+    logp, entropy = out if with_entropy else (out, None)
+    ref_logp, ref_entropy, ref_lse, ref_mean = selective_log_softmax_ref(logits, labels, temperature, ignore_index)
+    want = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    assert logp.dtype == want and logp.shape == labels.shape
+    scale = ref_lse.abs() + ref_mean.abs()
+    assert_stats_close(logp, ref_logp, scale, "logp")
+    if with_entropy:
+        assert_stats_close(entropy, ref_entropy, scale, "entropy")
+
+    g_logp = torch.randn(labels.shape, dtype=want, device=logits.device)
+    g_entropy = torch.randn(labels.shape, dtype=want, device=logits.device) if with_entropy else None
+    total = (logp * g_logp).sum() + ((entropy * g_entropy).sum() if with_entropy else 0)
+    (grad,) = torch.autograd.grad(total, x)
+    ref_grad = selective_log_softmax_grad_ref(logits, labels, g_logp, g_entropy, temperature, ignore_index)
+    assert grad.dtype == logits.dtype and grad.shape == logits.shape
+    if not torch.isfinite(logits).all():
+        # -inf logits have p = 0: their gradient is exactly 0 in the reference too.
+        nan_got, nan_ref = torch.isnan(grad), torch.isnan(ref_grad.to(grad.device))
+        assert torch.equal(nan_got, nan_ref), (nan_got.nonzero()[:4], nan_ref.nonzero()[:4])
+    s = (ref_lse.abs() + ref_mean.abs()).to(grad.device)
+    g_sum = g_logp.abs() + ((g_entropy.abs() * (1 + s)) if with_entropy else 0)
+    assert_grad_close(grad, ref_grad, logits.dtype, fp32_row_bound=(1 + s) * g_sum / temperature)

@@ -2,7 +2,6 @@
 reference, gradients, opcheck, torch.compile, memory, in-place backward,
 determinism and bad input. Every test runs on each device in
 TWINKLE_MEM_TEST_DEVICES (default: cpu)."""
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,50 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import twinkle_mem
-from helpers import assert_grad_close, assert_stats_close
-from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
+from helpers import assert_stats_close, check_against_reference, make_case
+from twinkle_mem.reference import selective_log_softmax_ref
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 ops = torch.ops.twinkle_mem
-
-
-def make_case(n, v, dtype, device, scale=4.0, ignore_frac=0.0, ignore_index=-100, neg_inf_frac=0.0):
-    logits = (torch.randn(n, v, dtype=torch.float64) * scale).to(dtype)
-    if neg_inf_frac:
-        logits[torch.rand(n, v) < neg_inf_frac] = float("-inf")
-    labels = torch.randint(0, v, (n,))
-    if ignore_frac:
-        labels[torch.rand(n) < ignore_frac] = ignore_index
-    return logits.to(device), labels.to(device)
-
-
-def check_against_reference(logits, labels, temperature=1.0, ignore_index=None, with_entropy=True):
-    """Forward and backward against float64, with random upstream gradients."""
-    x = logits.detach().clone().requires_grad_(True)
-    out = twinkle_mem.selective_log_softmax(x, labels, with_entropy, temperature=temperature,
-                                            ignore_index=ignore_index)
-    logp, entropy = out if with_entropy else (out, None)
-    ref_logp, ref_entropy, ref_lse, ref_mean = selective_log_softmax_ref(logits, labels, temperature, ignore_index)
-    want = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    assert logp.dtype == want and logp.shape == labels.shape
-    scale = ref_lse.abs() + ref_mean.abs()
-    assert_stats_close(logp, ref_logp, scale, "logp")
-    if with_entropy:
-        assert_stats_close(entropy, ref_entropy, scale, "entropy")
-
-    g_logp = torch.randn(labels.shape, dtype=want, device=logits.device)
-    g_entropy = torch.randn(labels.shape, dtype=want, device=logits.device) if with_entropy else None
-    total = (logp * g_logp).sum() + ((entropy * g_entropy).sum() if with_entropy else 0)
-    (grad,) = torch.autograd.grad(total, x)
-    ref_grad = selective_log_softmax_grad_ref(logits, labels, g_logp, g_entropy, temperature, ignore_index)
-    assert grad.dtype == logits.dtype and grad.shape == logits.shape
-    if not torch.isfinite(logits).all():
-        # -inf logits have p = 0: their gradient is exactly 0 in the reference too.
-        nan_got, nan_ref = torch.isnan(grad), torch.isnan(ref_grad.to(grad.device))
-        assert torch.equal(nan_got, nan_ref), (nan_got.nonzero()[:4], nan_ref.nonzero()[:4])
-    s = (ref_lse.abs() + ref_mean.abs()).to(grad.device)
-    g_sum = g_logp.abs() + ((g_entropy.abs() * (1 + s)) if with_entropy else 0)
-    assert_grad_close(grad, ref_grad, logits.dtype, fp32_row_bound=(1 + s) * g_sum / temperature)
 
 
 # ----------------------------------------------------------------- numerics

@@ -4,6 +4,7 @@
 // merged. The row loops (row_kernels.h) are compiled twice: here, portable,
 // and in selective_log_softmax_avx2.cpp for AVX2+FMA+F16C, picked at run time.
 #include "../common/online_softmax.h"
+#include "../common/forward_outputs.h"
 #include "../common/op_checks.h"
 #include "isa.h"
 
@@ -100,9 +101,7 @@ void check_label_range(const Tensor& labels, int64_t ignore_index, int64_t vocab
   with_labels(labels, [&](auto label) {
     for (int64_t i = 0; i < labels.size(0); ++i) {
       const int64_t y = label[i];
-      STD_TORCH_CHECK(y == ignore_index || (y >= 0 && y < vocab_size), "twinkle_mem: labels[", i,
-                      "] = ", y, " is out of range [0, ", vocab_size, ") and is not ignore_index (",
-                      ignore_index, ")");
+      if (!label_in_range(y, ignore_index, vocab_size)) fail_label_out_of_range(i, y, vocab_size, ignore_index);
     }
   });
 }
@@ -252,20 +251,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> selective_log_softmax_fwd(
     int64_t vocab_start, int64_t vocab_size, bool with_entropy, bool /*inplace_backward*/) {
   check_forward_args(logits, labels, inv_temperature, vocab_start, vocab_size);
   check_label_range(labels, ignore_index, vocab_size);
-  const int64_t N = logits.size(0);
-  const ScalarType out_dtype = stats_dtype(logits.scalar_type());
-  const int64_t stats_len = with_entropy ? N : 0;
-  Tensor logp = torch::stable::new_empty(logits, {N}, out_dtype);
-  Tensor lse = torch::stable::new_empty(logits, {N}, out_dtype);
-  Tensor entropy = torch::stable::new_empty(logits, {stats_len}, out_dtype);
-  Tensor mean = torch::stable::new_empty(logits, {stats_len}, out_dtype);
+  auto outputs = new_forward_outputs(logits, with_entropy);
+  Tensor &logp = std::get<0>(outputs), &entropy = std::get<1>(outputs), &lse = std::get<2>(outputs),
+         &mean = std::get<3>(outputs);
   dispatch_logits_dtype(logits.scalar_type(), [&](auto scalar, auto acc) {
     using scalar_t = decltype(scalar);
     using acc_t = decltype(acc);
     forward_kernel<scalar_t, acc_t>(logits, labels, static_cast<acc_t>(inv_temperature), ignore_index,
                                     vocab_start, with_entropy, logp, entropy, lse, mean);
   });
-  return {logp, entropy, lse, mean};
+  return outputs;
 }
 
 void run_backward(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, const Tensor& logits,

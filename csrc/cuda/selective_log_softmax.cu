@@ -38,6 +38,7 @@
 // as host C++ over a stand-in for the CUDA runtime, to test their indexing on a
 // machine without a GPU; the torch-facing host code is left out there.
 #ifndef TWINKLE_MEM_CUDA_EMULATION
+#include "../common/forward_outputs.h"
 #include "../common/op_checks.h"
 
 #include <cuda_bf16.h>
@@ -622,8 +623,7 @@ void raise_on_bad_label(const Tensor& bad_row, const Tensor& labels, int64_t N, 
     STD_CUDA_CHECK(cudaMemcpy(&label32, src, sizeof(int32_t), cudaMemcpyDeviceToHost));
     label = label32;
   }
-  STD_TORCH_CHECK(false, "twinkle_mem: labels[", row, "] = ", label, " is out of range [0, ", vocab_size,
-                  ") and is not ignore_index (", ignore_index, ")");
+  fail_label_out_of_range(row, label, vocab_size, ignore_index);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> selective_log_softmax_fwd(
@@ -632,12 +632,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> selective_log_softmax_fwd(
   check_forward_args(logits, labels, inv_temperature, vocab_start, vocab_size);
   const int64_t N = logits.size(0), V = logits.size(1);
   const ScalarType out_dtype = stats_dtype(logits.scalar_type());
-  const int64_t stats_len = with_entropy ? N : 0;
-  Tensor logp = torch::stable::new_empty(logits, {N}, out_dtype);
-  Tensor lse = torch::stable::new_empty(logits, {N}, out_dtype);
-  Tensor entropy = torch::stable::new_empty(logits, {stats_len}, out_dtype);
-  Tensor mean = torch::stable::new_empty(logits, {stats_len}, out_dtype);
-  if (N == 0) return {logp, entropy, lse, mean};
+  auto outputs = new_forward_outputs(logits, with_entropy);
+  Tensor &logp = std::get<0>(outputs), &entropy = std::get<1>(outputs), &lse = std::get<2>(outputs),
+         &mean = std::get<3>(outputs);
+  if (N == 0) return outputs;
 
   const int32_t device = logits.get_device_index();
   torch::stable::accelerator::DeviceGuard guard(device);
@@ -689,7 +687,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> selective_log_softmax_fwd(
     });
   });
   raise_on_bad_label(bad_row, labels, N, ignore_index, vocab_size, stream);
-  return {logp, entropy, lse, mean};
+  return outputs;
 }
 
 void run_backward(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, const Tensor& logits,

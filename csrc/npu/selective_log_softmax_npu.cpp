@@ -34,6 +34,7 @@
 #include <tuple>
 #include <unordered_map>
 
+#include "../common/op_checks.h"
 #include "launch.h"
 #include "tiling.h"
 
@@ -44,47 +45,15 @@ namespace {
 using at::Tensor;
 
 // ------------------------------------------------------------- argument checks
-bool is_float_logits(at::ScalarType t) {
-  return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat || t == at::kDouble;
-}
-at::ScalarType stats_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+// The shared checks of csrc/common/op_checks.h, plus what only the NPU needs.
 
-void check_logits(const Tensor& logits) {
-  // The kernel reads rows by (row, column) offsets: the NPU tensor must hold its plain (ND) layout.
+// The kernel reads rows by (row, column) offsets: the NPU tensor must hold its plain (ND) layout.
+void check_base_format(const Tensor& logits) {
   const int64_t format = at_npu::native::get_npu_format(logits);
   TORCH_CHECK(format == ACL_FORMAT_ND || format == ACL_FORMAT_NCHW || format == ACL_FORMAT_NHWC ||
                   format == ACL_FORMAT_NCDHW,
               "twinkle_mem(npu): logits must be in a base (ND) format, not the internal NPU format ", format,
               " (convert with torch_npu.npu_format_cast(logits, 2))");
-  TORCH_CHECK(logits.dim() == 2, "twinkle_mem: logits must be 2-D [N, V] (flatten leading dims), got ", logits.dim(),
-              "-D");
-  TORCH_CHECK(is_float_logits(logits.scalar_type()), "twinkle_mem: logits must be bfloat16, float16, float32 or float64");
-  TORCH_CHECK(logits.size(1) >= 1 || logits.size(0) == 0, "twinkle_mem: logits must have a vocab dim of size >= 1");
-  TORCH_CHECK(logits.size(1) <= 1 || logits.stride(1) == 1,
-              "twinkle_mem: logits must have unit stride on the vocab dim, got stride ", logits.stride(1));
-  TORCH_CHECK(logits.size(0) <= 1 || logits.stride(0) >= logits.size(1), "twinkle_mem: logits rows must not overlap (row stride ",
-              logits.stride(0), " < vocab size ", logits.size(1), ")");
-}
-
-void check_labels(const Tensor& labels, const Tensor& logits) {
-  TORCH_CHECK(labels.dim() == 1 && labels.size(0) == logits.size(0), "twinkle_mem: labels must be 1-D of length N = ",
-              logits.size(0));
-  TORCH_CHECK(labels.scalar_type() == at::kLong || labels.scalar_type() == at::kInt,
-              "twinkle_mem: labels must be int64 or int32");
-  TORCH_CHECK(labels.device() == logits.device(), "twinkle_mem: labels and logits must be on the same device");
-}
-
-void check_row_vector(const Tensor& t, const char* name, const Tensor& logits) {
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == logits.size(0), "twinkle_mem: ", name, " must be 1-D of length N = ",
-              logits.size(0));
-  TORCH_CHECK(t.scalar_type() == stats_dtype(logits.scalar_type()), "twinkle_mem: ", name,
-              " must be float32 (float64 for float64 logits)");
-  TORCH_CHECK(t.device() == logits.device(), "twinkle_mem: ", name, " must be on the logits' device");
-}
-
-void check_inv_temperature(double inv_temperature) {
-  TORCH_CHECK(std::isfinite(inv_temperature) && inv_temperature > 0,
-              "twinkle_mem: inv_temperature must be finite and > 0 (temperature > 0), got ", inv_temperature);
 }
 
 void check_label_range(const Tensor& labels, int64_t ignore_index, int64_t vocab_size) {
@@ -93,8 +62,7 @@ void check_label_range(const Tensor& labels, int64_t ignore_index, int64_t vocab
   const Tensor bad = y.ne(ignore_index).logical_and(y.lt(0).logical_or(y.ge(vocab_size)));
   if (!bad.any().item<bool>()) return;  // the one host sync of the op
   const int64_t i = bad.nonzero().select(1, 0)[0].item<int64_t>();
-  TORCH_CHECK(false, "twinkle_mem: labels[", i, "] = ", y[i].item<int64_t>(), " is out of range [0, ", vocab_size,
-              ") and is not ignore_index (", ignore_index, ")");
+  fail_label_out_of_range(i, y[i].item<int64_t>(), vocab_size, ignore_index);
 }
 
 // ------------------------------------------------------------- device facts
@@ -180,12 +148,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> selective_log_softmax_fwd(const Tenso
                                                                      double inv_temperature, int64_t ignore_index,
                                                                      int64_t vocab_start, int64_t vocab_size,
                                                                      bool with_entropy, bool inplace_backward) {
-  check_logits(logits);
-  check_labels(labels, logits);
-  check_inv_temperature(inv_temperature);
-  TORCH_CHECK(vocab_start >= 0 && vocab_start + logits.size(1) <= vocab_size,
-              "twinkle_mem: the logits' vocab shard [vocab_start, vocab_start + V) = [", vocab_start, ", ",
-              vocab_start + logits.size(1), ") must lie within [0, vocab_size = ", vocab_size, ")");
+  check_forward_args(logits, labels, inv_temperature, vocab_start, vocab_size);
+  check_base_format(logits);
   c10_npu::NPUGuard guard(logits.device());
   if (logits.scalar_type() == at::kDouble) {
     auto out = op_handle("twinkle_mem::selective_log_softmax_fwd")
@@ -225,16 +189,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> selective_log_softmax_fwd(const Tenso
 void check_backward(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, const Tensor& logits,
                     const Tensor& labels, const Tensor& lse, const std::optional<Tensor>& mean,
                     double inv_temperature) {
-  check_logits(logits);
-  check_labels(labels, logits);
-  check_row_vector(grad_logp, "grad_logp", logits);
-  check_row_vector(lse, "lse", logits);
-  if (grad_entropy.has_value()) {
-    check_row_vector(*grad_entropy, "grad_entropy", logits);
-    TORCH_CHECK(mean.has_value(), "twinkle_mem: grad_entropy needs mean (run the forward with_entropy)");
-    check_row_vector(*mean, "mean", logits);
-  }
-  check_inv_temperature(inv_temperature);
+  check_backward_args(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature);
+  check_base_format(logits);
 }
 
 // Launches the backward writing into `grad` (which may be `logits`).

@@ -39,10 +39,8 @@ def _check_args(logits, index, temperature, ignore_index):
 
 
 def _as_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[..., V] -> [N, V] without a copy when the leading dims allow it."""
+    """[..., V] -> [N, V] rows with unit vocab stride, without a copy whenever a view allows it."""
     vocab = logits.shape[-1]
-    if logits.dim() == 2:
-        return logits if logits.shape[1] <= 1 or logits.stride(1) == 1 else logits.contiguous()
     try:
         rows = logits.view(-1, vocab)
         if vocab <= 1 or rows.stride(1) == 1:
