@@ -68,10 +68,16 @@ def selective_log_softmax(logits, index, return_entropy=False, *, temperature=1.
     logits. With ``inplace_backward=True`` the gradient is written over the
     logits, which then hold the gradient (their version counter is bumped, so
     any other autograd use of them raises instead of reading wrong values).
+    With ``process_group`` (world size > 1), ``logits`` are this rank's vocab
+    shard ``[rank * V/tp, (rank + 1) * V/tp)`` and ``index`` holds global ids:
+    the outputs are the full-vocab ones, the same on every rank
+    (``twinkle_mem.vocab_parallel``; docs/vocab_parallel.md).
     """
     _check_args(logits, index, temperature, ignore_index)
-    if process_group is not None:
-        raise NotImplementedError("twinkle_mem: vocab-parallel selective_log_softmax (process_group) is not built yet")
+    if process_group is not None and torch.distributed.get_world_size(process_group) > 1:
+        from .vocab_parallel import vocab_parallel_selective_log_softmax
+        return vocab_parallel_selective_log_softmax(logits, index, return_entropy, temperature, ignore_index,
+                                                    inplace_backward, process_group)
     lead_shape = logits.shape[:-1]
     rows = _as_rows(logits)
     labels = index.reshape(-1)

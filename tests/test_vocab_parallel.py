@@ -1,0 +1,399 @@
+"""Vocab-parallel selective_log_softmax (process_group=...) on gloo worlds of 2 and 4 CPU processes.
+
+Each world is started once (torch.multiprocessing, spawn) and runs every case
+below in turn; each case does all its collectives first and asserts after, so
+a failing rank cannot leave the others waiting. The parent collects per-rank
+tracebacks and reports one pytest item per (world, case). A world that does
+not finish within WORLD_TIMEOUT_S is killed and its tests fail.
+
+The reference is the single-process result on the concatenated vocab: the
+native op (twinkle_mem.selective_log_softmax without a group) and the float64
+reference of twinkle_mem.reference, with the tolerances of tests/helpers.py.
+"""
+import datetime
+import json
+import os
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+WORLD_TIMEOUT_S = 150
+CASES = {}
+
+
+def case(*worlds):
+    def register(fn):
+        CASES[fn.__name__] = (fn, worlds or (2, 4))
+        return fn
+    return register
+
+
+# ----------------------------------------------------------------- comparison
+def _full_case(world, shard, n, dtype, seed, ignore_frac=0.0, ignore_index=-100, scale=4.0):
+    """The same full-vocab logits and labels on every rank; labels on every rank's shard."""
+    from helpers import make_case
+    torch.manual_seed(seed)
+    full, _ = make_case(n, world * shard, dtype, scale=scale)
+    labels = (torch.arange(n) % world) * shard + torch.randint(0, shard, (n,))
+    if ignore_frac:
+        labels[torch.rand(n) < ignore_frac] = ignore_index
+    return full, labels
+
+
+def _grads(n, with_entropy, seed):
+    g = torch.Generator().manual_seed(seed + 1)  # replicated upstream gradients (Megatron's convention)
+    return torch.randn(n, generator=g), (torch.randn(n, generator=g) if with_entropy else None)
+
+
+def _shard_of(full, rank, world):
+    shard = full.shape[-1] // world
+    return full[..., rank * shard:(rank + 1) * shard].clone()
+
+
+def _gather(t, group=None):
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def run_and_check(rank, world, *, shard=301, n=48, dtype=torch.float32, temperature=1.0, ignore_index=None,
+                  ignore_frac=0.0, with_entropy=True, inplace=False, impl=None, seed=0, group=None,
+                  full_and_labels=None, use_entropy_grad=True):
+    """Runs `impl` on this rank's shard, compares values and the shard's gradient with the
+    single-process results on the full vocab (native op and float64 reference)."""
+    import twinkle_mem
+    from helpers import FP32_EPS, assert_grad_close, assert_stats_close, ulp
+    from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
+
+    impl = impl or twinkle_mem.selective_log_softmax
+    if full_and_labels is None:
+        full_and_labels = _full_case(world, shard, n, dtype, seed, ignore_frac, ignore_index or -100)
+    full, labels = full_and_labels
+    x = _shard_of(full, rank, world).requires_grad_()
+    out = impl(x, labels, with_entropy, temperature=temperature, ignore_index=ignore_index,
+               inplace_backward=inplace, process_group=group if group is not None else dist.group.WORLD)
+    logp, entropy = out if with_entropy else (out, None)
+    g_logp, g_entropy = _grads(labels.numel(), with_entropy and use_entropy_grad, seed)
+    g_logp, g_entropy = g_logp.view(labels.shape), (None if g_entropy is None else g_entropy.view(labels.shape))
+    version = x._version
+    total = (logp * g_logp).sum() + ((entropy * g_entropy).sum() if g_entropy is not None else 0)
+    (grad,) = torch.autograd.grad(total, x)
+    # Collectives done; everything below is local.
+    everyone = [_gather(logp.detach(), group)] + ([_gather(entropy.detach(), group)] if with_entropy else [])
+
+    xf = full.clone().requires_grad_()
+    nat = twinkle_mem.selective_log_softmax(xf, labels, with_entropy, temperature=temperature,
+                                            ignore_index=ignore_index)
+    nat_logp, nat_entropy = nat if with_entropy else (nat, None)
+    total = (nat_logp * g_logp).sum() + ((nat_entropy * g_entropy).sum() if g_entropy is not None else 0)
+    (nat_grad,) = torch.autograd.grad(total, xf)
+    nat_grad = _shard_of(nat_grad, rank, world)
+
+    ref_logp, ref_entropy, ref_lse, ref_mean = selective_log_softmax_ref(full, labels, temperature, ignore_index)
+    s = ref_lse.abs() + ref_mean.abs()
+    assert logp.dtype == torch.float32 and logp.shape == labels.shape
+    for r, others in enumerate(everyone):
+        assert all(torch.equal(o, others[0]) for o in others), f"output {r} differs across ranks"
+    assert_stats_close(logp, ref_logp, s, "logp vs float64")
+    assert_stats_close(logp, nat_logp, 2 * s + 1, "logp vs native full-vocab")  # two fp32 roundings
+    if with_entropy:
+        assert entropy.shape == labels.shape
+        assert_stats_close(entropy, ref_entropy, s, "entropy vs float64")
+        assert_stats_close(entropy, nat_entropy, 2 * s + 1, "entropy vs native full-vocab")
+
+    ref_grad = _shard_of(selective_log_softmax_grad_ref(full, labels, g_logp, g_entropy, temperature,
+                                                        ignore_index), rank, world)
+    g_sum = g_logp.abs() + (g_entropy.abs() * (1 + s) if g_entropy is not None else 0)
+    row_bound = (1 + s) * g_sum / temperature
+    assert grad.shape == x.shape and grad.dtype == x.dtype
+    assert torch.equal(torch.isnan(grad), torch.isnan(nat_grad)), "grad: NaN pattern differs"
+    assert_grad_close(grad, ref_grad, dtype, fp32_row_bound=row_bound, what="grad vs float64")
+    tol = 2 * 16 * FP32_EPS * row_bound.double().unsqueeze(-1)
+    if dtype != torch.float32:
+        tol = tol + 2 * ulp(nat_grad.double(), dtype)
+    err = (grad.double() - nat_grad.double()).abs().nan_to_num(0.0)
+    assert (err <= tol).all(), f"grad vs native full-vocab: max err {err.max().item():.3g}"
+    if inplace:
+        assert grad.data_ptr() == x.data_ptr() and x._version > version, "in-place gradient not in the shard"
+    return logp, grad
+
+
+def naive_vocab_parallel(logits, labels, return_entropy=False, *, temperature=1.0, ignore_index=None,
+                         inplace_backward=False, process_group=None):
+    """The known-wrong pattern: global statistics from a plain (non-autograd) all_reduce,
+    added to the local ones as constants. Forward values are right; autograd sees
+    only the local shard's lse (a softmax over the shard), so the gradient is wrong."""
+    rank = dist.get_rank(process_group)
+    shard = logits.shape[-1]
+    z = logits.float() / temperature
+    local = labels.long() - rank * shard
+    on_shard = (local >= 0) & (local < shard)
+    lse_local = torch.logsumexp(z, -1)
+    mean_local = (torch.softmax(z, -1) * z).sum(-1)
+    z_y_local = torch.where(on_shard, z.gather(-1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1), 0.0)
+    with torch.no_grad():
+        m = z.amax(-1)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=process_group)
+        e = torch.exp(z - m.unsqueeze(-1))
+        stats = torch.stack([e.sum(-1), (e * z).sum(-1), z_y_local])
+        dist.all_reduce(stats, group=process_group)
+        lse_global = m + stats[0].log()
+        mean_global = stats[1] / stats[0]
+    lse = lse_local + (lse_global - lse_local)
+    logp = z_y_local + (stats[2] - z_y_local) - lse
+    entropy = lse - (mean_local + (mean_global - mean_local))
+    if ignore_index is not None:
+        keep = labels != ignore_index
+        logp, entropy = logp * keep, entropy * keep
+    return (logp, entropy) if return_entropy else logp
+
+
+# ----------------------------------------------------------------- cases
+@case()
+def fp32_entropy_labels_on_every_rank(rank, world):
+    run_and_check(rank, world, dtype=torch.float32)
+
+
+@case()
+def bf16_ignore_index_temperature(rank, world):
+    run_and_check(rank, world, dtype=torch.bfloat16, temperature=0.7, ignore_index=-100, ignore_frac=0.3, seed=1)
+
+
+@case()
+def fp16_logp_only(rank, world):
+    run_and_check(rank, world, dtype=torch.float16, with_entropy=False, temperature=1.3, seed=2)
+
+
+@case()
+def entropy_returned_but_not_in_loss(rank, world):
+    run_and_check(rank, world, use_entropy_grad=False, seed=3)
+
+
+@case()
+def inplace_backward_bf16(rank, world):
+    run_and_check(rank, world, dtype=torch.bfloat16, inplace=True, ignore_index=-100, ignore_frac=0.2, seed=4)
+
+
+@case()
+def leading_dims_and_int32_labels(rank, world):
+    full, labels = _full_case(world, 97, 2 * 7, torch.float32, seed=5)
+    run_and_check(rank, world, full_and_labels=(full.view(2, 7, -1), labels.view(2, 7).int()))
+
+
+@case()
+def large_logits_and_qwen_shard(rank, world):
+    # Offsets far from 0 (|lse| ~ 1e3) and a Qwen-sized vocab split over the ranks, few rows.
+    full, labels = _full_case(world, 151936 // world, 3, torch.bfloat16, seed=6, scale=8.0)
+    run_and_check(rank, world, full_and_labels=(full + 1000, labels), dtype=torch.bfloat16)
+
+
+@case()
+def masked_vocab_on_one_rank(rank, world):
+    # Rows whose last shard is all -inf (masked vocab), one label on a masked entry (logp -inf).
+    full, labels = _full_case(world, 64, 16, torch.float32, seed=7, ignore_index=-100)
+    last = (world - 1) * 64
+    full[:8, last:] = float("-inf")
+    labels[:8] = torch.randint(0, last, (8,))
+    labels[0] = last + 5
+    logp, _grad = run_and_check(rank, world, full_and_labels=(full, labels))
+    assert logp[0] == float("-inf") and torch.isfinite(logp[1:]).all()
+
+
+@case()
+def empty_rows(rank, world):
+    run_and_check(rank, world, n=0)
+
+
+@case()
+def only_saves_the_shard_and_row_statistics(rank, world):
+    import twinkle_mem
+    full, labels = _full_case(world, 500, 32, torch.bfloat16, seed=8)
+    x = _shard_of(full, rank, world).requires_grad_()
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, entropy = twinkle_mem.selective_log_softmax(x, labels, True, process_group=dist.group.WORLD)
+    (logp.sum() + entropy.sum()).backward()
+    assert saved, "nothing saved?"
+    for t in saved:
+        if t.data_ptr() == x.data_ptr():
+            assert t.shape == x.shape and t.dtype == x.dtype  # the shard itself, not a copy
+        else:
+            assert t.numel() <= labels.numel(), f"saved {tuple(t.shape)} {t.dtype}: not O(N)"
+
+
+@case()
+def bitwise_repeatable(rank, world):
+    a = run_and_check(rank, world, dtype=torch.bfloat16, seed=9)
+    b = run_and_check(rank, world, dtype=torch.bfloat16, seed=9)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@case()
+def naive_non_autograd_all_reduce_is_caught(rank, world):
+    # The same check run on the naive implementation must fail, and on the gradient.
+    full_and_labels = _full_case(world, 301, 48, torch.float32, seed=10)
+    try:
+        run_and_check(rank, world, impl=naive_vocab_parallel, full_and_labels=full_and_labels)
+    except AssertionError as e:
+        assert "grad" in str(e), f"naive implementation failed, but not on its gradient: {e}"
+    else:
+        raise AssertionError("the check accepted the naive non-autograd all_reduce")
+    run_and_check(rank, world, full_and_labels=full_and_labels)  # control: the real one passes
+
+
+@case()
+def tp_subgroups_use_group_rank(rank, world):
+    # Pairs of ranks as TP groups (DP x TP): each group has its own data and the group rank sets the shard.
+    groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    group = groups[rank // 2]
+    full_and_labels = _full_case(2, 211, 24, torch.float32, seed=11 + rank // 2)
+    run_and_check(dist.get_rank(group), 2, group=group, full_and_labels=full_and_labels,
+                  temperature=0.9, seed=11 + rank // 2)
+    dist.destroy_process_group(group)
+
+
+@case()
+def group_of_one_is_the_plain_path(rank, world):
+    import twinkle_mem
+    groups = [dist.new_group([r]) for r in range(world)]
+    full, labels = _full_case(world, 50, 8, torch.float32, seed=12)
+    got = twinkle_mem.selective_log_softmax(full, labels, True, process_group=groups[rank])
+    want = twinkle_mem.selective_log_softmax(full, labels, True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    dist.destroy_process_group(groups[rank])
+
+
+@case(2)
+def ranks_that_disagree_raise(rank, world):
+    import twinkle_mem
+    full, labels = _full_case(world, 40, 6, torch.float32, seed=13)
+    x = _shard_of(full, rank, world)
+    errors = []
+    labels = labels.clamp(max=75)  # in range on both ranks even with the short shard below
+    for kwargs, shard in (({}, x[:, :38] if rank == 1 else x),  # unequal shards
+                          ({"temperature": 1.0 + rank}, x),  # temperature differs
+                          ({"ignore_index": -100 if rank else None}, x)):  # ignore_index on one rank only
+        try:
+            twinkle_mem.selective_log_softmax(shard, labels, True, process_group=dist.group.WORLD, **kwargs)
+        except ValueError as e:
+            errors.append(str(e))
+    assert len(errors) == 3 and all("disagree" in e for e in errors), errors
+    assert "shard 38" in errors[0] and "shard 40" in errors[0], errors[0]
+
+
+@case(2)
+def bad_labels_raise_on_every_rank_before_communicating(rank, world):
+    import twinkle_mem
+    full, labels = _full_case(world, 40, 6, torch.float32, seed=14)
+    labels[2] = 80  # global vocab is 80: out of range on every rank
+    with pytest.raises(RuntimeError, match="out of range"):
+        twinkle_mem.selective_log_softmax(_shard_of(full, rank, world), labels, process_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="temperature"):
+        twinkle_mem.selective_log_softmax(_shard_of(full, rank, world), labels, temperature=0.0,
+                                          process_group=dist.group.WORLD)
+
+
+@case(2)
+def twinkle_adapter_under_megatron_tp(rank, world):
+    # twinkle-kit's selective_log_softmax after install(), with Megatron's TP group of size 2:
+    # entropy works, and log-probs and gradients agree with Megatron's own vocab-parallel CE.
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from twinkle_mem.integrations import twinkle as integration
+    mpu.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        import twinkle.loss.grpo as grpo
+        full, labels = _full_case(world, 128, 2 * 6, torch.float32, seed=15)
+        full, labels = full.view(6, 2, -1), labels.view(6, 2)  # Megatron's [s, b, V]
+        x = _shard_of(full, rank, world).requires_grad_()
+        integration.install(mask_skip="never", logits_guard=False)
+        try:
+            logp, entropy = grpo.selective_log_softmax(x, labels, return_entropy=True)
+        finally:
+            integration.uninstall()
+        (grad,) = torch.autograd.grad(logp.sum(), x)
+        y = x.detach().clone().requires_grad_()  # Megatron's CE works in place on its input
+        loss = vocab_parallel_cross_entropy(y, labels)
+        (meg_grad,) = torch.autograd.grad(-loss.sum(), y)
+        run_and_check(rank, world, full_and_labels=(full, labels))
+    finally:
+        mpu.destroy_model_parallel()
+    torch.testing.assert_close(logp, -loss, rtol=0, atol=1e-5)
+    torch.testing.assert_close(grad, meg_grad, rtol=0, atol=1e-6)
+    assert entropy.shape == labels.shape and torch.isfinite(entropy).all()
+
+
+# ----------------------------------------------------------------- worlds
+def _worker(rank, world, init_file, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    results = {}
+    try:
+        for name, (fn, worlds) in CASES.items():
+            if world not in worlds:
+                continue
+            try:
+                fn(rank, world)
+                results[name] = None
+            except Exception:  # noqa: BLE001  (reported to the parent, per case)
+                results[name] = traceback.format_exc()
+            dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _run_world(world):
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + WORLD_TIMEOUT_S
+        try:
+            while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gloo world of {world} did not finish within {WORLD_TIMEOUT_S} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        per_rank = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                per_rank.append(json.load(f))
+    return per_rank
+
+
+_worlds = {}
+
+
+def _world_results(world):
+    if world not in _worlds:
+        try:
+            _worlds[world] = _run_world(world)
+        except Exception as e:  # noqa: BLE001  (every test of this world reports it)
+            _worlds[world] = e
+    if isinstance(_worlds[world], Exception):
+        raise _worlds[world]
+    return _worlds[world]
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for n, (_fn, ws) in CASES.items() for w in ws],
+                         ids=lambda v: f"tp{v}" if isinstance(v, int) else v)
+def test_vocab_parallel(world, name):
+    per_rank = _world_results(world)
+    failures = [f"rank {r}:\n{res[name]}" for r, res in enumerate(per_rank) if res.get(name, "missing")]
+    assert not failures, "\n".join(failures)
