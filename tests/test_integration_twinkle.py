@@ -126,19 +126,28 @@ def test_twinkle_call_sites_compute_with_twinkle_mem():
     torch.testing.assert_close(logp, ours, rtol=0, atol=0)
 
 
-def test_tensor_parallel_keeps_twinkles_function(monkeypatch):
-    # Until the vocab-parallel op lands, TP > 1 must not turn twinkle's working
-    # log-prob path into an error: the adapter hands those calls to twinkle's
-    # own function (bf16 in, bf16 out: its dtype tells which one ran).
+def test_tensor_parallel_passes_the_tp_group_to_the_op(monkeypatch):
+    # Under TP > 1 the adapter hands the TP group to twinkle-mem's op (vocab-parallel
+    # path, entropy included) instead of twinkle's function; without TP, no group.
+    # The op itself under a real TP group: tests/test_vocab_parallel.py.
     import twinkle.loss.grpo as grpo
+    calls = []
+    real_op = twinkle_mem.selective_log_softmax
+
+    def recording_op(*args, **kwargs):
+        calls.append(kwargs.get("process_group"))
+        return real_op(*args, **{**kwargs, "process_group": None})
+
+    monkeypatch.setattr(twinkle_mem, "selective_log_softmax", recording_op)
     logits = torch.randn(2, 5, 97, dtype=torch.bfloat16)
     labels = torch.randint(0, 97, (2, 5))
     integration.install()
     try:
         monkeypatch.setattr(integration, "_tensor_parallel_group", lambda: "tp-group")
-        assert grpo.selective_log_softmax(logits, labels).dtype == torch.bfloat16
+        logp, entropy = grpo.selective_log_softmax(logits, labels, return_entropy=True)
+        assert logp.dtype == entropy.dtype == torch.float32 and calls == ["tp-group"]
         monkeypatch.setattr(integration, "_tensor_parallel_group", lambda: None)
-        assert grpo.selective_log_softmax(logits, labels).dtype == torch.float32
+        assert grpo.selective_log_softmax(logits, labels).dtype == torch.float32 and calls == ["tp-group", None]
     finally:
         integration.uninstall()
 

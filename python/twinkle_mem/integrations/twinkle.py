@@ -64,7 +64,7 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
     if log_softmax:
         from twinkle_mem import selective_log_softmax as op  # the native op, loaded only now
         original = torch_utils.selective_log_softmax
-        adapter = _log_softmax_adapter(op, original)
+        adapter = _log_softmax_adapter(op)
 
     try:
         if log_softmax:
@@ -130,16 +130,14 @@ def _twinkle_modules_binding(obj: Any) -> List[Any]:
 # --- selective_log_softmax ---------------------------------------------------
 
 
-def _log_softmax_adapter(op, original):
+def _log_softmax_adapter(op):
 
     def selective_log_softmax(logits, index, return_entropy=False):
         """twinkle-kit's ``selective_log_softmax`` signature, computed by twinkle-mem's op."""
-        # Under vocab tensor parallelism (TP > 1) twinkle's own function is kept for
-        # now: twinkle-mem's vocab-parallel path is not built yet, and twinkle's
-        # handles log-probs there (it raises for entropy, as before install()).
-        if _tensor_parallel_group() is not None:
-            return original(logits, index, return_entropy)
-        return op(logits, index, return_entropy)
+        # Under vocab tensor parallelism (TP > 1) the logits are this rank's vocab
+        # shard, as for twinkle's own function (Megatron's vocab-parallel CE there):
+        # the op combines the shards over the TP group, entropy included.
+        return op(logits, index, return_entropy, process_group=_tensor_parallel_group())
 
     selective_log_softmax.__wrapped__ = op
     return selective_log_softmax
