@@ -108,9 +108,9 @@ static void check_streamed_row(const Tiling& t, const std::vector<float>& x, flo
     const float shift = finite_shift(m);
     float s = 0, zs = 0;
     for (int64_t i = 0; i < n; ++i) {
-      const float z = x[b + i] * inv_t, e = exp_shifted(z, shift);
+      const float t = shifted(x[b + i], inv_t, -shift), e = exp_(t);
       s += e;
-      zs += entropy_term<float, float>(z, shift, e);
+      zs += entropy_term<float, float>(t, e);
     }
     state = merge(state, OnlineSoftmax<float>{shift, s, zs});
   }

@@ -62,6 +62,15 @@ TM_HOST_DEVICE double log_(double v) { return ::log(v); }
 // Returns b when either is NaN, like x86 MAXPS with b second: NaN inputs stay NaN.
 TM_HOST_DEVICE float max_(float a, float b) { return a > b ? a : b; }
 TM_HOST_DEVICE double max_(double a, double b) { return a > b ? a : b; }
+// a * b + c: fused on the GPU; a plain multiply-add on the host's scalar path,
+// which may run where there is no FMA unit (std::fma is then a library call).
+#if defined(__CUDACC__) || defined(__HIPCC__)
+TM_HOST_DEVICE float fma_(float a, float b, float c) { return fmaf(a, b, c); }
+TM_HOST_DEVICE double fma_(double a, double b, double c) { return fma(a, b, c); }
+#else
+TM_HOST_DEVICE float fma_(float a, float b, float c) { return a * b + c; }
+TM_HOST_DEVICE double fma_(double a, double b, double c) { return a * b + c; }
+#endif
 
 template <typename acc_t>
 TM_HOST_DEVICE acc_t lowest_finite() { return -std::numeric_limits<acc_t>::max(); }
@@ -79,14 +88,17 @@ TM_HOST_DEVICE acc_t finite_shift(acc_t max) {
   return max == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : max;
 }
 
-// Contribution of one element to a state whose max is `max`. A -inf logit has
-// e = 0; clamping it to the lowest finite value keeps (z - max) * e at 0, not NaN.
+// Every per-element term takes t = x / T - shift, the exponent of the element
+// against a shift (a block's max for the state, lse for the gradient): one FMA
+// of the raw logit. e = exp(t) is the element's weight.
 template <typename V>
-TM_HOST_DEVICE V exp_shifted(V z, V max) { return exp_(z - max); }
+TM_HOST_DEVICE V shifted(V x, V inv_temperature, V neg_shift) { return fma_(x, inv_temperature, neg_shift); }
 
+// Contribution of one element to zsum: t e. A -inf logit has e = 0; clamping
+// its t to the lowest finite value keeps t e at 0, not NaN.
 template <typename V, typename acc_t>
-TM_HOST_DEVICE V entropy_term(V z, V max, V e) {
-  return (max_(V(lowest_finite<acc_t>()), z) - max) * e;
+TM_HOST_DEVICE V entropy_term(V t, V e) {
+  return max_(V(lowest_finite<acc_t>()), t) * e;
 }
 
 // Combine two states; exact for any split of a row (the order fixes rounding).
@@ -119,16 +131,18 @@ TM_HOST_DEVICE V grad_logit(V z, V onehot, V lse, V mean, V g_logp, V g_entropy,
   return inv_temperature * (g_logp * (onehot - p) - g_entropy * p * (z_finite - mean));
 }
 
-// Off the label (onehot = 0) grad_logit reads p * (a + b z), with
-//   a = (g_entropy * mean - g_logp) / T,   b = -g_entropy / T,
-// one FMA per element instead of five operations. In the linear term z is
-// clamped from below at lse - exp_underflow (where p is already 0 in acc_t), so
-// that b z stays finite at z = -inf: p * finite = 0, where 0 * inf is NaN.
+// Off the label (onehot = 0) grad_logit reads, in the raw logit x,
+//   p * (a + b x),   p = exp(x / T - lse),
+//   a = (g_entropy * mean - g_logp) / T,   b = -g_entropy / T^2:
+// two FMAs per element besides the exp. In the linear term x is clamped from
+// below at x_floor = (lse - exp_underflow) T, where p is already 0 in acc_t, so
+// that b x stays finite at x = -inf: p * finite = 0, where 0 * inf is NaN.
 template <typename acc_t>
 struct OffLabelGrad {
   acc_t a;
   acc_t b;
-  acc_t z_floor;
+  acc_t x_floor;
+  acc_t neg_lse;
 };
 
 template <typename acc_t>
@@ -137,13 +151,13 @@ TM_HOST_DEVICE acc_t exp_underflow() { return sizeof(acc_t) == 4 ? acc_t(88) : a
 template <typename acc_t>
 TM_HOST_DEVICE OffLabelGrad<acc_t> off_label_grad(acc_t lse, acc_t mean, acc_t g_logp, acc_t g_entropy,
                                                   acc_t inv_temperature) {
-  return {(g_entropy * mean - g_logp) * inv_temperature, -g_entropy * inv_temperature,
-          lse - exp_underflow<acc_t>()};
+  return {(g_entropy * mean - g_logp) * inv_temperature, -g_entropy * inv_temperature * inv_temperature,
+          (lse - exp_underflow<acc_t>()) / inv_temperature, -lse};
 }
 
 template <typename V>
-TM_HOST_DEVICE V grad_off_label(V z, V lse, V a, V b, V z_floor) {
-  return exp_(z - lse) * (a + b * max_(z_floor, z));
+TM_HOST_DEVICE V grad_off_label(V x, V inv_temperature, V neg_lse, V a, V b, V x_floor) {
+  return exp_(shifted(x, inv_temperature, neg_lse)) * fma_(b, max_(x_floor, x), a);
 }
 
 // Label classification shared by every kernel.

@@ -12,14 +12,15 @@ constexpr int64_t kBlock = 2048;  // elements per L1-resident block of a row
 
 // Online softmax state of z = x[0, n) * inv_T. Each block of the row is read
 // from memory once: a first sweep converts it to acc_t into an L1 buffer and
-// finds its max, a second sweep accumulates exp and the entropy term.
+// finds its max, a second accumulates exp(t) and the entropy term, with
+// t = x inv_T - shift from one FMA.
 template <typename Vec, typename scalar_t>
 OnlineSoftmax<typename VecTraits<Vec>::acc_t> segment_state(
     const scalar_t* x, int64_t n, typename VecTraits<Vec>::acc_t inv_T, bool with_entropy) {
   using acc_t = typename VecTraits<Vec>::acc_t;
   constexpr int64_t W = VecTraits<Vec>::W;
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  alignas(64) acc_t z_buf[kBlock];
+  alignas(64) acc_t x_buf[kBlock];
   const Vec v_inv_T(inv_T);
   OnlineSoftmax<acc_t> state = empty_state<acc_t>();
   for (int64_t start = 0; start < n; start += kBlock) {
@@ -30,36 +31,38 @@ OnlineSoftmax<typename VecTraits<Vec>::acc_t> segment_state(
     acc_t s_max = kNegInf;
     int64_t i = 0;
     for (; i + W <= len; i += W) {
-      const Vec z = load_vec(x_block + i) * v_inv_T;
-      store_vec(z_buf + i, z);
-      v_max = max_(v_max, z);
+      const Vec xv = load_vec(x_block + i);
+      store_vec(x_buf + i, xv);
+      v_max = max_(v_max, xv);
     }
     for (; i < len; ++i) {
-      const acc_t z = load_scalar(x_block + i) * inv_T;
-      z_buf[i] = z;
-      s_max = max_(s_max, z);
+      const acc_t xs = load_scalar(x_block + i);
+      x_buf[i] = xs;
+      s_max = max_(s_max, xs);
     }
-    const acc_t shift = finite_shift(max_(s_max, hmax(v_max)));
+    // inv_T > 0: the max of z is inv_T times the max of x.
+    const acc_t shift = finite_shift(max_(s_max, hmax(v_max)) * inv_T);
 
-    const Vec v_shift(shift);
+    const Vec v_neg_shift(-shift);
     Vec v_sum(acc_t(0)), v_zsum(acc_t(0));
     acc_t s_sum = 0, s_zsum = 0;
     i = 0;
     if (with_entropy) {
       for (; i + W <= len; i += W) {
-        const Vec z = load_vec(z_buf + i);
-        const Vec e = exp_shifted(z, v_shift);
+        const Vec t = shifted(load_vec(x_buf + i), v_inv_T, v_neg_shift);
+        const Vec e = exp_(t);
         v_sum = v_sum + e;
-        v_zsum = v_zsum + entropy_term<Vec, acc_t>(z, v_shift, e);
+        v_zsum = v_zsum + entropy_term<Vec, acc_t>(t, e);
       }
       for (; i < len; ++i) {
-        const acc_t e = exp_shifted(z_buf[i], shift);
+        const acc_t t = shifted(x_buf[i], inv_T, -shift);
+        const acc_t e = exp_(t);
         s_sum += e;
-        s_zsum += entropy_term<acc_t, acc_t>(z_buf[i], shift, e);
+        s_zsum += entropy_term<acc_t, acc_t>(t, e);
       }
     } else {
-      for (; i + W <= len; i += W) v_sum = v_sum + exp_shifted(load_vec(z_buf + i), v_shift);
-      for (; i < len; ++i) s_sum += exp_shifted(z_buf[i], shift);
+      for (; i + W <= len; i += W) v_sum = v_sum + exp_(shifted(load_vec(x_buf + i), v_inv_T, v_neg_shift));
+      for (; i < len; ++i) s_sum += exp_(shifted(x_buf[i], inv_T, -shift));
     }
     state = merge(state, OnlineSoftmax<acc_t>{shift, s_sum + hsum(v_sum), s_zsum + hsum(v_zsum)});
   }
@@ -76,14 +79,12 @@ void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, typename VecTraits<
   using acc_t = typename VecTraits<Vec>::acc_t;
   constexpr int64_t W = VecTraits<Vec>::W;
   const OffLabelGrad<acc_t> c = off_label_grad(lse, mean, g_logp, g_entropy, inv_T);
-  const Vec v_lse(lse), v_a(c.a), v_b(c.b), v_z_floor(c.z_floor), v_inv_T(inv_T);
+  const Vec v_inv_T(inv_T), v_neg_lse(c.neg_lse), v_a(c.a), v_b(c.b), v_x_floor(c.x_floor);
   int64_t i = 0;
   for (; i + W <= n; i += W) {
-    const Vec z = load_vec(x + i) * v_inv_T;
-    store_vec(d + i, grad_off_label(z, v_lse, v_a, v_b, v_z_floor));
+    store_vec(d + i, grad_off_label(load_vec(x + i), v_inv_T, v_neg_lse, v_a, v_b, v_x_floor));
   }
   for (; i < n; ++i) {
-    const acc_t z = load_scalar(x + i) * inv_T;
-    store_scalar(d + i, grad_off_label(z, lse, c.a, c.b, c.z_floor));
+    store_scalar(d + i, grad_off_label(load_scalar(x + i), inv_T, c.neg_lse, c.a, c.b, c.x_floor));
   }
 }

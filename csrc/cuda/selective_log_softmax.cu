@@ -195,15 +195,15 @@ struct ForwardArgs {
 };
 
 // Adds z = x[k] * inv_T for k < K (raw logits of one thread's chunk) to
-// (sum, zsum), the chunk's state against `shift`.
+// (sum, zsum), the chunk's state against `shift` (t = z - shift, one FMA).
 template <bool kEntropy, typename acc_t, int K>
 __device__ __forceinline__ void accumulate(const acc_t (&x)[K], acc_t inv_T, acc_t shift, acc_t& sum, acc_t& zsum) {
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const acc_t z = x[k] * inv_T;
-    const acc_t e = exp_shifted(z, shift);
+    const acc_t t = shifted(x[k], inv_T, -shift);
+    const acc_t e = exp_(t);
     sum += e;
-    if constexpr (kEntropy) zsum += entropy_term<acc_t, acc_t>(z, shift, e);
+    if constexpr (kEntropy) zsum += entropy_term<acc_t, acc_t>(t, e);
   }
 }
 
