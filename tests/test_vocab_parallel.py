@@ -335,6 +335,8 @@ def twinkle_adapter_under_megatron_tp(rank, world):
 # ----------------------------------------------------------------- worlds
 def _worker(rank, world, init_file, out_dir):
     torch.set_num_threads(1)
+    if os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, whatever the hostname resolves to
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     results = {}
@@ -357,7 +359,6 @@ def _worker(rank, world, init_file, out_dir):
 def _run_world(world):
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp), nprocs=world,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + WORLD_TIMEOUT_S
