@@ -62,15 +62,11 @@ TM_HOST_DEVICE double log_(double v) { return ::log(v); }
 // Returns b when either is NaN, like x86 MAXPS with b second: NaN inputs stay NaN.
 TM_HOST_DEVICE float max_(float a, float b) { return a > b ? a : b; }
 TM_HOST_DEVICE double max_(double a, double b) { return a > b ? a : b; }
-// a * b + c: fused on the GPU; a plain multiply-add on the host's scalar path,
-// which may run where there is no FMA unit (std::fma is then a library call).
-#if defined(__CUDACC__) || defined(__HIPCC__)
-TM_HOST_DEVICE float fma_(float a, float b, float c) { return fmaf(a, b, c); }
-TM_HOST_DEVICE double fma_(double a, double b, double c) { return fma(a, b, c); }
-#else
+// a * b + c. Written plainly: nvcc contracts it into one FMA (-fmad=true), and
+// the host's scalar path may run where there is no FMA unit (std::fma is then
+// a library call). The AVX2 vector overload is an explicit FMA.
 TM_HOST_DEVICE float fma_(float a, float b, float c) { return a * b + c; }
 TM_HOST_DEVICE double fma_(double a, double b, double c) { return a * b + c; }
-#endif
 
 template <typename acc_t>
 TM_HOST_DEVICE acc_t lowest_finite() { return -std::numeric_limits<acc_t>::max(); }

@@ -195,12 +195,13 @@ struct ForwardArgs {
 };
 
 // Adds z = x[k] * inv_T for k < K (raw logits of one thread's chunk) to
-// (sum, zsum), the chunk's state against `shift` (t = z - shift, one FMA).
+// (sum, zsum), the chunk's state against shift = -neg_shift (t = z - shift, one FMA).
 template <bool kEntropy, typename acc_t, int K>
-__device__ __forceinline__ void accumulate(const acc_t (&x)[K], acc_t inv_T, acc_t shift, acc_t& sum, acc_t& zsum) {
+__device__ __forceinline__ void accumulate(const acc_t (&x)[K], acc_t inv_T, acc_t neg_shift, acc_t& sum,
+                                           acc_t& zsum) {
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const acc_t t = shifted(x[k], inv_T, -shift);
+    const acc_t t = shifted(x[k], inv_T, neg_shift);
     const acc_t e = exp_(t);
     sum += e;
     if constexpr (kEntropy) zsum += entropy_term<acc_t, acc_t>(t, e);
@@ -259,7 +260,7 @@ __device__ __forceinline__ void merge_chunk(OnlineSoftmax<acc_of<scalar_t>>& sta
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     unpack<scalar_t>(raw[u], x);
-    accumulate<kEntropy>(x, inv_T, shift, sum, zsum);
+    accumulate<kEntropy>(x, inv_T, -shift, sum, zsum);
   }
   state = merge(state, OnlineSoftmax<acc_t>{shift, sum, zsum});
 }
@@ -283,7 +284,7 @@ __device__ __forceinline__ OnlineSoftmax<acc_of<scalar_t>> thread_state(const sc
     if (tail + tid < n) ends[1] = to_acc(x[tail + tid]);
     const acc_t shift = finite_shift(max_(ends[0], ends[1]) * inv_T);
     acc_t sum = 0, zsum = 0;
-    accumulate<kEntropy>(ends, inv_T, shift, sum, zsum);
+    accumulate<kEntropy>(ends, inv_T, -shift, sum, zsum);
     state = merge(state, OnlineSoftmax<acc_t>{shift, sum, zsum});
   }
 
