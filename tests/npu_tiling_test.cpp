@@ -110,7 +110,7 @@ static void check_streamed_row(const Tiling& t, const std::vector<float>& x, flo
     for (int64_t i = 0; i < n; ++i) {
       const float t = shifted(x[b + i], inv_t, -shift), e = exp_(t);
       s += e;
-      zs += entropy_term<float, float>(t, e);
+      zs = add_entropy_term<float, float>(zs, t, e);
     }
     state = merge(state, OnlineSoftmax<float>{shift, s, zs});
   }

@@ -90,11 +90,11 @@ TM_HOST_DEVICE acc_t finite_shift(acc_t max) {
 template <typename V>
 TM_HOST_DEVICE V shifted(V x, V inv_temperature, V neg_shift) { return fma_(x, inv_temperature, neg_shift); }
 
-// Contribution of one element to zsum: t e. A -inf logit has e = 0; clamping
-// its t to the lowest finite value keeps t e at 0, not NaN.
+// zsum plus one element's contribution t e (one FMA). A -inf logit has e = 0;
+// clamping its t to the lowest finite value keeps t e at 0, not NaN.
 template <typename V, typename acc_t>
-TM_HOST_DEVICE V entropy_term(V t, V e) {
-  return max_(V(lowest_finite<acc_t>()), t) * e;
+TM_HOST_DEVICE V add_entropy_term(V zsum, V t, V e) {
+  return fma_(max_(V(lowest_finite<acc_t>()), t), e, zsum);
 }
 
 // Combine two states; exact for any split of a row (the order fixes rounding).

@@ -4,7 +4,8 @@
 // float or double) and selective_log_softmax_avx2.cpp (Vec = Vec8f).
 //
 // The including namespace provides: VecTraits<Vec>, load_vec(const T*) -> Vec,
-// store_vec(T*, Vec), load_scalar(const T*) -> acc_t, store_scalar(T*, acc_t),
+// store_vec(T*, Vec), store_pair(T*, Vec, Vec) (2 W elements), load_scalar(const T*)
+// -> acc_t, store_scalar(T*, acc_t),
 // hmax(Vec), hsum(Vec), and the exp_/max_ overloads that online_softmax.h's
 // templates call.
 
@@ -52,13 +53,13 @@ OnlineSoftmax<typename VecTraits<Vec>::acc_t> segment_state(
         const Vec t = shifted(load_vec(x_buf + i), v_inv_T, v_neg_shift);
         const Vec e = exp_(t);
         v_sum = v_sum + e;
-        v_zsum = v_zsum + entropy_term<Vec, acc_t>(t, e);
+        v_zsum = add_entropy_term<Vec, acc_t>(v_zsum, t, e);
       }
       for (; i < len; ++i) {
         const acc_t t = shifted(x_buf[i], inv_T, -shift);
         const acc_t e = exp_(t);
         s_sum += e;
-        s_zsum += entropy_term<acc_t, acc_t>(t, e);
+        s_zsum = add_entropy_term<acc_t, acc_t>(s_zsum, t, e);
       }
     } else {
       for (; i + W <= len; i += W) v_sum = v_sum + exp_(shifted(load_vec(x_buf + i), v_inv_T, v_neg_shift));
@@ -81,6 +82,10 @@ void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, typename VecTraits<
   const OffLabelGrad<acc_t> c = off_label_grad(lse, mean, g_logp, g_entropy, inv_T);
   const Vec v_inv_T(inv_T), v_neg_lse(c.neg_lse), v_a(c.a), v_b(c.b), v_x_floor(c.x_floor);
   int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {  // two vectors per store: one full-width 16-bit store
+    store_pair(d + i, grad_off_label(load_vec(x + i), v_inv_T, v_neg_lse, v_a, v_b, v_x_floor),
+               grad_off_label(load_vec(x + i + W), v_inv_T, v_neg_lse, v_a, v_b, v_x_floor));
+  }
   for (; i + W <= n; i += W) {
     store_vec(d + i, grad_off_label(load_vec(x + i), v_inv_T, v_neg_lse, v_a, v_b, v_x_floor));
   }

@@ -45,6 +45,8 @@ template <typename T, typename V>
 inline void store_vec(T* p, V v) { *p = static_cast<T>(v); }
 template <typename T, typename V>
 inline void store_scalar(T* p, V v) { *p = static_cast<T>(v); }
+template <typename T, typename V>
+inline void store_pair(T* p, V a, V b) { p[0] = static_cast<T>(a); p[1] = static_cast<T>(b); }
 template <typename V>
 inline V hmax(V v) { return v; }
 template <typename V>

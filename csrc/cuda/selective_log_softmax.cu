@@ -204,7 +204,7 @@ __device__ __forceinline__ void accumulate(const acc_t (&x)[K], acc_t inv_T, acc
     const acc_t t = shifted(x[k], inv_T, neg_shift);
     const acc_t e = exp_(t);
     sum += e;
-    if constexpr (kEntropy) zsum += entropy_term<acc_t, acc_t>(t, e);
+    if constexpr (kEntropy) zsum = add_entropy_term<acc_t, acc_t>(zsum, t, e);
   }
 }
 
