@@ -19,6 +19,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import twinkle_helpers as th  # noqa: E402
+from twinkle_mem.measure import cpu_name  # noqa: E402
 
 BUILDER_SETUP = """
 import torch
@@ -87,20 +88,12 @@ def main():
 
     meta = dict(batch=args.batch, seq=args.seq, mask_bytes=mask_bytes, reps=args.reps, threads=1,
                 torch=torch.__version__, twinkle_kit=twinkle.version.__version__, python=platform.python_version(),
-                machine=platform.machine(), cpu=_cpu_name(), cores=os.cpu_count())
+                machine=platform.machine(), cpu=cpu_name(), cores=os.cpu_count())
     out_dir = os.path.join(HERE, "results")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "bench_mask.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=2)
     _plot(rows, meta, os.path.join(out_dir, "bench_mask.png"))
-
-
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def _plot(rows, meta, path):

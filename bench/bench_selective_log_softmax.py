@@ -106,15 +106,10 @@ def peer_functions(torch):
     }
 
 
-def _status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def child(peer, n, v, reps):
     import torch
+
+    from twinkle_mem.measure import peak_rss
 
     torch.manual_seed(0)
     fn = peer_functions(torch)[peer]
@@ -122,23 +117,20 @@ def child(peer, n, v, reps):
     labels = torch.randint(0, v, (n,))
     logits_bytes = base_logits.numel() * base_logits.element_size()
 
-    def run_once(measure):
+    def run_once():
         logits = base_logits.clone().requires_grad_() if peer == "twinkle_mem_inplace" else base_logits.requires_grad_()
-        if measure:
-            open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS
-        base = _status("VmRSS")
-        t0 = time.perf_counter()
-        logp, entropy = fn(logits, labels)
-        (grad,) = torch.autograd.grad(logp.sum() + 0.01 * entropy.sum(), logits)
-        elapsed = time.perf_counter() - t0
-        peak = _status("VmHWM") - base
+        with peak_rss() as peak:
+            t0 = time.perf_counter()
+            logp, entropy = fn(logits, labels)
+            (grad,) = torch.autograd.grad(logp.sum() + 0.01 * entropy.sum(), logits)
+            elapsed = time.perf_counter() - t0
         grad_bytes = 0 if grad.data_ptr() == logits.data_ptr() else logits_bytes
-        return elapsed, peak - grad_bytes, logp.detach(), entropy.detach()
+        return elapsed, peak.bytes - grad_bytes, logp.detach(), entropy.detach()
 
-    run_once(False)  # warm-up (and compile)
+    run_once()  # warm-up (and compile)
     times, extra_peak = [], None
     for r in range(reps):
-        elapsed, extra, logp, entropy = run_once(True)
+        elapsed, extra, logp, entropy = run_once()
         times.append(elapsed)
         extra_peak = extra if extra_peak is None else min(extra_peak, extra)
 

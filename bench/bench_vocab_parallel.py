@@ -33,21 +33,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from twinkle_mem.measure import cpu_name, peak_rss
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("twinkle-mem vocab-parallel", "all_gather logits + single-process op")
-
-
-def _status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _reset_hwm():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 class _Counter:
@@ -114,10 +103,9 @@ def _worker(rank, world, mode, n, vocab, reps, init_file, out_dir):
         calls_per_step = counter.calls / reps
         del logp, entropy, grad
         dist.barrier()
-        base = _status("VmRSS")
-        _reset_hwm()
-        out = step()
-        peak = torch.tensor([_status("VmHWM") - base], dtype=torch.float64)
+        with peak_rss() as rise:
+            out = step()
+        peak = torch.tensor([rise.bytes], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         if rank == 0:
             torch.save(dict(logp=out[0], entropy=out[1]), os.path.join(out_dir, "out.pt"))
@@ -174,7 +162,7 @@ def main():
     import twinkle_mem
     meta = dict(n=args.n, vocab=args.vocab, dtype="bfloat16", reps=args.reps, threads_per_rank=1, backend="gloo",
                 torch=torch.__version__, twinkle_mem=twinkle_mem.__version__, python=platform.python_version(),
-                machine=platform.machine(), cpu=_cpu_name(), cores=os.cpu_count())
+                machine=platform.machine(), cpu=cpu_name(), cores=os.cpu_count())
     out_dir = os.path.join(HERE, "results")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "vocab_parallel.json"), "w") as f:
@@ -198,14 +186,6 @@ def _table(rows, meta):
                      f"{r['collectives_per_step']:.0f} | {r['bytes_per_token']:,.1f} | {r['peak_bytes'] / 2**20:.0f} | "
                      f"{r['max_abs_diff_between_paths']:.2g} |")
     return "\n".join(lines) + "\n"
-
-
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def _plot(rows, meta, path):

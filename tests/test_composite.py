@@ -298,19 +298,14 @@ def test_saves_only_the_logits_reference_and_row_stats(forced):
 PEAK_SCRIPT = textwrap.dedent("""
     import json, sys, torch, twinkle_mem
     from twinkle_mem import composite
+    from twinkle_mem.measure import peak_rss
     torch.set_num_threads(1)
     n, v, budget = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 
-    def status(key):
-        for line in open("/proc/self/status"):
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-
     def transient(fn):
-        open("/proc/self/clear_refs", "w").write("5")
-        base = status("VmRSS")
-        out = fn()
-        return status("VmHWM") - base, out
+        with peak_rss() as peak:
+            out = fn()
+        return peak.bytes, out
 
     logits = (torch.randn(n, v) * 4).bfloat16()
     labels = torch.randint(0, v, (n,))
@@ -327,12 +322,10 @@ PEAK_SCRIPT = textwrap.dedent("""
 
     def autograd_step():  # the public API with autograd, as a device without a kernel runs it
         xr = logits.clone().requires_grad_()
-        with composite.forced(budget_bytes=budget):
-            open("/proc/self/clear_refs", "w").write("5")
-            base = status("VmRSS")
+        with composite.forced(budget_bytes=budget), peak_rss() as peak:
             lp, ent = twinkle_mem.selective_log_softmax(xr, labels, True, temperature=0.9)
             (lp.sum() + ent.sum()).backward()
-            return status("VmHWM") - base
+        return peak.bytes
     autograd_step()
     res["autograd"] = autograd_step()
     # Sanity of the measurement: an unchunked fp32 log_softmax shows its [n, v] fp32 temporaries.

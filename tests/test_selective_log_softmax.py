@@ -216,26 +216,19 @@ def test_saves_nothing_vocab_sized_and_constant_count():
 
 PEAK_SCRIPT = textwrap.dedent("""
     import sys, torch, twinkle_mem
+    from twinkle_mem.measure import peak_rss
     n, v, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(2)
-    def hwm():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) * 1024
-    def rss():
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) * 1024
     logits = torch.randn(n, v).bfloat16().requires_grad_()
     labels = torch.randint(0, v, (n,))
     twinkle_mem.selective_log_softmax(logits[:2], labels[:2], True)[0].sum().backward()  # warm up
     logits.grad = None
-    open("/proc/self/clear_refs", "w").write("5")
-    base = rss()
-    logp, entropy = twinkle_mem.selective_log_softmax(logits, labels, True, inplace_backward=(mode == "inplace"))
-    (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), logits)
+    with peak_rss() as peak:
+        logp, entropy = twinkle_mem.selective_log_softmax(logits, labels, True,
+                                                          inplace_backward=(mode == "inplace"))
+        (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), logits)
     same = grad.data_ptr() == logits.data_ptr()
-    print(hwm() - base, n * v * 2, int(same))
+    print(peak.bytes, n * v * 2, int(same))
 """)
 
 

@@ -220,12 +220,7 @@ def lm_samples(lengths, vocab: int, seed: int = 0):
 _MEASURE_SCRIPT = """
 import json, sys, time
 sys.path[:0] = {path!r}
-
-def _status(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
+from twinkle_mem.measure import peak_rss
 
 EXTRA = {{}}
 {setup}
@@ -237,13 +232,11 @@ _out = _run()  # warm-up: lazy initialisation is not what is measured
 del _out
 _peaks, _times = [], []
 for _ in range({reps}):
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    _base = _status("VmRSS")
-    _start = time.perf_counter()
-    _out = _run()
-    _times.append(time.perf_counter() - _start)
-    _peaks.append(_status("VmHWM") - _base)
+    with peak_rss() as _peak:
+        _start = time.perf_counter()
+        _out = _run()
+        _times.append(time.perf_counter() - _start)
+    _peaks.append(_peak.bytes)
     del _out
 print(json.dumps({{"peak": max(_peaks), "times": _times, "extra": EXTRA}}))
 """
