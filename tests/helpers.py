@@ -99,3 +99,21 @@ def check_against_reference(logits, labels, temperature=1.0, ignore_index=None, 
     s = (ref_lse.abs() + ref_mean.abs()).to(grad.device)
     g_sum = g_logp.abs() + ((g_entropy.abs() * (1 + s)) if with_entropy else 0)
     assert_grad_close(grad, ref_grad, logits.dtype, fp32_row_bound=(1 + s) * g_sum / temperature)
+
+
+def check_inplace_backward_matches(device="cpu"):
+    """inplace_backward gives the out-of-place gradient bitwise, in the logits' own storage,
+    and bumps their version counter."""
+    logits, labels = make_case(40, 3001, torch.bfloat16, device, ignore_frac=0.2)
+    g = [torch.randn(40, device=device) for _ in range(2)]
+    grads = []
+    for inplace in (False, True):
+        x = logits.clone().requires_grad_()
+        logp, entropy = twinkle_mem.selective_log_softmax(x, labels, True, ignore_index=-100,
+                                                          inplace_backward=inplace)
+        version = x._version
+        (grad,) = torch.autograd.grad((logp * g[0]).sum() + (entropy * g[1]).sum(), x)
+        grads.append(grad)
+        if inplace:
+            assert grad.data_ptr() == x.data_ptr() and x._version > version
+    assert torch.equal(grads[0], grads[1])
