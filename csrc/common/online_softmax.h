@@ -1,16 +1,28 @@
 // The math of selective log-softmax and entropy, written once for every backend.
 //
-// For one row of logits x (length V), temperature T and label y, with z = x / T:
-//   lse     = log sum_v exp(z_v)
-//   logp    = z_y - lse
-//   entropy = -sum_v p_v log p_v = lse - E_p[z],   p = exp(z - lse)
-// and the gradient of  g_logp * logp + g_H * entropy  with respect to x:
-//   d_v = [g_logp * (onehot_v - p_v) - g_H * p_v * (z_v - E_p[z])] / T
+// For one row of logits x (length V), temperature T and labels y_1..y_k:
+//   shift   = max_v x_v                      (in logit units; 0 when every x is -inf)
+//   t_v     = (x_v - shift) / T              (<= 0: the exponent against the shift)
+//   log_sum = log sum_v exp(t_v)
+//   u_v     = t_v - log_sum = log p_v
+//   logp_j  = u_{y_j}
+//   entropy = -sum_v p_v u_v = log_sum - sum_v p_v t_v
+// and the gradient of  sum_j g_j logp_j + g_H entropy  with respect to x_v:
+//   d_v = [sum_{j: y_j = v} g_j - G p_v - g_H p_v (u_v + entropy)] / T,   G = sum_j g_j
+// (u_v + entropy = z_v - E_p[z] with z = x / T, here without the cancellation
+// of two large numbers).
 //
-// The functions below are templates over the value type V so that the same
-// lines serve a scalar (float, double), a SIMD register (the CPU kernel's
-// Vec8f) and a CUDA thread. V needs +, -, *, and the free functions
-// exp_(V), max_(V, V) (NaN-propagating in its second argument) and log_(V).
+// Precision: every quantity is a difference against the row's own shift, never
+// against a rounded lse = shift / T + log_sum (whose fp32 ulp is 1e-3 at 1e4):
+// the forward keeps shift and log_sum apart and the backward recomputes
+// u = (x - shift) / T - log_sum with one rounding after the subtraction. x - shift
+// cannot overflow for finite rows, so finfo.min masks at any temperature and
+// logits near a dtype's limits stay finite.
+//
+// The functions are templates over the value type so that the same lines serve
+// a scalar (float, double), a SIMD register (the CPU kernel's Vec8f) and a CUDA
+// thread. A vector type provides +, -, * and the free functions exp_(V),
+// max_(V, V) (NaN-propagating in its second argument) and fma_(V, V, V).
 #pragma once
 
 #include <cmath>
@@ -32,24 +44,38 @@
 
 namespace twinkle_mem {
 
-// Running statistics of a stream of scaled logits z:
-//   max  = max z,   sum = sum exp(z - max),   zsum = sum (z - max) exp(z - max).
-// zsum is kept relative to max (a refinement of "sum z exp z"): then
-// entropy = log(sum) - zsum / sum never subtracts two large numbers.
-// The empty state (no element, or only -inf) is {-inf, 0, 0}.
+// Running statistics of a stream of logits x against its running max:
+//   max  = max x,
+//   rest = sum exp(t) over every element but one that holds the max (so that
+//          sum exp(t) = 1 + rest; log_sum = log1p(rest) keeps a confident row's
+//          1 - p_max = rest / (1 + rest) exact where 1 + rest rounds to 1),
+//   zsum = sum t exp(t)   (the max's term is 0),   t = (x - max) / T.
+// The empty state (no element, or only -inf) is {-inf, -1, 0}: a sum of 0.
 template <typename acc_t>
 struct OnlineSoftmax {
   acc_t max;
-  acc_t sum;
+  acc_t rest;
   acc_t zsum;
 };
 
-// Per-row results from a complete state.
+// Per-row results from a complete state (the forward's outputs besides logp).
 template <typename acc_t>
 struct RowStats {
-  acc_t lse;      // log sum exp z
-  acc_t mean;     // E_p[z]
-  acc_t entropy;  // lse - E_p[z]
+  acc_t shift;    // max x (0 for a row of only -inf)
+  acc_t log_sum;  // log sum exp((x - shift) / T)
+  acc_t entropy;  // log_sum - E_p[t]
+};
+
+// Per-row constants of the backward (see row_grad() below).
+template <typename acc_t>
+struct RowGrad {
+  acc_t neg_shift;
+  acc_t neg_log_sum;
+  acc_t inv_temperature;
+  acc_t a;
+  acc_t b;
+  acc_t u_floor;
+  acc_t g_entropy_term;  // g_H * entropy
 };
 
 inline namespace TWINKLE_MEM_ISA {
@@ -57,8 +83,10 @@ inline namespace TWINKLE_MEM_ISA {
 // Scalar primitives; vector types provide their own overloads.
 TM_HOST_DEVICE float exp_(float v) { return ::expf(v); }
 TM_HOST_DEVICE double exp_(double v) { return ::exp(v); }
-TM_HOST_DEVICE float log_(float v) { return ::logf(v); }
-TM_HOST_DEVICE double log_(double v) { return ::log(v); }
+TM_HOST_DEVICE float expm1_(float v) { return ::expm1f(v); }
+TM_HOST_DEVICE double expm1_(double v) { return ::expm1(v); }
+TM_HOST_DEVICE float log1p_(float v) { return ::log1pf(v); }
+TM_HOST_DEVICE double log1p_(double v) { return ::log1p(v); }
 // Returns b when either is NaN, like x86 MAXPS with b second: NaN inputs stay NaN.
 TM_HOST_DEVICE float max_(float a, float b) { return a > b ? a : b; }
 TM_HOST_DEVICE double max_(double a, double b) { return a > b ? a : b; }
@@ -73,7 +101,16 @@ TM_HOST_DEVICE acc_t lowest_finite() { return -std::numeric_limits<acc_t>::max()
 
 template <typename acc_t>
 TM_HOST_DEVICE OnlineSoftmax<acc_t> empty_state() {
-  return {-std::numeric_limits<acc_t>::infinity(), acc_t(0), acc_t(0)};
+  return {-std::numeric_limits<acc_t>::infinity(), acc_t(-1), acc_t(0)};
+}
+
+// A block's state from its max and the sums of exp(t) and t exp(t) over all
+// its elements except one that holds the max (a kernel leaves that one out,
+// e.g. by treating it as -inf). A block of only -inf has no max element.
+template <typename acc_t>
+TM_HOST_DEVICE OnlineSoftmax<acc_t> block_state(acc_t max, acc_t sum_but_max, acc_t zsum) {
+  const bool empty = max == -std::numeric_limits<acc_t>::infinity();
+  return {max, empty ? acc_t(-1) : sum_but_max, zsum};
 }
 
 // The shift that exponentials of a block are taken against: its max, or 0 when
@@ -84,11 +121,11 @@ TM_HOST_DEVICE acc_t finite_shift(acc_t max) {
   return max == -std::numeric_limits<acc_t>::infinity() ? acc_t(0) : max;
 }
 
-// Every per-element term takes t = x / T - shift, the exponent of the element
-// against a shift (a block's max for the state, lse for the gradient): one FMA
-// of the raw logit. e = exp(t) is the element's weight.
+// t = (x - shift) / T: the exponent of one element against a shift. The
+// subtraction is exact or nearly so for the elements that carry weight
+// (Sterbenz), the product rounds once: t is accurate relative to itself.
 template <typename V>
-TM_HOST_DEVICE V shifted(V x, V inv_temperature, V neg_shift) { return fma_(x, inv_temperature, neg_shift); }
+TM_HOST_DEVICE V scaled_gap(V x, V neg_shift, V inv_temperature) { return (x + neg_shift) * inv_temperature; }
 
 // zsum plus one element's contribution t e (one FMA). A -inf logit has e = 0;
 // clamping its t to the lowest finite value keeps t e at 0, not NaN.
@@ -98,66 +135,93 @@ TM_HOST_DEVICE V add_entropy_term(V zsum, V t, V e) {
 }
 
 // Combine two states; exact for any split of a row (the order fixes rounding).
+// The state with the larger max keeps its max element (a on ties); the other's
+// whole sum (1 + rest) joins the rest, scaled by exp(gap), gap = (max' - max) / T.
+// A state far below the other (a block of finfo.min masks) has weight
+// exp(gap) = 0; its gap is clamped so that gap * sum stays finite and the
+// weighted term is 0, not -inf * 0 = NaN.
 template <typename acc_t>
-TM_HOST_DEVICE OnlineSoftmax<acc_t> merge(const OnlineSoftmax<acc_t>& a,
-                                          const OnlineSoftmax<acc_t>& b) {
-  if (b.sum == acc_t(0)) return a;  // b saw only -inf: nothing to add
-  if (a.sum == acc_t(0)) return b;
-  const acc_t max = a.max > b.max ? a.max : b.max;
-  const acc_t da = a.max - max, db = b.max - max;  // both <= 0
-  const acc_t ea = exp_(da), eb = exp_(db);
-  return {max, a.sum * ea + b.sum * eb,
-          (a.zsum + da * a.sum) * ea + (b.zsum + db * b.sum) * eb};
+TM_HOST_DEVICE OnlineSoftmax<acc_t> merge(const OnlineSoftmax<acc_t>& a, const OnlineSoftmax<acc_t>& b,
+                                          acc_t inv_temperature) {
+  if (b.rest == acc_t(-1)) return a;  // b saw only -inf: nothing to add
+  if (a.rest == acc_t(-1)) return b;
+  const bool a_top = !(b.max > a.max);  // NaN maxes reach the sums through the gap either way
+  const OnlineSoftmax<acc_t>& top = a_top ? a : b;
+  const OnlineSoftmax<acc_t>& low = a_top ? b : a;
+  const acc_t kFarBelow = acc_t(-1e30);  // exp() of it is 0; times any sum (< 2^63) still finite
+  const acc_t gap = max_(kFarBelow, (low.max - top.max) * inv_temperature);  // <= 0
+  const acc_t scale = exp_(gap);
+  const acc_t weight = fma_(low.rest, scale, scale);  // (1 + low.rest) exp(gap)
+  // low's terms re-based to top's max: t + gap, so sum (t + gap) e exp(gap) = zsum exp(gap) + gap weight.
+  return {top.max, top.rest + weight, top.zsum + fma_(gap, weight, low.zsum * scale)};
 }
 
 template <typename acc_t>
 TM_HOST_DEVICE RowStats<acc_t> finalize(const OnlineSoftmax<acc_t>& s) {
-  const acc_t log_sum = log_(s.sum);
-  const acc_t rel_mean = s.zsum / s.sum;  // E_p[z] - max, <= 0
-  return {s.max + log_sum, s.max + rel_mean, log_sum - rel_mean};
+  const acc_t log_sum = log1p_(s.rest);
+  const acc_t mean_t = s.zsum / (acc_t(1) + s.rest);  // E_p[t] <= 0
+  return {finite_shift(s.max), log_sum, log_sum - mean_t};
 }
 
-// Gradient of g_logp * logp + g_H * entropy with respect to one logit x,
-// given z = x / T, onehot (1 for the label, else 0) and the saved lse, mean.
-template <typename V, typename acc_t>
-TM_HOST_DEVICE V grad_logit(V z, V onehot, V lse, V mean, V g_logp, V g_entropy,
-                            V inv_temperature) {
-  const V p = exp_(z - lse);
-  const V z_finite = max_(V(lowest_finite<acc_t>()), z);
-  return inv_temperature * (g_logp * (onehot - p) - g_entropy * p * (z_finite - mean));
+// log p of one logit: (x - shift) / T - log_sum.
+template <typename acc_t>
+TM_HOST_DEVICE acc_t log_prob(acc_t x, acc_t shift, acc_t log_sum, acc_t inv_temperature) {
+  return fma_(x - shift, inv_temperature, -log_sum);
 }
 
-// Off the label (onehot = 0) grad_logit reads, in the raw logit x,
-//   p * (a + b x),   p = exp(x / T - lse),
-//   a = (g_entropy * mean - g_logp) / T,   b = -g_entropy / T^2:
-// two FMAs per element besides the exp. In the linear term x is clamped from
-// below at x_floor = (lse - exp_underflow) T, where p is already 0 in acc_t, so
-// that b x stays finite at x = -inf: p * finite = 0, where 0 * inf is NaN.
+// ----------------------------------------------------------------- backward
+// Per row: with u = log p and p = exp(u), every logit's gradient is
+//   p (a + b u)                                   off the labels,
+//   p (a_here + b u) - (g_here / T) expm1(u)      at a position holding labels whose
+//                                                 upstream gradients sum to g_here,
+// a = -(G + g_H entropy) / T, a_here = -(g_other + g_H entropy) / T with
+// g_other = G - g_here (exactly 0 for a single label), b = -g_H / T. The label
+// form writes g_here (1 - p) as -g_here expm1(u): exact where p is close to 1
+// (a confident model's label), where 1 - p would cancel. In the linear term u is
+// clamped from below at u_floor, where p is already 0 in acc_t, so that b u
+// stays finite at x = -inf: p * finite = 0, where 0 * inf is NaN.
 template <typename acc_t>
-struct OffLabelGrad {
-  acc_t a;
-  acc_t b;
-  acc_t x_floor;
-  acc_t neg_lse;
-};
+TM_HOST_DEVICE acc_t exp_underflow() { return sizeof(acc_t) == 4 ? acc_t(-150) : acc_t(-1100); }
 
+// g_total = the sum of the row's non-ignored upstream logp gradients (labels on
+// other vocab shards included: their logp depends on this shard through log_sum).
 template <typename acc_t>
-TM_HOST_DEVICE acc_t exp_underflow() { return sizeof(acc_t) == 4 ? acc_t(88) : acc_t(746); }
+TM_HOST_DEVICE RowGrad<acc_t> row_grad(acc_t shift, acc_t log_sum, acc_t entropy, acc_t g_total, acc_t g_entropy,
+                                       acc_t inv_temperature) {
+  const acc_t g_entropy_term = g_entropy * entropy;
+  return {-shift, -log_sum, inv_temperature, -(g_total + g_entropy_term) * inv_temperature,
+          -g_entropy * inv_temperature, exp_underflow<acc_t>(), g_entropy_term};
+}
 
-template <typename acc_t>
-TM_HOST_DEVICE OffLabelGrad<acc_t> off_label_grad(acc_t lse, acc_t mean, acc_t g_logp, acc_t g_entropy,
-                                                  acc_t inv_temperature) {
-  return {(g_entropy * mean - g_logp) * inv_temperature, -g_entropy * inv_temperature * inv_temperature,
-          (lse - exp_underflow<acc_t>()) / inv_temperature, -lse};
+// u = log p = (x - shift) / T - log_sum, one rounding after the subtraction.
+template <typename V>
+TM_HOST_DEVICE V log_p(V x, V neg_shift, V inv_temperature, V neg_log_sum) {
+  return fma_(x + neg_shift, inv_temperature, neg_log_sum);
 }
 
 template <typename V>
-TM_HOST_DEVICE V grad_off_label(V x, V inv_temperature, V neg_lse, V a, V b, V x_floor) {
-  return exp_(shifted(x, inv_temperature, neg_lse)) * fma_(b, max_(x_floor, x), a);
+TM_HOST_DEVICE V grad_off_label(V x, V neg_shift, V inv_temperature, V neg_log_sum, V a, V b, V u_floor) {
+  const V u = log_p(x, neg_shift, inv_temperature, neg_log_sum);
+  return exp_(u) * fma_(b, max_(u_floor, u), a);
+}
+
+template <typename acc_t>
+TM_HOST_DEVICE acc_t grad_off_label(acc_t x, const RowGrad<acc_t>& g) {
+  return grad_off_label(x, g.neg_shift, g.inv_temperature, g.neg_log_sum, g.a, g.b, g.u_floor);
+}
+
+// The gradient at a position holding labels whose upstream gradients sum to
+// g_here; g_other is the rest of the row's total (G - g_here; 0 for one label).
+template <typename acc_t>
+TM_HOST_DEVICE acc_t grad_at_label(acc_t x, const RowGrad<acc_t>& g, acc_t g_here, acc_t g_other) {
+  const acc_t u = log_p(x, g.neg_shift, g.inv_temperature, g.neg_log_sum);
+  const acc_t a_here = -(g_other + g.g_entropy_term) * g.inv_temperature;
+  const acc_t g_here_scaled = g_here * g.inv_temperature;
+  return fma_(exp_(u), fma_(g.b, max_(g.u_floor, u), a_here), -g_here_scaled * expm1_(u));
 }
 
 // Label classification shared by every kernel.
-// A row is ignored when its label equals ignore_index; otherwise its target
+// An entry is ignored when its label equals ignore_index; otherwise its target
 // lies on this vocab shard when vocab_start <= label < vocab_start + V.
 TM_HOST_DEVICE bool is_ignored(int64_t label, int64_t ignore_index) {
   return label == ignore_index;

@@ -13,6 +13,9 @@
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <utility>
+#include <stdexcept>
+#include <string>
 
 namespace twinkle_mem {
 
@@ -28,41 +31,72 @@ inline ScalarType stats_dtype(ScalarType logits_dtype) {
   return logits_dtype == ScalarType::Double ? ScalarType::Double : ScalarType::Float;
 }
 
+// Logits [N, V] or [B, S, V]: unit stride on the vocab, any strides on the
+// leading dims as long as no two rows overlap (the in-place backward writes them).
 template <typename TensorT>
 void check_logits(const TensorT& logits) {
-  STD_TORCH_CHECK(logits.dim() == 2, "twinkle_mem: logits must be 2-D [N, V] (flatten leading dims), got ",
+  STD_TORCH_CHECK(logits.dim() == 2 || logits.dim() == 3,
+                  "twinkle_mem: logits must be [N, V] or [B, S, V] (the Python API flattens other leading dims), got ",
                   logits.dim(), "-D");
   STD_TORCH_CHECK(is_float_logits(logits.scalar_type()),
                   "twinkle_mem: logits must be bfloat16, float16, float32 or float64");
-  STD_TORCH_CHECK(logits.size(1) >= 1 || logits.size(0) == 0,
-                  "twinkle_mem: logits must have a vocab dim of size >= 1");
-  STD_TORCH_CHECK(logits.size(1) <= 1 || logits.stride(1) == 1,
-                  "twinkle_mem: logits must have unit stride on the vocab dim, got stride ",
-                  logits.stride(1));
-  STD_TORCH_CHECK(logits.size(0) <= 1 || logits.stride(0) >= logits.size(1),
-                  "twinkle_mem: logits rows must not overlap (row stride ", logits.stride(0),
-                  " < vocab size ", logits.size(1), ")");
+  const int last = static_cast<int>(logits.dim()) - 1;
+  const int64_t V = logits.size(last);
+  int64_t rows = 1;
+  for (int d = 0; d < last; ++d) rows *= logits.size(d);
+  STD_TORCH_CHECK(V >= 1 || rows == 0, "twinkle_mem: logits must have a vocab dim of size >= 1");
+  STD_TORCH_CHECK(V <= 1 || logits.stride(last) == 1,
+                  "twinkle_mem: logits must have unit stride on the vocab dim, got stride ", logits.stride(last));
+  // No two rows overlap: the leading dims of size > 1 (at most two), the one
+  // with the smaller stride first, each stepping past everything inside it.
+  int dims[2];
+  int n = 0;
+  for (int d = 0; d < last; ++d) {
+    if (logits.size(d) > 1) dims[n++] = d;
+  }
+  if (n == 2 && logits.stride(dims[1]) < logits.stride(dims[0])) std::swap(dims[0], dims[1]);
+  int64_t extent = V;
+  for (int i = 0; i < n; ++i) {
+    const int64_t stride = logits.stride(dims[i]);
+    STD_TORCH_CHECK(stride >= extent, "twinkle_mem: logits rows must not overlap (stride ", stride, " of dim ",
+                    dims[i], " < ", extent, " elements inside it)");
+    extent += (logits.size(dims[i]) - 1) * stride;
+  }
 }
 
+// Labels: the logits' leading shape, or that plus a trailing dim of k labels per row.
 template <typename TensorT>
 void check_labels(const TensorT& labels, const TensorT& logits) {
-  STD_TORCH_CHECK(labels.dim() == 1 && labels.size(0) == logits.size(0),
-                  "twinkle_mem: labels must be 1-D of length N = ", logits.size(0));
+  const int64_t lead = logits.dim() - 1;
+  bool ok = labels.dim() == lead || labels.dim() == lead + 1;
+  for (int64_t d = 0; ok && d < lead; ++d) ok = labels.size(d) == logits.size(d);
+  STD_TORCH_CHECK(ok, "twinkle_mem: labels must have the logits' leading shape, optionally with a trailing dim "
+                      "of k labels per row (labels ", labels.dim(), "-D, logits ", logits.dim(), "-D)");
   STD_TORCH_CHECK(labels.scalar_type() == ScalarType::Long || labels.scalar_type() == ScalarType::Int,
                   "twinkle_mem: labels must be int64 or int32");
   STD_TORCH_CHECK(labels.device() == logits.device(),
                   "twinkle_mem: labels and logits must be on the same device");
 }
 
-// A per-row fp32/fp64 vector argument (lse, mean, grad_logp, grad_entropy).
 template <typename TensorT>
-void check_row_vector(const TensorT& t, const char* name, const TensorT& logits) {
-  STD_TORCH_CHECK(t.dim() == 1 && t.size(0) == logits.size(0), "twinkle_mem: ", name,
-                  " must be 1-D of length N = ", logits.size(0));
+bool same_shape(const TensorT& a, const TensorT& b, int64_t dims) {
+  if (a.dim() != dims || b.dim() < dims) return false;
+  for (int64_t d = 0; d < dims; ++d) {
+    if (a.size(d) != b.size(d)) return false;
+  }
+  return true;
+}
+
+// A per-row fp32/fp64 tensor (shift, log_sum, entropy, grad_entropy: the logits'
+// leading shape) or per-label one (grad_logp: the labels' shape); any strides.
+template <typename TensorT>
+void check_stats_tensor(const TensorT& t, const char* name, const TensorT& like, int64_t dims,
+                        const TensorT& logits) {
+  STD_TORCH_CHECK(same_shape(t, like, dims), "twinkle_mem: ", name, " must have the shape of ",
+                  dims == logits.dim() - 1 ? "the logits' leading dims" : "the labels");
   STD_TORCH_CHECK(t.scalar_type() == stats_dtype(logits.scalar_type()), "twinkle_mem: ", name,
                   " must be float32 (float64 for float64 logits)");
-  STD_TORCH_CHECK(t.device() == logits.device(), "twinkle_mem: ", name,
-                  " must be on the logits' device");
+  STD_TORCH_CHECK(t.device() == logits.device(), "twinkle_mem: ", name, " must be on the logits' device");
 }
 
 inline void check_inv_temperature(double inv_temperature) {
@@ -77,23 +111,26 @@ void check_forward_args(const TensorT& logits, const TensorT& labels, double inv
   check_logits(logits);
   check_labels(labels, logits);
   check_inv_temperature(inv_temperature);
-  STD_TORCH_CHECK(vocab_start >= 0 && vocab_start + logits.size(1) <= vocab_size,
+  const int64_t V = logits.size(logits.dim() - 1);
+  STD_TORCH_CHECK(vocab_start >= 0 && vocab_start + V <= vocab_size,
                   "twinkle_mem: the logits' vocab shard [vocab_start, vocab_start + V) = [", vocab_start,
-                  ", ", vocab_start + logits.size(1), ") must lie within [0, vocab_size = ", vocab_size, ")");
+                  ", ", vocab_start + V, ") must lie within [0, vocab_size = ", vocab_size, ")");
 }
 
 template <typename TensorT>
 void check_backward_args(const TensorT& grad_logp, const std::optional<TensorT>& grad_entropy,
-                         const TensorT& logits, const TensorT& labels, const TensorT& lse,
-                         const std::optional<TensorT>& mean, double inv_temperature) {
+                         const TensorT& logits, const TensorT& labels, const TensorT& shift,
+                         const TensorT& log_sum, const std::optional<TensorT>& entropy, double inv_temperature) {
   check_logits(logits);
   check_labels(labels, logits);
-  check_row_vector(grad_logp, "grad_logp", logits);
-  check_row_vector(lse, "lse", logits);
+  const int64_t lead = logits.dim() - 1;
+  check_stats_tensor(grad_logp, "grad_logp", labels, labels.dim(), logits);
+  check_stats_tensor(shift, "shift", logits, lead, logits);
+  check_stats_tensor(log_sum, "log_sum", logits, lead, logits);
   if (grad_entropy.has_value()) {
-    check_row_vector(*grad_entropy, "grad_entropy", logits);
-    STD_TORCH_CHECK(mean.has_value(), "twinkle_mem: grad_entropy needs mean (run the forward with_entropy)");
-    check_row_vector(*mean, "mean", logits);
+    check_stats_tensor(*grad_entropy, "grad_entropy", logits, lead, logits);
+    STD_TORCH_CHECK(entropy.has_value(), "twinkle_mem: grad_entropy needs entropy (run the forward with_entropy)");
+    check_stats_tensor(*entropy, "entropy", logits, lead, logits);
   }
   check_inv_temperature(inv_temperature);
 }
@@ -105,9 +142,13 @@ inline bool label_in_range(int64_t label, int64_t ignore_index, int64_t vocab_si
   return label == ignore_index || (label >= 0 && label < vocab_size);
 }
 
-inline void fail_label_out_of_range(int64_t row, int64_t label, int64_t vocab_size, int64_t ignore_index) {
-  STD_TORCH_CHECK(false, "twinkle_mem: labels[", row, "] = ", label, " is out of range [0, ", vocab_size,
-                  ") and is not ignore_index (", ignore_index, ")");
+// Thrown as a plain std::runtime_error (a RuntimeError in Python) so that the
+// message leads with what is wrong and names no source path of the build machine.
+[[noreturn]] inline void fail_label_out_of_range(int64_t index, int64_t label, int64_t vocab_size,
+                                                 int64_t ignore_index) {
+  throw std::runtime_error("twinkle_mem: label out of range: labels.flatten()[" + std::to_string(index) + "] = " +
+                           std::to_string(label) + " is not in [0, " + std::to_string(vocab_size) +
+                           ") and is not ignore_index (" + std::to_string(ignore_index) + ")");
 }
 
 }  // namespace twinkle_mem

@@ -5,16 +5,17 @@
 //
 // The including namespace provides: VecTraits<Vec>, load_vec(const T*) -> Vec,
 // store_vec(T*, Vec), store_pair(T*, Vec, Vec) (2 W elements), load_scalar(const T*)
-// -> acc_t, store_scalar(T*, acc_t),
-// hmax(Vec), hsum(Vec), and the exp_/max_ overloads that online_softmax.h's
-// templates call.
+// -> acc_t, store_scalar(T*, acc_t), hmax(Vec), hsum(Vec), index_of(const acc_t*,
+// n, acc_t) (the first index holding a value, or n), and the exp_/max_/fma_
+// overloads that online_softmax.h's templates call.
 
 constexpr int64_t kBlock = 2048;  // elements per L1-resident block of a row
 
-// Online softmax state of z = x[0, n) * inv_T. Each block of the row is read
-// from memory once: a first sweep converts it to acc_t into an L1 buffer and
-// finds its max, a second accumulates exp(t) and the entropy term, with
-// t = x inv_T - shift from one FMA.
+// Online softmax state of x[0, n) (see online_softmax.h). Each block of the row
+// is read from memory once: a first sweep converts it to acc_t into an L1
+// buffer and finds its max, a second accumulates exp(t) and the entropy term
+// with t = (x - max) / T over every element but the first max, whose buffer
+// copy is set to -inf in between (its exp is the state's implicit 1).
 template <typename Vec, typename scalar_t>
 OnlineSoftmax<typename VecTraits<Vec>::acc_t> segment_state(
     const scalar_t* x, int64_t n, typename VecTraits<Vec>::acc_t inv_T, bool with_entropy) {
@@ -41,8 +42,10 @@ OnlineSoftmax<typename VecTraits<Vec>::acc_t> segment_state(
       x_buf[i] = xs;
       s_max = max_(s_max, xs);
     }
-    // inv_T > 0: the max of z is inv_T times the max of x.
-    const acc_t shift = finite_shift(max_(s_max, hmax(v_max)) * inv_T);
+    const acc_t block_max = max_(s_max, hmax(v_max));
+    const acc_t shift = finite_shift(block_max);
+    const int64_t at_max = index_of(x_buf, len, block_max);  // len for a NaN or -inf max: nothing left out
+    if (block_max != kNegInf && at_max < len) x_buf[at_max] = kNegInf;
 
     const Vec v_neg_shift(-shift);
     Vec v_sum(acc_t(0)), v_zsum(acc_t(0));
@@ -50,46 +53,39 @@ OnlineSoftmax<typename VecTraits<Vec>::acc_t> segment_state(
     i = 0;
     if (with_entropy) {
       for (; i + W <= len; i += W) {
-        const Vec t = shifted(load_vec(x_buf + i), v_inv_T, v_neg_shift);
+        const Vec t = scaled_gap(load_vec(x_buf + i), v_neg_shift, v_inv_T);
         const Vec e = exp_(t);
         v_sum = v_sum + e;
         v_zsum = add_entropy_term<Vec, acc_t>(v_zsum, t, e);
       }
       for (; i < len; ++i) {
-        const acc_t t = shifted(x_buf[i], inv_T, -shift);
+        const acc_t t = scaled_gap(x_buf[i], -shift, inv_T);
         const acc_t e = exp_(t);
         s_sum += e;
         s_zsum = add_entropy_term<acc_t, acc_t>(s_zsum, t, e);
       }
     } else {
-      for (; i + W <= len; i += W) v_sum = v_sum + exp_(shifted(load_vec(x_buf + i), v_inv_T, v_neg_shift));
-      for (; i < len; ++i) s_sum += exp_(shifted(x_buf[i], inv_T, -shift));
+      for (; i + W <= len; i += W) v_sum = v_sum + exp_(scaled_gap(load_vec(x_buf + i), v_neg_shift, v_inv_T));
+      for (; i < len; ++i) s_sum += exp_(scaled_gap(x_buf[i], -shift, inv_T));
     }
-    state = merge(state, OnlineSoftmax<acc_t>{shift, s_sum + hsum(v_sum), s_zsum + hsum(v_zsum)});
+    state = merge(state, block_state(block_max, s_sum + hsum(v_sum), s_zsum + hsum(v_zsum)), inv_T);
   }
   return state;
 }
 
-// d[0, n) = gradient of g_logp * logp + g_entropy * entropy for logits x[0, n),
-// as if none of them were the label (the caller fixes the label's element).
-// d may alias x (in-place backward): each vector is read before it is written.
+// d[0, n) = the off-label gradient p (a + b u) of logits x[0, n) (the caller
+// rewrites the elements that hold labels). d may alias x (in-place backward):
+// each vector is read before it is written.
 template <typename Vec, typename scalar_t>
-void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, typename VecTraits<Vec>::acc_t lse,
-                  typename VecTraits<Vec>::acc_t mean, typename VecTraits<Vec>::acc_t g_logp,
-                  typename VecTraits<Vec>::acc_t g_entropy, typename VecTraits<Vec>::acc_t inv_T) {
-  using acc_t = typename VecTraits<Vec>::acc_t;
+void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, const RowGrad<typename VecTraits<Vec>::acc_t>& g) {
   constexpr int64_t W = VecTraits<Vec>::W;
-  const OffLabelGrad<acc_t> c = off_label_grad(lse, mean, g_logp, g_entropy, inv_T);
-  const Vec v_inv_T(inv_T), v_neg_lse(c.neg_lse), v_a(c.a), v_b(c.b), v_x_floor(c.x_floor);
+  const Vec v_neg_shift(g.neg_shift), v_inv_T(g.inv_temperature), v_neg_log_sum(g.neg_log_sum), v_a(g.a),
+      v_b(g.b), v_u_floor(g.u_floor);
+  auto grad = [&](Vec xv) { return grad_off_label(xv, v_neg_shift, v_inv_T, v_neg_log_sum, v_a, v_b, v_u_floor); };
   int64_t i = 0;
   for (; i + 2 * W <= n; i += 2 * W) {  // two vectors per store: one full-width 16-bit store
-    store_pair(d + i, grad_off_label(load_vec(x + i), v_inv_T, v_neg_lse, v_a, v_b, v_x_floor),
-               grad_off_label(load_vec(x + i + W), v_inv_T, v_neg_lse, v_a, v_b, v_x_floor));
+    store_pair(d + i, grad(load_vec(x + i)), grad(load_vec(x + i + W)));
   }
-  for (; i + W <= n; i += W) {
-    store_vec(d + i, grad_off_label(load_vec(x + i), v_inv_T, v_neg_lse, v_a, v_b, v_x_floor));
-  }
-  for (; i < n; ++i) {
-    store_scalar(d + i, grad_off_label(load_scalar(x + i), inv_T, c.neg_lse, c.a, c.b, c.x_floor));
-  }
+  for (; i + W <= n; i += W) store_vec(d + i, grad(load_vec(x + i)));
+  for (; i < n; ++i) store_scalar(d + i, grad_off_label(load_scalar(x + i), g));
 }

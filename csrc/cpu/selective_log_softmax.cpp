@@ -1,10 +1,11 @@
 // CPU kernels of the selective log-softmax op (forward, backward, in-place
-// backward). Rows go across threads with the stable parallel_for; when rows
-// are too few, each row is cut into vocab segments whose online states are
-// merged. The row loops (row_kernels.h) are compiled twice: here, portable,
+// backward). Each row is cut into vocab segments of a fixed length (by V
+// alone); (row, segment) tasks go across threads with the stable parallel_for
+// and a row's segment states are merged in segment order. The row loops (row_kernels.h) are compiled twice: here, portable,
 // and in selective_log_softmax_avx2.cpp for AVX2+FMA+F16C, picked at run time.
 #include "../common/online_softmax.h"
 #include "../common/forward_outputs.h"
+#include "../common/layout.h"
 #include "../common/op_checks.h"
 #include "isa.h"
 
@@ -51,6 +52,8 @@ template <typename V>
 inline V hmax(V v) { return v; }
 template <typename V>
 inline V hsum(V v) { return v; }
+template <typename V>
+inline int64_t index_of(const V* p, int64_t n, V value) { return std::find(p, p + n, value) - p; }
 #include "row_kernels.h"
 }  // namespace portable
 
@@ -60,50 +63,63 @@ using torch::stable::Tensor;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// How rows are cut into vocab segments. Depends on N and V only (never on the
-// thread count), so results are bitwise identical for any number of threads.
+// Rows are cut into vocab segments of a fixed length: tasks for the threads
+// when rows are few, and one reduction order for a row whatever N, the other
+// rows or the thread count (its results are bitwise the same in any batch).
+constexpr int64_t kSegment = 8 * portable::kBlock;
+
 struct RowSplit {
   int64_t segments;
   int64_t segment_len;
 };
-RowSplit split_rows(int64_t N, int64_t V) {
-  constexpr int64_t kTasksWanted = 64;      // enough tasks for any thread count we expect
-  constexpr int64_t kMinSegment = 16384;    // a segment must amortize its merge
-  int64_t segments = 1;
-  if (N > 0 && N < kTasksWanted) {
-    segments = std::max<int64_t>(1, std::min(ceil_div(kTasksWanted, N), V / kMinSegment));
-  }
-  const int64_t segment_len = ceil_div(ceil_div(V, segments), portable::kBlock) * portable::kBlock;
-  return {ceil_div(V, std::max<int64_t>(segment_len, 1)), std::max<int64_t>(segment_len, 1)};
+RowSplit split_rows(int64_t V) { return {std::max<int64_t>(1, ceil_div(V, kSegment)), kSegment}; }
+
+// The leading dims as a RowIndex (layout.h): [N, ...] or [B, S, ...].
+RowIndex row_index(const Tensor& t, int64_t lead_dims) {
+  if (lead_dims == 1) return {std::max<int64_t>(t.size(0), 1), 0, t.stride(0)};
+  return {std::max<int64_t>(t.size(1), 1), t.stride(0), t.stride(1)};
 }
 
-// Reads a 1-D tensor of labels or per-row values whatever its dtype and stride.
-template <typename T>
-struct Strided {
-  const T* ptr;
-  int64_t stride;
-  T operator[](int64_t i) const { return ptr[i * stride]; }
+// Labels of any strides: [L] (k = 1) or [L, k].
+template <typename label_t>
+struct Labels {
+  const label_t* ptr;
+  LabelIndex index;
+  int64_t operator()(int64_t row, int64_t j) const { return static_cast<int64_t>(ptr[index(row, j)]); }
+  int64_t k() const { return index.k; }
 };
-template <typename T>
-Strided<T> strided(const Tensor& t) {
-  return {reinterpret_cast<const T*>(t.data_ptr()), t.stride(0)};
+template <typename F>
+void with_labels(const Tensor& labels, int64_t lead_dims, F&& f) {
+  const bool has_k = labels.dim() > lead_dims;
+  const LabelIndex index{row_index(labels, lead_dims), has_k ? labels.size(lead_dims) : 1,
+                         has_k ? labels.stride(lead_dims) : 0};
+  if (labels.scalar_type() == ScalarType::Long) {
+    f(Labels<int64_t>{reinterpret_cast<const int64_t*>(labels.data_ptr()), index});
+  } else {
+    f(Labels<int32_t>{reinterpret_cast<const int32_t*>(labels.data_ptr()), index});
+  }
 }
 
-template <typename F>
-void with_labels(const Tensor& labels, F&& f) {
-  if (labels.scalar_type() == ScalarType::Long) {
-    f(strided<int64_t>(labels));
-  } else {
-    f(strided<int32_t>(labels));
+// A row is skipped (every output 0, gradient 0, logits unread) when it has
+// labels and all of them are ignore_index.
+template <typename L>
+bool row_skipped(const L& label, int64_t row, int64_t ignore_index) {
+  if (label.k() == 0) return false;
+  for (int64_t j = 0; j < label.k(); ++j) {
+    if (!is_ignored(label(row, j), ignore_index)) return false;
   }
+  return true;
 }
 
 // Out-of-range labels are an error, raised before any kernel runs.
-void check_label_range(const Tensor& labels, int64_t ignore_index, int64_t vocab_size) {
-  with_labels(labels, [&](auto label) {
-    for (int64_t i = 0; i < labels.size(0); ++i) {
-      const int64_t y = label[i];
-      if (!label_in_range(y, ignore_index, vocab_size)) fail_label_out_of_range(i, y, vocab_size, ignore_index);
+void check_label_range(const Tensor& labels, int64_t lead_dims, int64_t N, int64_t ignore_index,
+                       int64_t vocab_size) {
+  with_labels(labels, lead_dims, [&](auto label) {
+    for (int64_t row = 0; row < N; ++row) {
+      for (int64_t j = 0; j < label.k(); ++j) {
+        const int64_t y = label(row, j);
+        if (!label_in_range(y, ignore_index, vocab_size)) fail_label_out_of_range(row * label.k() + j, y, vocab_size, ignore_index);
+      }
     }
   });
 }
@@ -135,102 +151,139 @@ OnlineSoftmax<acc_t> run_segment_state(const scalar_t* x, int64_t n, acc_t inv_T
 }
 
 template <typename scalar_t, typename acc_t>
-void run_segment_grad(const scalar_t* x, scalar_t* d, int64_t n, acc_t lse, acc_t mean, acc_t g_logp,
-                      acc_t g_entropy, acc_t inv_T) {
+void run_segment_grad(const scalar_t* x, scalar_t* d, int64_t n, const RowGrad<acc_t>& g) {
   if constexpr (std::is_same_v<acc_t, float>) {
     if (cpu_has_avx2()) {
       if constexpr (std::is_same_v<scalar_t, bf16>) {
-        return avx2_segment_grad_bf16(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<uint16_t*>(d), n,
-                                      lse, mean, g_logp, g_entropy, inv_T);
+        return avx2_segment_grad_bf16(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<uint16_t*>(d), n, g);
       } else if constexpr (std::is_same_v<scalar_t, fp16>) {
-        return avx2_segment_grad_fp16(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<uint16_t*>(d), n,
-                                      lse, mean, g_logp, g_entropy, inv_T);
+        return avx2_segment_grad_fp16(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<uint16_t*>(d), n, g);
       } else {
-        return avx2_segment_grad_fp32(x, d, n, lse, mean, g_logp, g_entropy, inv_T);
+        return avx2_segment_grad_fp32(x, d, n, g);
       }
     }
   }
-  portable::segment_grad<acc_t>(x, d, n, lse, mean, g_logp, g_entropy, inv_T);
+  portable::segment_grad<acc_t>(x, d, n, g);
 }
 
 template <typename scalar_t, typename acc_t>
 void forward_kernel(const Tensor& logits, const Tensor& labels, acc_t inv_T, int64_t ignore_index,
-                    int64_t vocab_start, bool with_entropy, Tensor& logp, Tensor& entropy, Tensor& lse,
-                    Tensor& mean) {
-  const int64_t N = logits.size(0), V = logits.size(1), row_stride = logits.stride(0);
+                    int64_t vocab_start, bool with_entropy, Tensor& logp, Tensor& entropy, Tensor& shift,
+                    Tensor& log_sum) {
+  const int64_t lead_dims = logits.dim() - 1, V = logits.size(lead_dims);
+  const int64_t N = shift.numel();
+  const RowIndex row_at = row_index(logits, lead_dims);
   const scalar_t* x = reinterpret_cast<const scalar_t*>(logits.data_ptr());
   acc_t* out_logp = reinterpret_cast<acc_t*>(logp.data_ptr());
-  acc_t* out_lse = reinterpret_cast<acc_t*>(lse.data_ptr());
+  acc_t* out_shift = reinterpret_cast<acc_t*>(shift.data_ptr());
+  acc_t* out_log_sum = reinterpret_cast<acc_t*>(log_sum.data_ptr());
   acc_t* out_entropy = with_entropy ? reinterpret_cast<acc_t*>(entropy.data_ptr()) : nullptr;
-  acc_t* out_mean = with_entropy ? reinterpret_cast<acc_t*>(mean.data_ptr()) : nullptr;
-  const RowSplit split = split_rows(N, V);
+  const RowSplit split = split_rows(V);
 
-  with_labels(labels, [&](auto label) {
+  with_labels(labels, lead_dims, [&](auto label) {
+    const int64_t k = label.k();
     std::vector<OnlineSoftmax<acc_t>> states(N * split.segments);
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(split.segment_len, 1));
+    const int64_t grain = std::max<int64_t>(1, 65536 / split.segment_len);
     torch::stable::parallel_for(0, N * split.segments, grain, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t row = task / split.segments, seg = task % split.segments;
-        if (is_ignored(label[row], ignore_index)) continue;
+        if (row_skipped(label, row, ignore_index)) continue;
         const int64_t start = seg * split.segment_len, len = std::min(split.segment_len, V - start);
-        states[task] = run_segment_state<scalar_t, acc_t>(x + row * row_stride + start, len, inv_T,
-                                                          with_entropy);
+        states[task] = run_segment_state<scalar_t, acc_t>(x + row_at(row) + start, len, inv_T, with_entropy);
       }
     });
     for (int64_t row = 0; row < N; ++row) {
-      const int64_t y = label[row];
-      if (is_ignored(y, ignore_index)) {
-        out_logp[row] = out_lse[row] = 0;
-        if (with_entropy) out_entropy[row] = out_mean[row] = 0;
+      if (row_skipped(label, row, ignore_index)) {
+        for (int64_t j = 0; j < k; ++j) out_logp[row * k + j] = 0;
+        out_shift[row] = out_log_sum[row] = 0;
+        if (with_entropy) out_entropy[row] = 0;
         continue;
       }
       OnlineSoftmax<acc_t> state = states[row * split.segments];
-      for (int64_t seg = 1; seg < split.segments; ++seg) state = merge(state, states[row * split.segments + seg]);
+      for (int64_t seg = 1; seg < split.segments; ++seg) {
+        state = merge(state, states[row * split.segments + seg], inv_T);
+      }
       const RowStats<acc_t> stats = finalize(state);
-      const int64_t target = local_target(y, vocab_start, V);
-      out_lse[row] = stats.lse;
-      out_logp[row] = target >= 0 ? static_cast<acc_t>(x[row * row_stride + target]) * inv_T - stats.lse : acc_t(0);
-      if (with_entropy) {
-        out_entropy[row] = stats.entropy;
-        out_mean[row] = stats.mean;
+      out_shift[row] = stats.shift;
+      out_log_sum[row] = stats.log_sum;
+      if (with_entropy) out_entropy[row] = stats.entropy;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t y = label(row, j);
+        const int64_t target = is_ignored(y, ignore_index) ? -1 : local_target(y, vocab_start, V);
+        out_logp[row * k + j] =
+            target >= 0 ? log_prob(static_cast<acc_t>(x[row_at(row) + target]), stats.shift, stats.log_sum, inv_T)
+                        : acc_t(0);
       }
     }
   });
 }
 
+// A label position inside a segment and the upstream gradient of the labels there.
+template <typename acc_t>
+struct LabelHit {
+  int64_t col;
+  acc_t g;
+  acc_t x;  // the logit, read before an in-place pass overwrites it
+};
+
 template <typename scalar_t, typename acc_t>
 void backward_kernel(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, const Tensor& logits,
-                     const Tensor& labels, const Tensor& lse, const std::optional<Tensor>& mean, acc_t inv_T,
-                     int64_t ignore_index, int64_t vocab_start, scalar_t* d, int64_t d_row_stride) {
-  const int64_t N = logits.size(0), V = logits.size(1), row_stride = logits.stride(0);
+                     const Tensor& labels, const Tensor& shift, const Tensor& log_sum,
+                     const std::optional<Tensor>& entropy, acc_t inv_T, int64_t ignore_index, int64_t vocab_start,
+                     scalar_t* d, RowIndex d_row_at) {
+  const int64_t lead_dims = logits.dim() - 1, V = logits.size(lead_dims), N = shift.numel();
+  const RowIndex row_at = row_index(logits, lead_dims);
   const scalar_t* x = reinterpret_cast<const scalar_t*>(logits.data_ptr());
-  const Strided<acc_t> g_logp = strided<acc_t>(grad_logp), row_lse = strided<acc_t>(lse);
+  // Per-row vectors are O(N): contiguous copies cost nothing next to the rows.
+  const Tensor g_logp_c = torch::stable::contiguous(grad_logp), shift_c = torch::stable::contiguous(shift),
+               log_sum_c = torch::stable::contiguous(log_sum);
   const bool with_entropy = grad_entropy.has_value();
-  const Strided<acc_t> g_entropy = with_entropy ? strided<acc_t>(*grad_entropy) : Strided<acc_t>{nullptr, 0};
-  const Strided<acc_t> row_mean = with_entropy ? strided<acc_t>(*mean) : Strided<acc_t>{nullptr, 0};
-  const RowSplit split = split_rows(N, V);
+  const Tensor g_entropy_c = with_entropy ? torch::stable::contiguous(*grad_entropy) : shift_c;
+  const Tensor entropy_c = with_entropy ? torch::stable::contiguous(*entropy) : shift_c;
+  const acc_t* g_logp = reinterpret_cast<const acc_t*>(g_logp_c.data_ptr());
+  const acc_t* row_shift = reinterpret_cast<const acc_t*>(shift_c.data_ptr());
+  const acc_t* row_log_sum = reinterpret_cast<const acc_t*>(log_sum_c.data_ptr());
+  const acc_t* g_entropy = reinterpret_cast<const acc_t*>(g_entropy_c.data_ptr());
+  const acc_t* row_entropy = reinterpret_cast<const acc_t*>(entropy_c.data_ptr());
+  const RowSplit split = split_rows(V);
 
-  with_labels(labels, [&](auto label) {
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(split.segment_len, 1));
+  with_labels(labels, lead_dims, [&](auto label) {
+    const int64_t k = label.k();
+    const int64_t grain = std::max<int64_t>(1, 65536 / split.segment_len);
     torch::stable::parallel_for(0, N * split.segments, grain, [&](int64_t begin, int64_t end) {
+      std::vector<LabelHit<acc_t>> hits;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t row = task / split.segments, seg = task % split.segments;
         const int64_t start = seg * split.segment_len, len = std::min(split.segment_len, V - start);
-        scalar_t* d_seg = d + row * d_row_stride + start;
-        const int64_t y = label[row];
-        if (is_ignored(y, ignore_index)) {
+        scalar_t* d_seg = d + d_row_at(row) + start;
+        if (row_skipped(label, row, ignore_index)) {
           std::fill(d_seg, d_seg + len, static_cast<scalar_t>(0.0f));
           continue;
         }
-        const acc_t gl = g_logp[row], ge = with_entropy ? g_entropy[row] : acc_t(0);
-        const acc_t m = with_entropy ? row_mean[row] : acc_t(0), l = row_lse[row];
-        const scalar_t* x_seg = x + row * row_stride + start;
-        const int64_t target = local_target(y, vocab_start, V) - start;
-        // Read the label's logit before the in-place pass overwrites it.
-        const acc_t z_target = (target >= 0 && target < len) ? static_cast<acc_t>(x_seg[target]) * inv_T : acc_t(0);
-        run_segment_grad<scalar_t, acc_t>(x_seg, d_seg, len, l, m, gl, ge, inv_T);
-        if (target >= 0 && target < len) {
-          d_seg[target] = static_cast<scalar_t>(grad_logit<acc_t, acc_t>(z_target, acc_t(1), l, m, gl, ge, inv_T));
+        const scalar_t* x_seg = x + row_at(row) + start;
+        // The row's total upstream logp gradient, and the labels in this segment
+        // (repeated labels summed), read before the pass may overwrite them.
+        acc_t g_total = 0;
+        hits.clear();
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t y = label(row, j);
+          if (is_ignored(y, ignore_index)) continue;
+          const acc_t g = g_logp[row * k + j];
+          g_total += g;
+          const int64_t col = local_target(y, vocab_start, V) - start;
+          if (col < 0 || col >= len) continue;
+          auto same = std::find_if(hits.begin(), hits.end(), [&](const LabelHit<acc_t>& h) { return h.col == col; });
+          if (same != hits.end()) {
+            same->g += g;
+          } else {
+            hits.push_back({col, g, static_cast<acc_t>(x_seg[col])});
+          }
+        }
+        const RowGrad<acc_t> rg = row_grad(row_shift[row], row_log_sum[row], with_entropy ? row_entropy[row] : acc_t(0),
+                                           g_total, with_entropy ? g_entropy[row] : acc_t(0), inv_T);
+        run_segment_grad<scalar_t, acc_t>(x_seg, d_seg, len, rg);
+        for (const LabelHit<acc_t>& h : hits) {
+          d_seg[h.col] = static_cast<scalar_t>(grad_at_label(h.x, rg, h.g, g_total - h.g));
         }
       }
     });
@@ -252,52 +305,52 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> selective_log_softmax_fwd(
     const Tensor& logits, const Tensor& labels, double inv_temperature, int64_t ignore_index,
     int64_t vocab_start, int64_t vocab_size, bool with_entropy, bool /*inplace_backward*/) {
   check_forward_args(logits, labels, inv_temperature, vocab_start, vocab_size);
-  check_label_range(labels, ignore_index, vocab_size);
-  auto outputs = new_forward_outputs(logits, with_entropy);
-  Tensor &logp = std::get<0>(outputs), &entropy = std::get<1>(outputs), &lse = std::get<2>(outputs),
-         &mean = std::get<3>(outputs);
+  auto outputs = new_forward_outputs(logits, labels, with_entropy);
+  Tensor &logp = std::get<0>(outputs), &entropy = std::get<1>(outputs), &shift = std::get<2>(outputs),
+         &log_sum = std::get<3>(outputs);
+  check_label_range(labels, logits.dim() - 1, shift.numel(), ignore_index, vocab_size);
   dispatch_logits_dtype(logits.scalar_type(), [&](auto scalar, auto acc) {
     using scalar_t = decltype(scalar);
     using acc_t = decltype(acc);
     forward_kernel<scalar_t, acc_t>(logits, labels, static_cast<acc_t>(inv_temperature), ignore_index,
-                                    vocab_start, with_entropy, logp, entropy, lse, mean);
+                                    vocab_start, with_entropy, logp, entropy, shift, log_sum);
   });
   return outputs;
 }
 
 void run_backward(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, const Tensor& logits,
-                  const Tensor& labels, const Tensor& lse, const std::optional<Tensor>& mean,
-                  double inv_temperature, int64_t ignore_index, int64_t vocab_start, void* d,
-                  int64_t d_row_stride) {
+                  const Tensor& labels, const Tensor& shift, const Tensor& log_sum,
+                  const std::optional<Tensor>& entropy, double inv_temperature, int64_t ignore_index,
+                  int64_t vocab_start, const Tensor& grad) {
   dispatch_logits_dtype(logits.scalar_type(), [&](auto scalar, auto acc) {
     using scalar_t = decltype(scalar);
     using acc_t = decltype(acc);
-    backward_kernel<scalar_t, acc_t>(grad_logp, grad_entropy, logits, labels, lse, mean,
+    backward_kernel<scalar_t, acc_t>(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy,
                                      static_cast<acc_t>(inv_temperature), ignore_index, vocab_start,
-                                     reinterpret_cast<scalar_t*>(d), d_row_stride);
+                                     reinterpret_cast<scalar_t*>(grad.data_ptr()),
+                                     row_index(grad, grad.dim() - 1));
   });
 }
 
 Tensor selective_log_softmax_bwd(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy,
-                                 const Tensor& logits, const Tensor& labels, const Tensor& lse,
-                                 const std::optional<Tensor>& mean, double inv_temperature,
-                                 int64_t ignore_index, int64_t vocab_start) {
-  check_backward_args(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature);
-  const int64_t N = logits.size(0), V = logits.size(1);
-  Tensor grad = torch::stable::new_empty(logits, {N, V});
-  advise_huge_pages(grad.data_ptr(), N * V * static_cast<int64_t>(grad.element_size()));
-  run_backward(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature, ignore_index,
-               vocab_start, grad.data_ptr(), V);
+                                 const Tensor& logits, const Tensor& labels, const Tensor& shift,
+                                 const Tensor& log_sum, const std::optional<Tensor>& entropy,
+                                 double inv_temperature, int64_t ignore_index, int64_t vocab_start) {
+  check_backward_args(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature);
+  Tensor grad = new_grad_like(logits);
+  advise_huge_pages(grad.data_ptr(), logits.numel() * static_cast<int64_t>(grad.element_size()));
+  run_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature, ignore_index,
+               vocab_start, grad);
   return grad;
 }
 
 void selective_log_softmax_bwd_(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy,
-                                Tensor& logits, const Tensor& labels, const Tensor& lse,
-                                const std::optional<Tensor>& mean, double inv_temperature,
-                                int64_t ignore_index, int64_t vocab_start) {
-  check_backward_args(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature);
-  run_backward(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature, ignore_index,
-               vocab_start, logits.data_ptr(), logits.stride(0));
+                                Tensor& logits, const Tensor& labels, const Tensor& shift,
+                                const Tensor& log_sum, const std::optional<Tensor>& entropy,
+                                double inv_temperature, int64_t ignore_index, int64_t vocab_start) {
+  check_backward_args(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature);
+  run_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature, ignore_index,
+               vocab_start, logits);
 }
 
 }  // namespace cpu

@@ -40,21 +40,20 @@ using twinkle_mem::fma_;
 using twinkle_mem::max_;
 
 // exp(x) for the x <= 0 (and -inf, NaN) this kernel feeds it: x = n ln2 + r,
-// |r| <= ln2/2, e^r by a degree-6 polynomial, times 2^n built in the exponent
-// bits. The coefficients were fitted here to e^r on [-ln2/2, ln2/2] (weighted
-// least squares, rounded to fp32): max relative error 7.1e-8 evaluated in fp32,
-// about one fp32 rounding, as accurate as the degree-7 Taylor polynomial with
-// one FMA less. Below -87.3 (where 2^n leaves the normal range) it returns 0;
+// |r| <= ln2/2, e^r by a degree-6 polynomial, times 2^n. The coefficients were
+// fitted here to e^r on [-ln2/2, ln2/2] (weighted least squares, rounded to
+// fp32): max relative error 7.1e-8 evaluated in fp32, about one fp32 rounding,
+// as accurate as the degree-7 Taylor polynomial with one FMA less. 2^n is
+// applied as 2^(n + 64) built in the exponent bits, then 2^-64: results below
+// fp32's normal range come out as correctly rounded subnormals (a bf16 or fp32
+// gradient of e^-100 is one), not flushed to 0. Below -110 the result is 0;
 // NaN stays NaN.
 inline Vec8f exp_(Vec8f x) {
-  const __m256 lowest = _mm256_set1_ps(-87.3f);
-  const __m256 underflow = _mm256_cmp_ps(x.v, lowest, _CMP_LT_OQ);  // false for NaN
-  const __m256 xc = _mm256_max_ps(lowest, x.v);                    // NaN passes through
+  const __m256 xc = _mm256_max_ps(_mm256_set1_ps(-110.0f), x.v);  // NaN passes through
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   // r = x - n ln2 in one FMA: fp32 ln2 is off by 1.9e-9, so r is off by
-  // |n| 1.9e-9 <= 5.5e-8 for the x >= -20 that carry any weight (2.4e-7 at the
-  // underflow edge, where e^x ~ 1e-38).
+  // |n| 1.9e-9 <= 5.5e-8 for the x >= -20 that carry any weight.
   const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147182464599609375f), xc);
   __m256 p = _mm256_set1_ps(0.001383816939778626f);
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.00837482325732708f));
@@ -64,8 +63,8 @@ inline Vec8f exp_(Vec8f x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   const __m256i n_int = _mm256_cvtps_epi32(n);  // garbage for NaN, which p carries anyway
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(n_int, _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+  const __m256i two_n64 = _mm256_slli_epi32(_mm256_add_epi32(n_int, _mm256_set1_epi32(127 + 64)), 23);
+  return _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n64)), _mm256_set1_ps(0x1p-64f));
 }
 
 template <typename Vec>
@@ -145,6 +144,20 @@ inline float hsum(Vec8f v) {
   return _mm_cvtss_f32(s);
 }
 
+// The first i < n with p[i] == value (n if none): 8 comparisons per step.
+inline int64_t index_of(const float* p, int64_t n, float value) {
+  const __m256 v = _mm256_set1_ps(value);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_load_ps(p + i), v, _CMP_EQ_OQ));
+    if (hits) return i + __builtin_ctz(hits);
+  }
+  for (; i < n; ++i) {
+    if (p[i] == value) return i;
+  }
+  return n;
+}
+
 #include "row_kernels.h"
 
 }  // namespace avx2
@@ -168,19 +181,14 @@ OnlineSoftmax<float> avx2_segment_state_fp16(const uint16_t* x, int64_t n, float
 OnlineSoftmax<float> avx2_segment_state_fp32(const float* x, int64_t n, float inv_T, bool with_entropy) {
   return avx2::segment_state<Vec8f>(x, n, inv_T, with_entropy);
 }
-void avx2_segment_grad_bf16(const uint16_t* x, uint16_t* d, int64_t n, float lse, float mean, float g_logp,
-                            float g_entropy, float inv_T) {
-  avx2::segment_grad<Vec8f>(reinterpret_cast<const bf16_bits*>(x), reinterpret_cast<bf16_bits*>(d), n, lse,
-                            mean, g_logp, g_entropy, inv_T);
+void avx2_segment_grad_bf16(const uint16_t* x, uint16_t* d, int64_t n, const RowGrad<float>& g) {
+  avx2::segment_grad<Vec8f>(reinterpret_cast<const bf16_bits*>(x), reinterpret_cast<bf16_bits*>(d), n, g);
 }
-void avx2_segment_grad_fp16(const uint16_t* x, uint16_t* d, int64_t n, float lse, float mean, float g_logp,
-                            float g_entropy, float inv_T) {
-  avx2::segment_grad<Vec8f>(reinterpret_cast<const fp16_bits*>(x), reinterpret_cast<fp16_bits*>(d), n, lse,
-                            mean, g_logp, g_entropy, inv_T);
+void avx2_segment_grad_fp16(const uint16_t* x, uint16_t* d, int64_t n, const RowGrad<float>& g) {
+  avx2::segment_grad<Vec8f>(reinterpret_cast<const fp16_bits*>(x), reinterpret_cast<fp16_bits*>(d), n, g);
 }
-void avx2_segment_grad_fp32(const float* x, float* d, int64_t n, float lse, float mean, float g_logp,
-                            float g_entropy, float inv_T) {
-  avx2::segment_grad<Vec8f>(x, d, n, lse, mean, g_logp, g_entropy, inv_T);
+void avx2_segment_grad_fp32(const float* x, float* d, int64_t n, const RowGrad<float>& g) {
+  avx2::segment_grad<Vec8f>(x, d, n, g);
 }
 
 }  // namespace cpu

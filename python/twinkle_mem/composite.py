@@ -34,7 +34,8 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from . import ops as _ops  # noqa: F401  (loads the schemas)
+from .ops import new_grad_like, stats_dtype  # (importing ops loads the schemas)
+from .vocab_parallel import label_matrix
 
 DEFAULT_BUDGET_BYTES = 64 << 20
 MIN_BUDGET_BYTES = 4096
@@ -89,37 +90,40 @@ def _fail(msg: str) -> None:
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
-def _stats_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
 def _check_logits(logits: torch.Tensor) -> None:
-    if logits.dim() != 2:
-        _fail(f"logits must be 2-D [N, V] (flatten leading dims), got {logits.dim()}-D")
+    if logits.dim() not in (2, 3):
+        _fail(f"logits must be [N, V] or [B, S, V] (the Python API flattens other leading dims), got "
+              f"{logits.dim()}-D")
     if logits.dtype not in _FLOAT_DTYPES:
         _fail("logits must be bfloat16, float16, float32 or float64")
-    n, v = logits.shape
-    if v < 1 and n != 0:
+    v = logits.shape[-1]
+    if v < 1 and logits.numel() == 0 and math.prod(logits.shape[:-1]) != 0:
         _fail("logits must have a vocab dim of size >= 1")
-    if v > 1 and logits.stride(1) != 1:
-        _fail(f"logits must have unit stride on the vocab dim, got stride {logits.stride(1)}")
-    if n > 1 and logits.stride(0) < v:
-        _fail(f"logits rows must not overlap (row stride {logits.stride(0)} < vocab size {v})")
+    if v > 1 and logits.stride(-1) != 1:
+        _fail(f"logits must have unit stride on the vocab dim, got stride {logits.stride(-1)}")
+    dims = sorted((d for d in range(logits.dim() - 1) if logits.shape[d] > 1), key=logits.stride)
+    extent = v
+    for d in dims:
+        if logits.stride(d) < extent:
+            _fail(f"logits rows must not overlap (stride {logits.stride(d)} of dim {d} < {extent} elements inside it)")
+        extent += (logits.shape[d] - 1) * logits.stride(d)
 
 
 def _check_labels(labels: torch.Tensor, logits: torch.Tensor) -> None:
-    if labels.dim() != 1 or labels.shape[0] != logits.shape[0]:
-        _fail(f"labels must be 1-D of length N = {logits.shape[0]}")
+    lead = logits.shape[:-1]
+    if labels.dim() not in (len(lead), len(lead) + 1) or labels.shape[:len(lead)] != lead:
+        _fail("labels must have the logits' leading shape, optionally with a trailing dim of k labels per row "
+              f"(labels {labels.dim()}-D, logits {logits.dim()}-D)")
     if labels.dtype not in (torch.int64, torch.int32):
         _fail("labels must be int64 or int32")
     if labels.device != logits.device:
         _fail("labels and logits must be on the same device")
 
 
-def _check_row_vector(t: torch.Tensor, name: str, logits: torch.Tensor) -> None:
-    if t.dim() != 1 or t.shape[0] != logits.shape[0]:
-        _fail(f"{name} must be 1-D of length N = {logits.shape[0]}")
-    if t.dtype != _stats_dtype(logits):
+def _check_stats(t: torch.Tensor, name: str, shape, what: str, logits: torch.Tensor) -> None:
+    if tuple(t.shape) != tuple(shape):
+        _fail(f"{name} must have the shape of {what}")
+    if t.dtype != stats_dtype(logits):
         _fail(f"{name} must be float32 (float64 for float64 logits)")
     if t.device != logits.device:
         _fail(f"{name} must be on the logits' device")
@@ -130,56 +134,79 @@ def _check_inv_temperature(inv_temperature: float) -> None:
         _fail(f"inv_temperature must be finite and > 0 (temperature > 0), got {inv_temperature}")
 
 
-def _check_label_range(labels64: torch.Tensor, ignored: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
-    bad = ~ignored & ((labels64 < 0) | (labels64 >= vocab_size))
-    if labels64.numel() and bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        _fail(f"labels[{i}] = {int(labels64[i])} is out of range [0, {vocab_size}) and is not "
-              f"ignore_index ({ignore_index})")
+def _check_label_range(y: torch.Tensor, ignored: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    bad = ~ignored & ((y < 0) | (y >= vocab_size))
+    if y.numel() == 0:
+        return
+    if y.device.type != "cpu":
+        # No host synchronisation on an accelerator: a device-side assert, as nll_loss does.
+        torch._assert_async(~bad.any(), "twinkle_mem: label out of range (not in [0, vocab_size), not ignore_index)")
+        return
+    if bool(bad.any()):
+        i = int(bad.flatten().nonzero()[0, 0])
+        raise RuntimeError(f"twinkle_mem: label out of range: labels.flatten()[{i}] = {int(y.flatten()[i])} is not "
+                           f"in [0, {vocab_size}) and is not ignore_index ({ignore_index})")
 
 
-def _row_labels(labels: torch.Tensor, ignore_index: int, vocab_start: int, v: int):
-    """(ignored, local target or -1) per row, as in online_softmax.h's is_ignored / local_target."""
-    labels64 = labels.to(torch.int64)
-    ignored = labels64 == ignore_index
-    local = labels64 - vocab_start
+def _row_labels(labels: torch.Tensor, lead_dims: int, ignore_index: int, vocab_start: int, v: int):
+    """[N, k] int64 labels, ignored mask, local target (or -1), and the skipped-row mask [N]."""
+    y = label_matrix(labels, lead_dims)
+    ignored = y == ignore_index
+    local = y - vocab_start
     target = torch.where((local >= 0) & (local < v) & ~ignored, local, torch.full_like(local, -1))
-    return labels64, ignored, target
+    skipped = ignored.all(dim=1) if y.shape[1] > 0 else torch.zeros(y.shape[0], dtype=torch.bool, device=y.device)
+    return y, ignored, target, skipped
+
+
+def _row_views(t: torch.Tensor):
+    """(first row, [rows, V] view) pieces of a [N, V] or [B, S, V] tensor, without copies."""
+    if t.dim() == 2:
+        yield 0, t
+        return
+    for b in range(t.shape[0]):
+        yield b * t.shape[1], t[b]
 
 
 # ------------------------------------------------------------- online state
-def _merge(a, b):
-    """online_softmax.h merge(), on per-row tensors (max, sum, zsum)."""
-    a_max, a_sum, a_zsum = a
-    b_max, b_sum, b_zsum = b
-    new_max = torch.where(a_max > b_max, a_max, b_max)
-    da, db = a_max - new_max, b_max - new_max
-    ea, eb = torch.exp(da), torch.exp(db)
-    m_sum = a_sum * ea + b_sum * eb
-    m_zsum = (a_zsum + da * a_sum) * ea + (b_zsum + db * b_sum) * eb
-    b_empty, a_empty = b_sum == 0, a_sum == 0
+def _merge(a, b, inv_t):
+    """online_softmax.h merge(), on per-row tensors (max, rest, zsum); rest = -1 is the empty state."""
+    a_max, a_rest, a_zsum = a
+    b_max, b_rest, b_zsum = b
+    a_top = ~(b_max > a_max)
+    top_max, low_max = torch.where(a_top, a_max, b_max), torch.where(a_top, b_max, a_max)
+    top_rest, low_rest = torch.where(a_top, a_rest, b_rest), torch.where(a_top, b_rest, a_rest)
+    top_zsum, low_zsum = torch.where(a_top, a_zsum, b_zsum), torch.where(a_top, b_zsum, a_zsum)
+    gap = ((low_max - top_max) * inv_t).clamp(min=-1e30)
+    scale = torch.exp(gap)
+    weight = low_rest * scale + scale
+    m_rest = top_rest + weight
+    m_zsum = top_zsum + (gap * weight + low_zsum * scale)
+    b_empty, a_empty = b_rest == -1, a_rest == -1
     pick = lambda x_a, x_b, x_m: torch.where(b_empty, x_a, torch.where(a_empty, x_b, x_m))  # noqa: E731
-    return pick(a_max, b_max, new_max), pick(a_sum, b_sum, m_sum), pick(a_zsum, b_zsum, m_zsum)
+    return pick(a_max, b_max, top_max), pick(a_rest, b_rest, m_rest), pick(a_zsum, b_zsum, m_zsum)
 
 
 def _block_state(x_block: torch.Tensor, inv_t: float, acc: torch.dtype, with_entropy: bool):
-    """State of z = x_block * inv_t per row; shift = finite_shift(max)."""
-    z = x_block.to(acc, copy=True)  # temporary 1
+    """State of one block of rows: (max x, sum of exp t but the first max's, sum t exp t), t = (x - shift) / T."""
+    t = x_block.to(acc, copy=True)  # temporary 1
+    row_max, at_max = t.max(dim=1)  # NaN propagates
+    empty = row_max == -math.inf
+    shift = torch.where(empty, torch.zeros_like(row_max), row_max)
+    t.sub_(shift.unsqueeze(1))
     if inv_t != 1.0:
-        z.mul_(inv_t)
-    row_max = z.amax(dim=1)  # NaN propagates
-    shift = torch.where(row_max == -math.inf, torch.zeros_like(row_max), row_max)
-    if with_entropy:
-        # entropy_term: (max(lowest, z) - shift) * e, so -inf logits add 0, not NaN.
-        z.clamp_(min=torch.finfo(acc).min)
-    z.sub_(shift.unsqueeze(1))
-    e = torch.exp(z)  # temporary 2
-    s = e.sum(dim=1)
-    zs = z.mul_(e).sum(dim=1) if with_entropy else torch.zeros_like(s)
-    return shift, s, zs
+        t.mul_(inv_t)
+    e = torch.exp(t)  # temporary 2
+    e.scatter_(1, at_max.unsqueeze(1), 0.0)  # the max's exp(0) = 1 is the state's implicit 1
+    rest = torch.where(empty, torch.full_like(row_max, -1.0), e.sum(dim=1))
+    # entropy term: max(lowest, t) e, so -inf logits add 0, not NaN.
+    zs = t.clamp_(min=torch.finfo(acc).min).mul_(e).sum(dim=1) if with_entropy else torch.zeros_like(rest)
+    return row_max, rest, zs
 
 
 # ------------------------------------------------------------------- the ops
+# online_softmax.h exp_underflow(): below it p is 0 in the accumulator dtype.
+_U_FLOOR = {torch.float32: -150.0, torch.float64: -1100.0}
+
 @torch.no_grad()
 def selective_log_softmax_fwd(logits, labels, inv_temperature, ignore_index, vocab_start, vocab_size,
                               with_entropy, inplace_backward=False, *, budget_bytes: Optional[int] = None):
@@ -187,122 +214,143 @@ def selective_log_softmax_fwd(logits, labels, inv_temperature, ignore_index, voc
     _check_logits(logits)
     _check_labels(labels, logits)
     _check_inv_temperature(inv_temperature)
-    n, v = logits.shape
+    lead = logits.shape[:-1]
+    v = logits.shape[-1]
     if vocab_start < 0 or vocab_start + v > vocab_size:
         _fail(f"the logits' vocab shard [vocab_start, vocab_start + V) = [{vocab_start}, {vocab_start + v}) must "
               f"lie within [0, vocab_size = {vocab_size})")
-    labels64, ignored, target = _row_labels(labels, ignore_index, vocab_start, v)
-    _check_label_range(labels64, ignored, vocab_size, ignore_index)
+    y, ignored, target, skipped = _row_labels(labels, len(lead), ignore_index, vocab_start, v)
+    _check_label_range(y, ignored, vocab_size, ignore_index)
 
-    acc = _stats_dtype(logits)
+    acc = stats_dtype(logits)
     inv_t = float(inv_temperature)
-    n_stats = n if with_entropy else 0
-    logp = torch.empty(n, dtype=acc, device=logits.device)
-    lse = torch.empty(n, dtype=acc, device=logits.device)
-    entropy = torch.empty(n_stats, dtype=acc, device=logits.device)
-    mean = torch.empty(n_stats, dtype=acc, device=logits.device)
-    if n == 0:
-        return logp, entropy, lse, mean
+    n, k = y.shape
+    dev = logits.device
+    logp = torch.zeros(n, k, dtype=acc, device=dev)
+    shift = torch.zeros(n, dtype=acc, device=dev)
+    log_sum = torch.zeros(n, dtype=acc, device=dev)
+    entropy = torch.zeros(n if with_entropy else 0, dtype=acc, device=dev)
+    zero = torch.zeros((), dtype=acc, device=dev)
+    if n > 0:
+        rows, cols = block_shape(logits.shape[-2], v, acc, resolve_budget(budget_bytes))
+        for base, x2 in _row_views(logits):
+            for r0 in range(0, x2.shape[0], rows):
+                r1 = min(r0 + rows, x2.shape[0])
+                rs = slice(base + r0, base + r1)
+                empty = torch.full((r1 - r0,), -math.inf, dtype=acc, device=dev)
+                state = (empty, torch.full_like(empty, -1.0), torch.zeros_like(empty))
+                for c0 in range(0, v, cols):
+                    state = _merge(state, _block_state(x2[r0:r1, c0:c0 + cols], inv_t, acc, with_entropy), inv_t)
+                s_max, s_rest, s_zsum = state
+                row_shift = torch.where(s_max == -math.inf, zero, s_max)
+                row_log_sum = torch.log1p(s_rest)
+                skip = skipped[rs]
+                shift[rs] = torch.where(skip, zero, row_shift)
+                log_sum[rs] = torch.where(skip, zero, row_log_sum)
+                if with_entropy:
+                    entropy[rs] = torch.where(skip, zero, row_log_sum - s_zsum / (1 + s_rest))
+                if k:
+                    tgt = target[rs]
+                    x_t = x2[r0:r1].gather(1, tgt.clamp(min=0)).to(acc)
+                    lp = (x_t - row_shift.unsqueeze(1)) * inv_t - row_log_sum.unsqueeze(1)
+                    logp[rs] = torch.where(tgt >= 0, lp, zero)
+    return logp.view(labels.shape), entropy.view(lead if with_entropy else (0,)), shift.view(lead), log_sum.view(lead)
 
-    rows, cols = block_shape(n, v, acc, resolve_budget(budget_bytes))
-    for r0 in range(0, n, rows):
-        r1 = min(r0 + rows, n)
-        empty = torch.full((r1 - r0,), -math.inf, dtype=acc, device=logits.device)
-        state = (empty, torch.zeros_like(empty), torch.zeros_like(empty))
-        for c0 in range(0, v, cols):
-            block = _block_state(logits[r0:r1, c0:c0 + cols], inv_t, acc, with_entropy)
-            state = _merge(state, block)
-        s_max, s_sum, s_zsum = state
-        log_sum = torch.log(s_sum)
-        rel_mean = s_zsum / s_sum  # E_p[z] - max
-        row_lse = s_max + log_sum
-        zero = torch.zeros((), dtype=acc, device=logits.device)
-        ign = ignored[r0:r1]
-        lse[r0:r1] = torch.where(ign, zero, row_lse)
-        tgt = target[r0:r1]
-        x_t = logits[r0:r1].gather(1, tgt.clamp(min=0).unsqueeze(1)).squeeze(1).to(acc)
-        logp[r0:r1] = torch.where(tgt >= 0, x_t * inv_t - row_lse, zero)
-        if with_entropy:
-            entropy[r0:r1] = torch.where(ign, zero, log_sum - rel_mean)
-            mean[r0:r1] = torch.where(ign, zero, s_max + rel_mean)
-    return logp, entropy, lse, mean
 
-
-def _check_backward(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature):
+def _check_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature):
     _check_logits(logits)
     _check_labels(labels, logits)
-    _check_row_vector(grad_logp, "grad_logp", logits)
-    _check_row_vector(lse, "lse", logits)
+    lead = logits.shape[:-1]
+    _check_stats(grad_logp, "grad_logp", labels.shape, "the labels", logits)
+    _check_stats(shift, "shift", lead, "the logits' leading dims", logits)
+    _check_stats(log_sum, "log_sum", lead, "the logits' leading dims", logits)
     if grad_entropy is not None:
-        _check_row_vector(grad_entropy, "grad_entropy", logits)
-        if mean is None:
-            _fail("grad_entropy needs mean (run the forward with_entropy)")
-        _check_row_vector(mean, "mean", logits)
+        _check_stats(grad_entropy, "grad_entropy", lead, "the logits' leading dims", logits)
+        if entropy is None:
+            _fail("grad_entropy needs entropy (run the forward with_entropy)")
+        _check_stats(entropy, "entropy", lead, "the logits' leading dims", logits)
     _check_inv_temperature(inv_temperature)
 
 
-def _block_grad(out, x, lse, mean, g_logp, g_entropy, target, ignored, inv_t, acc):
-    """out = d x for one block of rows and vocab; `target` is block-local (outside [0, cols): elsewhere).
+def _block_grad(out, x, shift, log_sum, a, b, target, g_here, g_other, g_entropy_term, skipped, inv_t, acc):
+    """out = d x for one block of rows and vocab; `target` [rows, k] is block-local (outside [0, cols): elsewhere).
 
-    A function, so that its two block-sized temporaries are freed on return,
-    before the next block allocates its own.
+    A function, so that its block-sized temporaries are freed on return, before
+    the next block allocates its own.
     """
-    # z = x / T (temporary 1); p = exp(z - lse) (temporary 2)
-    z = x.to(acc, copy=True)
-    if inv_t != 1.0:
-        z.mul_(inv_t)
-    p = torch.sub(z, lse.unsqueeze(1)).exp_()
-    # grad_logit with onehot = 0: -(g_logp p + g_H p (max(lowest, z) - mean)) / T,
-    # p (z - mean) first so that p = 0 at z = -inf gives 0, not 0 * inf.
-    if g_entropy is not None:
-        z.clamp_(min=torch.finfo(acc).min).sub_(mean.unsqueeze(1)).mul_(p).mul_(g_entropy.unsqueeze(1))
-        d = p.mul_(g_logp.unsqueeze(1)).add_(z)
-    else:
-        d = p.mul_(g_logp.unsqueeze(1))
-    d.mul_(-inv_t)
-    # onehot term: + g_logp / T at the label, when it lies in this block.
+    # u = log p = (x - shift) / T - log_sum (temporary 1); p = exp(u) (temporary 2, with one
+    # spare column where the labels of other blocks land)
+    u = x.to(acc, copy=True).sub_(shift.unsqueeze(1)).mul_(inv_t).sub_(log_sum.unsqueeze(1))
     cols = x.shape[1]
-    here = (target >= 0) & (target < cols)
-    add = torch.where(here, g_logp * inv_t, torch.zeros_like(g_logp))
-    d.scatter_add_(1, target.clamp(0, cols - 1).unsqueeze(1), add.unsqueeze(1))
-    d.masked_fill_(ignored.unsqueeze(1), 0)
+    wide = torch.empty(x.shape[0], cols + 1, dtype=acc, device=x.device)
+    d = torch.exp(u, out=wide[:, :cols])
+    # off the labels: p (a + b max(u_floor, u))
+    d.mul_(u.clamp_(min=_U_FLOOR[acc]).mul_(b.unsqueeze(1)).add_(a.unsqueeze(1)))
+    if target.shape[1]:
+        here = (target >= 0) & (target < cols)
+        col = torch.where(here, target, torch.full_like(target, cols))
+        x_t = x.gather(1, col.clamp(max=cols - 1)).to(acc)
+        u_t = (x_t - shift.unsqueeze(1)) * inv_t - log_sum.unsqueeze(1)
+        a_here = -(g_other + g_entropy_term.unsqueeze(1)) * inv_t
+        val = torch.exp(u_t) * (b.unsqueeze(1) * u_t.clamp(min=_U_FLOOR[acc]) + a_here) - g_here * inv_t * torch.expm1(u_t)
+        wide.scatter_(1, col, val)  # repeated labels write the same value
+    d.masked_fill_(skipped.unsqueeze(1), 0)
     out.copy_(d)
 
 
-def _backward_into(out, grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature, ignore_index,
-                   vocab_start, budget):
+def _backward_into(out, grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
+                   ignore_index, vocab_start, budget):
     """out = d logits, block by block; out may be logits itself (each block is read before it is written)."""
-    n, v = logits.shape
+    lead = logits.shape[:-1]
+    v = logits.shape[-1]
+    acc = stats_dtype(logits)
+    y, ignored, target, skipped = _row_labels(labels, len(lead), ignore_index, vocab_start, v)
+    n, k = y.shape
     if n == 0:
         return
-    acc = _stats_dtype(logits)
-    _labels64, ignored, target = _row_labels(labels, ignore_index, vocab_start, v)
-    rows, cols = block_shape(n, v, acc, budget)
-    for r0, r1, c0, c1 in _blocks(n, v, rows, cols):
-        rs = slice(r0, r1)
-        _block_grad(out[rs, c0:c1], logits[rs, c0:c1], lse[rs], None if mean is None else mean[rs],
-                    grad_logp[rs], None if grad_entropy is None else grad_entropy[rs],
-                    torch.where(target[rs] >= 0, target[rs] - c0, -1), ignored[rs], float(inv_temperature), acc)
+    inv_t = float(inv_temperature)
+    g = torch.where(ignored, torch.zeros((), dtype=acc, device=y.device), grad_logp.reshape(n, k).to(acc))
+    g_total = g.sum(dim=1)
+    # Upstream gradient at each label's position (repeated labels summed), and the rest of the row's.
+    same = (y.unsqueeze(2) == y.unsqueeze(1)) & ~ignored.unsqueeze(1)
+    g_here = (same.to(acc) * g.unsqueeze(1)).sum(dim=2)
+    g_other = g_total.unsqueeze(1) - g_here
+    row_shift, row_log_sum = shift.reshape(n), log_sum.reshape(n)
+    if grad_entropy is not None:
+        g_h = grad_entropy.reshape(n).to(acc)
+        g_entropy_term = g_h * entropy.reshape(n)
+    else:
+        g_h = torch.zeros(n, dtype=acc, device=y.device)
+        g_entropy_term = torch.zeros_like(g_h)
+    a = -(g_total + g_entropy_term) * inv_t
+    b = -g_h * inv_t
+    rows, cols = block_shape(logits.shape[-2], v, acc, budget)
+    for (base, x2), (_, o2) in zip(_row_views(logits), _row_views(out)):
+        for r0, r1, c0, c1 in _blocks(x2.shape[0], v, rows, cols):
+            rs = slice(base + r0, base + r1)
+            _block_grad(o2[r0:r1, c0:c1], x2[r0:r1, c0:c1], row_shift[rs], row_log_sum[rs], a[rs], b[rs],
+                        torch.where(target[rs] >= 0, target[rs] - c0, -1), g_here[rs], g_other[rs],
+                        g_entropy_term[rs], skipped[rs], inv_t, acc)
 
 
 @torch.no_grad()
-def selective_log_softmax_bwd(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature, ignore_index,
-                              vocab_start, *, budget_bytes: Optional[int] = None):
-    """Composite twinkle_mem::selective_log_softmax_bwd: returns d logits (contiguous, logits' dtype)."""
-    _check_backward(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature)
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    _backward_into(grad, grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature, ignore_index,
-                   vocab_start, resolve_budget(budget_bytes))
+def selective_log_softmax_bwd(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
+                              ignore_index, vocab_start, *, budget_bytes: Optional[int] = None):
+    """Composite twinkle_mem::selective_log_softmax_bwd: returns d logits (logits' dtype, layout as native)."""
+    _check_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature)
+    grad = new_grad_like(logits)
+    _backward_into(grad, grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
+                   ignore_index, vocab_start, resolve_budget(budget_bytes))
     return grad
 
 
 @torch.no_grad()
-def selective_log_softmax_bwd_(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature, ignore_index,
-                               vocab_start, *, budget_bytes: Optional[int] = None):
+def selective_log_softmax_bwd_(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
+                               ignore_index, vocab_start, *, budget_bytes: Optional[int] = None):
     """Composite twinkle_mem::selective_log_softmax_bwd_: writes d logits over the logits."""
-    _check_backward(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature)
-    _backward_into(logits, grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature, ignore_index,
-                   vocab_start, resolve_budget(budget_bytes))
+    _check_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature)
+    _backward_into(logits, grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
+                   ignore_index, vocab_start, resolve_budget(budget_bytes))
 
 
 # ----------------------------------------------------------------- registration

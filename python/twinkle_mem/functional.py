@@ -1,23 +1,25 @@
 """Public functions: selective_log_softmax and entropy_from_logits.
 
 A thin layer over torch.ops.twinkle_mem.selective_log_softmax_fwd: checks the
-arguments (ValueError naming the argument), flattens leading dims to rows and
-restores them on the outputs.
+arguments (ValueError naming the argument), brings the tensors to the op's
+row form without copying the logits (rows.py) and restores the caller's
+shapes on the outputs.
 """
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
 from . import ops
+from .rows import to_op_rows
 
 # A label value no int32/int64 label can take when the caller ignores nothing.
 NO_IGNORE_INDEX = -(2**63)
 
 
-def _check_args(logits, index, temperature, ignore_index):
+def check_args(logits, index, temperature, ignore_index) -> bool:
+    """Raises ValueError naming the bad argument; returns whether ``index`` is ``[..., k]``."""
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise ValueError(f"logits must be a floating-point tensor, got {getattr(logits, 'dtype', type(logits))}")
     if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
@@ -26,8 +28,11 @@ def _check_args(logits, index, temperature, ignore_index):
         raise ValueError(f"logits must have a vocab dim of size >= 1, got shape {tuple(logits.shape)}")
     if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"index must be an int64 or int32 tensor, got {getattr(index, 'dtype', type(index))}")
-    if tuple(index.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"index shape {tuple(index.shape)} must equal logits.shape[:-1] = {tuple(logits.shape[:-1])}")
+    lead = tuple(logits.shape[:-1])
+    multi = index.dim() == logits.dim()
+    if not (tuple(index.shape) == lead or (multi and tuple(index.shape[:-1]) == lead)):
+        raise ValueError(f"index shape {tuple(index.shape)} must be logits.shape[:-1] = {lead}, or that plus a "
+                         "trailing dim of k indices per row")
     if index.device != logits.device:
         raise ValueError(f"index is on {index.device} but logits are on {logits.device}")
     if isinstance(temperature, torch.Tensor):
@@ -36,58 +41,43 @@ def _check_args(logits, index, temperature, ignore_index):
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
     if ignore_index is not None and not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index must be an int or None, got {type(ignore_index).__name__}")
-
-
-def _as_rows(logits: torch.Tensor) -> torch.Tensor:
-    """[..., V] -> [N, V] rows with unit vocab stride, without a copy whenever a view allows it."""
-    vocab = logits.shape[-1]
-    try:
-        rows = logits.view(-1, vocab)
-        if vocab <= 1 or rows.stride(1) == 1:
-            return rows
-    except RuntimeError:
-        pass
-    warnings.warn(
-        f"twinkle_mem: logits of shape {tuple(logits.shape)} and strides {logits.stride()} cannot be viewed as "
-        "[N, V] rows with unit vocab stride; a contiguous copy is made (slice the labels instead of the logits "
-        "to avoid it)",
-        stacklevel=3,
-    )
-    return logits.reshape(-1, vocab).contiguous()
+    return multi
 
 
 def selective_log_softmax(logits, index, return_entropy=False, *, temperature=1.0, ignore_index=None,
                           inplace_backward=False, process_group=None):
-    """Log-probabilities of the label tokens, and optionally the entropy, per row.
+    """Log-probabilities of the indexed tokens, and optionally the entropy, per row.
 
-    logits: [..., V] bf16/fp16/fp32/fp64; index: [...] int64/int32 labels.
-    Returns fp32 ``logp`` [...] (fp64 for fp64 logits), or ``(logp, entropy)``
-    when ``return_entropy``. ``temperature`` divides the logits (in-register).
-    Rows whose label equals ``ignore_index`` give logp 0, entropy 0 and no
-    gradient. Nothing full-vocab is kept for backward beyond a reference to the
-    logits. With ``inplace_backward=True`` the gradient is written over the
-    logits, which then hold the gradient (their version counter is bumped, so
-    any other autograd use of them raises instead of reading wrong values).
-    With ``process_group`` (world size > 1), ``logits`` are this rank's vocab
-    shard ``[rank * V/tp, (rank + 1) * V/tp)`` and ``index`` holds global ids:
-    the outputs are the full-vocab ones, the same on every rank
+    logits: [..., V] bf16/fp16/fp32/fp64, any strides on the leading dims (unit
+    stride on V avoids a copy); index: [...] int64/int32 labels, or [..., k] for
+    k labels per row. Returns fp32 ``logp`` of the index's shape (fp64 for fp64
+    logits), or ``(logp, entropy)`` with entropy [...] when ``return_entropy``.
+    ``temperature`` divides the logits (in-register). An index equal to
+    ``ignore_index`` gives logp 0 and no gradient; a row whose indices are all
+    ignored gives entropy 0 too. Nothing full-vocab is kept for backward beyond
+    a reference to the logits. With ``inplace_backward=True`` the gradient is
+    written over the logits, which then hold the gradient (their version counter
+    is bumped, so any other autograd use of them raises instead of reading wrong
+    values). With ``process_group`` (world size > 1), ``logits`` are this rank's
+    vocab shard ``[rank * V/tp, (rank + 1) * V/tp)`` and ``index`` holds global
+    ids: the outputs are the full-vocab ones, the same on every rank
     (``twinkle_mem.vocab_parallel``; docs/vocab_parallel.md).
     """
-    _check_args(logits, index, temperature, ignore_index)
+    multi = check_args(logits, index, temperature, ignore_index)
+    rows = to_op_rows(logits, index, multi)
+    ignore = NO_IGNORE_INDEX if ignore_index is None else int(ignore_index)
+    inv_temperature = 1.0 / float(temperature)
     if process_group is not None and torch.distributed.get_world_size(process_group) > 1:
         from .vocab_parallel import vocab_parallel_selective_log_softmax
-        return vocab_parallel_selective_log_softmax(logits, index, return_entropy, temperature, ignore_index,
-                                                    inplace_backward, process_group)
-    lead_shape = logits.shape[:-1]
-    rows = _as_rows(logits)
-    labels = index.reshape(-1)
-    vocab = rows.shape[1]
-    logp, entropy, _lse, _mean = ops.fwd(
-        rows, labels, 1.0 / float(temperature), NO_IGNORE_INDEX if ignore_index is None else ignore_index,
-        0, vocab, bool(return_entropy), bool(inplace_backward))
-    logp = logp.view(lead_shape)
+        logp, entropy = vocab_parallel_selective_log_softmax(rows.logits, rows.labels, return_entropy,
+                                                             inv_temperature, ignore, inplace_backward, process_group)
+    else:
+        vocab = rows.logits.shape[-1]
+        logp, entropy, _shift, _log_sum = ops.fwd(rows.logits, rows.labels, inv_temperature, ignore, 0, vocab,
+                                                  bool(return_entropy), bool(inplace_backward))
+    logp = logp.view(rows.logp_shape)
     if return_entropy:
-        return logp, entropy.view(lead_shape)
+        return logp, entropy.view(rows.lead_shape)
     return logp
 
 
@@ -98,9 +88,9 @@ def entropy_from_logits(logits, chunk_size=None, *, temperature=1.0, inplace_bac
     the same name and ignored: the kernel streams each row without chunks.
     """
     if isinstance(logits, torch.Tensor) and logits.dim() >= 1:
-        labels = torch.zeros(logits.shape[:-1], dtype=torch.int32, device=logits.device)
+        no_labels = torch.zeros((*logits.shape[:-1], 0), dtype=torch.int32, device=logits.device)
     else:
-        labels = None
-    _logp, entropy = selective_log_softmax(logits, labels, True, temperature=temperature,
+        no_labels = None
+    _logp, entropy = selective_log_softmax(logits, no_labels, True, temperature=temperature,
                                            inplace_backward=inplace_backward)
     return entropy

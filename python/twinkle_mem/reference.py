@@ -8,33 +8,72 @@ from __future__ import annotations
 import torch
 
 
-def selective_log_softmax_ref(logits, index, temperature=1.0, ignore_index=None):
-    """Returns float64 (logp, entropy, lse, mean) with the kernel's conventions."""
+def _log_probs(logits, temperature):
+    """float64 (log p [..., V], entropy [...], lse [...]) without cancellation.
+
+    log p = (z - max) - log1p(sum of exp(z - max) over all but the first max):
+    exact for a confident row, whose p_max = 1 - eps has eps below float64's
+    resolution of 1 + eps (lse - E_p[z] would cancel to 0 there).
+    """
     z = logits.double() / temperature
-    logp_all = torch.log_softmax(z, dim=-1)
-    lse = torch.logsumexp(z, dim=-1)
-    p = logp_all.exp()
-    # p * z at z = -inf (p = 0) is 0, its limit. Clamping z to a finite value
-    # below any fp32 logit gives that and keeps autograd free of NaN (a where()
-    # would not, nor would float64's lowest, whose products overflow).
-    pz = p * z.clamp(min=-1e100)
-    mean = pz.sum(-1)
-    entropy = lse - mean
-    ignored = torch.zeros_like(index, dtype=torch.bool) if ignore_index is None else index == ignore_index
-    safe_index = torch.where(ignored, torch.zeros_like(index), index).long()
-    logp = z.gather(-1, safe_index.unsqueeze(-1)).squeeze(-1) - lse
+    top = z.argmax(dim=-1, keepdim=True)
+    shift = z.gather(-1, top)
+    shift = torch.where(shift == float("-inf"), torch.zeros_like(shift), shift)
+    gap = z - shift
+    log_norm = torch.log1p(torch.exp(gap).scatter(-1, top, 0.0).sum(-1, keepdim=True))
+    log_p = gap - log_norm
+    # p log p at p = 0 (log p = -inf) is 0, its limit: clamping log p to a finite
+    # value keeps it (and autograd) free of NaN.
+    entropy = -(torch.exp(log_p) * log_p.clamp(min=-1e100)).sum(-1)
+    return log_p, entropy, (shift + log_norm).squeeze(-1)
+
+
+def _label_layout(logits, index, ignore_index):
+    """index as [..., k], its ignored mask, safe gather indices, skipped rows."""
+    multi = index.dim() == logits.dim()
+    idx = index if multi else index.unsqueeze(-1)
+    ignored = torch.zeros_like(idx, dtype=torch.bool) if ignore_index is None else idx == ignore_index
+    safe = torch.where(ignored, torch.zeros_like(idx), idx).long()
+    skipped = ignored.all(-1) if idx.shape[-1] > 0 else torch.zeros(idx.shape[:-1], dtype=torch.bool,
+                                                                      device=idx.device)
+    return multi, ignored, safe, skipped
+
+
+def selective_log_softmax_ref(logits, index, temperature=1.0, ignore_index=None):
+    """float64 (logp, entropy, lse, mean) with the kernel's conventions.
+
+    index: [...] or [..., k] (when index.dim() == logits.dim()). An ignored
+    index gives logp 0; a row whose indices are all ignored gives 0 everywhere.
+    """
+    log_p, entropy, lse = _log_probs(logits, temperature)
+    multi, ignored, safe, skipped = _label_layout(logits, index, ignore_index)
     zero = torch.zeros((), dtype=torch.float64, device=logits.device)
-    return (torch.where(ignored, zero, logp), torch.where(ignored, zero, entropy),
-            torch.where(ignored, zero, lse), torch.where(ignored, zero, mean))
+    logp = torch.where(ignored, zero, log_p.gather(-1, safe))
+    logp = logp if multi else logp.squeeze(-1)
+    mean = lse - entropy
+    return (logp, torch.where(skipped, zero, entropy), torch.where(skipped, zero, lse),
+            torch.where(skipped, zero, mean))
 
 
 def selective_log_softmax_grad_ref(logits, index, grad_logp, grad_entropy=None, temperature=1.0,
                                    ignore_index=None):
-    """float64 gradient of sum(grad_logp * logp + grad_entropy * entropy) w.r.t. logits."""
-    x = logits.detach().double().requires_grad_(True)
-    logp, entropy, _, _ = selective_log_softmax_ref(x, index, temperature, ignore_index)
-    total = (grad_logp.double() * logp).sum()
+    """float64 gradient of sum(grad_logp * logp + grad_entropy * entropy) w.r.t. logits.
+
+    Written out rather than taken by autograd, whose sum of terms cancels to 0
+    for a confident row's label (1 - p with p = 1 - 1e-22):
+      d_v = [sum_{j: y_j = v} g_j (1 - p_v) - (G - sum_{j: y_j = v} g_j) p_v - g_H p_v (log p_v + H)] / T
+    with 1 - p_v = -expm1(log p_v).
+    """
+    log_p, entropy, _ = _log_probs(logits.detach(), temperature)
+    multi, ignored, safe, skipped = _label_layout(logits, index, ignore_index)
+    g = grad_logp.double().to(logits.device)
+    g = (g if multi else g.unsqueeze(-1)).masked_fill(ignored, 0.0)
+    here = torch.zeros_like(log_p).scatter_add(-1, safe, g)  # upstream gradient at each position
+    total = g.sum(-1, keepdim=True)
+    p = torch.exp(log_p)
+    grad = here * -torch.expm1(log_p) - (total - here) * p
     if grad_entropy is not None:
-        total = total + (grad_entropy.double() * entropy).sum()
-    (grad,) = torch.autograd.grad(total, x)
-    return grad
+        g_h = grad_entropy.double().to(logits.device).unsqueeze(-1)
+        grad = grad - g_h * torch.where(p == 0, torch.zeros_like(p), p * (log_p + entropy.unsqueeze(-1)))
+    grad = grad.masked_fill(skipped.unsqueeze(-1), 0.0)
+    return grad / temperature
