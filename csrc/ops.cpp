@@ -11,8 +11,9 @@ STABLE_TORCH_LIBRARY(twinkle_mem, m) {
   //   logp    labels' shape: (x_y - shift) / T - log_sum; 0 for an ignored label
   //           and for a label on another shard;
   //   entropy L (or [0] unless with_entropy);
-  //   shift   L: the row's max logit (0 when all are -inf);
-  //   log_sum L: log sum exp((x - shift) / T).
+  //   shift   L: a reference logit: the row's log-normalizer in logit units
+  //           (shift + T log_sum for the max as shift), rounded; 0 when all are -inf;
+  //   log_sum L: log sum exp((x - shift) / T) against that shift (small).
   // A row whose labels are all ignore_index (k >= 1) is skipped: every output 0.
   // inplace_backward does not change the forward: it tells autograd to write
   // the gradient into the logits' storage.

@@ -28,14 +28,14 @@ def _composite_backward(g_logp, g_entropy, logits, labels, shift, log_sum, entro
                         inplace):
     if inplace:
         composite.selective_log_softmax_bwd_(g_logp, g_entropy, logits, labels, shift, log_sum, entropy, inv_t,
-                                             ignore, vocab_start, budget_bytes=64 << 10)
+                                             ignore, vocab_start, budget_bytes=16 << 10)
         return logits
     return composite.selective_log_softmax_bwd(g_logp, g_entropy, logits, labels, shift, log_sum, entropy, inv_t,
-                                               ignore, vocab_start, budget_bytes=64 << 10)
+                                               ignore, vocab_start, budget_bytes=16 << 10)
 
 
 def _composite_forward(*args):
-    return composite.selective_log_softmax_fwd(*args, budget_bytes=64 << 10)  # vocab blocks merged
+    return composite.selective_log_softmax_fwd(*args, budget_bytes=16 << 10)  # vocab blocks merged
 
 
 IMPLS = [

@@ -72,10 +72,10 @@ struct RowGrad {
   acc_t neg_shift;
   acc_t neg_log_sum;
   acc_t inv_temperature;
-  acc_t a;
-  acc_t b;
+  acc_t entropy;
+  acc_t a;  // -G / T
+  acc_t b;  // -g_H / T
   acc_t u_floor;
-  acc_t g_entropy_term;  // g_H * entropy
 };
 
 inline namespace TWINKLE_MEM_ISA {
@@ -163,6 +163,26 @@ TM_HOST_DEVICE RowStats<acc_t> finalize(const OnlineSoftmax<acc_t>& s) {
   return {finite_shift(s.max), log_sum, log_sum - mean_t};
 }
 
+// The (shift, log_sum) a forward returns, from a row's finished statistics in a
+// wider type: shift moved to the row's log-normalizer in logit units
+// (shift + T log_sum, rounded to out_t), log_sum the small remainder against it.
+// Any shift is exact for the math; this one keeps the rounding of log_sum, which
+// every u = (x - shift) / T - log_sum of the row would share, out of the backward:
+// each u then carries only its own rounding. A row without a finite normalizer
+// (only -inf, or NaN) keeps its own.
+template <typename out_t, typename wide_t>
+TM_HOST_DEVICE void output_shift(const RowStats<wide_t>& s, wide_t inv_temperature, out_t& shift, out_t& log_sum) {
+  const wide_t lse_x = s.shift + s.log_sum / inv_temperature;
+  const out_t rebased = static_cast<out_t>(lse_x);
+  if (!(lse_x - lse_x == wide_t(0)) || !(rebased - rebased == out_t(0))) {  // not finite
+    shift = static_cast<out_t>(s.shift);
+    log_sum = static_cast<out_t>(s.log_sum);
+    return;
+  }
+  shift = rebased;
+  log_sum = static_cast<out_t>(fma_(s.shift - static_cast<wide_t>(rebased), inv_temperature, s.log_sum));
+}
+
 // log p of one logit: (x - shift) / T - log_sum.
 template <typename acc_t>
 TM_HOST_DEVICE acc_t log_prob(acc_t x, acc_t shift, acc_t log_sum, acc_t inv_temperature) {
@@ -170,16 +190,18 @@ TM_HOST_DEVICE acc_t log_prob(acc_t x, acc_t shift, acc_t log_sum, acc_t inv_tem
 }
 
 // ----------------------------------------------------------------- backward
-// Per row: with u = log p and p = exp(u), every logit's gradient is
-//   p (a + b u)                                   off the labels,
-//   p (a_here + b u) - (g_here / T) expm1(u)      at a position holding labels whose
+// Per row: with u = log p, p = exp(u) and w = u + entropy (= z - E_p[z], formed
+// from two small numbers: no cancellation of x / T against a large mean), every
+// logit's gradient is
+//   p (a + b w)                                   off the labels,
+//   p (a_here + b w) - (g_here / T) expm1(u)      at a position holding labels whose
 //                                                 upstream gradients sum to g_here,
-// a = -(G + g_H entropy) / T, a_here = -(g_other + g_H entropy) / T with
-// g_other = G - g_here (exactly 0 for a single label), b = -g_H / T. The label
-// form writes g_here (1 - p) as -g_here expm1(u): exact where p is close to 1
-// (a confident model's label), where 1 - p would cancel. In the linear term u is
-// clamped from below at u_floor, where p is already 0 in acc_t, so that b u
-// stays finite at x = -inf: p * finite = 0, where 0 * inf is NaN.
+// a = -G / T, a_here = -g_other / T with g_other = G - g_here (exactly 0 for a
+// single label), b = -g_H / T. The label form writes g_here (1 - p) as
+// -g_here expm1(u): exact where p is close to 1 (a confident model's label),
+// where 1 - p would cancel. In the linear term u is clamped from below at
+// u_floor, where p is already 0 in acc_t, so that b w stays finite at x = -inf:
+// p * finite = 0, where 0 * inf is NaN.
 template <typename acc_t>
 TM_HOST_DEVICE acc_t exp_underflow() { return sizeof(acc_t) == 4 ? acc_t(-150) : acc_t(-1100); }
 
@@ -188,9 +210,8 @@ TM_HOST_DEVICE acc_t exp_underflow() { return sizeof(acc_t) == 4 ? acc_t(-150) :
 template <typename acc_t>
 TM_HOST_DEVICE RowGrad<acc_t> row_grad(acc_t shift, acc_t log_sum, acc_t entropy, acc_t g_total, acc_t g_entropy,
                                        acc_t inv_temperature) {
-  const acc_t g_entropy_term = g_entropy * entropy;
-  return {-shift, -log_sum, inv_temperature, -(g_total + g_entropy_term) * inv_temperature,
-          -g_entropy * inv_temperature, exp_underflow<acc_t>(), g_entropy_term};
+  return {-shift, -log_sum, inv_temperature, entropy, -g_total * inv_temperature, -g_entropy * inv_temperature,
+          exp_underflow<acc_t>()};
 }
 
 // u = log p = (x - shift) / T - log_sum, one rounding after the subtraction.
@@ -200,14 +221,15 @@ TM_HOST_DEVICE V log_p(V x, V neg_shift, V inv_temperature, V neg_log_sum) {
 }
 
 template <typename V>
-TM_HOST_DEVICE V grad_off_label(V x, V neg_shift, V inv_temperature, V neg_log_sum, V a, V b, V u_floor) {
+TM_HOST_DEVICE V grad_off_label(V x, V neg_shift, V inv_temperature, V neg_log_sum, V entropy, V a, V b,
+                                V u_floor) {
   const V u = log_p(x, neg_shift, inv_temperature, neg_log_sum);
-  return exp_(u) * fma_(b, max_(u_floor, u), a);
+  return exp_(u) * fma_(b, max_(u_floor, u) + entropy, a);
 }
 
 template <typename acc_t>
 TM_HOST_DEVICE acc_t grad_off_label(acc_t x, const RowGrad<acc_t>& g) {
-  return grad_off_label(x, g.neg_shift, g.inv_temperature, g.neg_log_sum, g.a, g.b, g.u_floor);
+  return grad_off_label(x, g.neg_shift, g.inv_temperature, g.neg_log_sum, g.entropy, g.a, g.b, g.u_floor);
 }
 
 // The gradient at a position holding labels whose upstream gradients sum to
@@ -215,9 +237,9 @@ TM_HOST_DEVICE acc_t grad_off_label(acc_t x, const RowGrad<acc_t>& g) {
 template <typename acc_t>
 TM_HOST_DEVICE acc_t grad_at_label(acc_t x, const RowGrad<acc_t>& g, acc_t g_here, acc_t g_other) {
   const acc_t u = log_p(x, g.neg_shift, g.inv_temperature, g.neg_log_sum);
-  const acc_t a_here = -(g_other + g.g_entropy_term) * g.inv_temperature;
   const acc_t g_here_scaled = g_here * g.inv_temperature;
-  return fma_(exp_(u), fma_(g.b, max_(g.u_floor, u), a_here), -g_here_scaled * expm1_(u));
+  return fma_(exp_(u), fma_(g.b, max_(g.u_floor, u) + g.entropy, -g_other * g.inv_temperature),
+              -g_here_scaled * expm1_(u));
 }
 
 // Label classification shared by every kernel.

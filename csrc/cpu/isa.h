@@ -13,10 +13,10 @@ namespace cpu {
 // True when the CPU has AVX2, FMA and F16C (checked once).
 bool cpu_has_avx2();
 
-// Online softmax state of x[0, n) (see row_kernels.h segment_state).
-OnlineSoftmax<float> avx2_segment_state_bf16(const uint16_t* x, int64_t n, float inv_T, bool with_entropy);
-OnlineSoftmax<float> avx2_segment_state_fp16(const uint16_t* x, int64_t n, float inv_T, bool with_entropy);
-OnlineSoftmax<float> avx2_segment_state_fp32(const float* x, int64_t n, float inv_T, bool with_entropy);
+// Online softmax state of x[0, n), in double (see row_kernels.h segment_state).
+OnlineSoftmax<double> avx2_segment_state_bf16(const uint16_t* x, int64_t n, float inv_T, bool with_entropy);
+OnlineSoftmax<double> avx2_segment_state_fp16(const uint16_t* x, int64_t n, float inv_T, bool with_entropy);
+OnlineSoftmax<double> avx2_segment_state_fp32(const float* x, int64_t n, float inv_T, bool with_entropy);
 
 // Off-label gradient of a row segment (see row_kernels.h segment_grad).
 void avx2_segment_grad_bf16(const uint16_t* x, uint16_t* d, int64_t n, const RowGrad<float>& g);

@@ -135,7 +135,7 @@ void advise_huge_pages(void* ptr, int64_t bytes) {
 }
 
 template <typename scalar_t, typename acc_t>
-OnlineSoftmax<acc_t> run_segment_state(const scalar_t* x, int64_t n, acc_t inv_T, bool with_entropy) {
+OnlineSoftmax<double> run_segment_state(const scalar_t* x, int64_t n, acc_t inv_T, bool with_entropy) {
   if constexpr (std::is_same_v<acc_t, float>) {
     if (cpu_has_avx2()) {
       if constexpr (std::is_same_v<scalar_t, bf16>) {
@@ -182,7 +182,7 @@ void forward_kernel(const Tensor& logits, const Tensor& labels, acc_t inv_T, int
 
   with_labels(labels, lead_dims, [&](auto label) {
     const int64_t k = label.k();
-    std::vector<OnlineSoftmax<acc_t>> states(N * split.segments);
+    std::vector<OnlineSoftmax<double>> states(N * split.segments);
     const int64_t grain = std::max<int64_t>(1, 65536 / split.segment_len);
     torch::stable::parallel_for(0, N * split.segments, grain, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
@@ -199,31 +199,33 @@ void forward_kernel(const Tensor& logits, const Tensor& labels, acc_t inv_T, int
         if (with_entropy) out_entropy[row] = 0;
         continue;
       }
-      OnlineSoftmax<acc_t> state = states[row * split.segments];
+      OnlineSoftmax<double> state = states[row * split.segments];
       for (int64_t seg = 1; seg < split.segments; ++seg) {
-        state = merge(state, states[row * split.segments + seg], inv_T);
+        state = merge(state, states[row * split.segments + seg], static_cast<double>(inv_T));
       }
-      const RowStats<acc_t> stats = finalize(state);
-      out_shift[row] = stats.shift;
-      out_log_sum[row] = stats.log_sum;
-      if (with_entropy) out_entropy[row] = stats.entropy;
+      // Finished in double, rounded once.
+      const RowStats<double> stats = finalize(state);
+      output_shift(stats, static_cast<double>(inv_T), out_shift[row], out_log_sum[row]);
+      if (with_entropy) out_entropy[row] = static_cast<acc_t>(stats.entropy);
       for (int64_t j = 0; j < k; ++j) {
         const int64_t y = label(row, j);
         const int64_t target = is_ignored(y, ignore_index) ? -1 : local_target(y, vocab_start, V);
-        out_logp[row * k + j] =
-            target >= 0 ? log_prob(static_cast<acc_t>(x[row_at(row) + target]), stats.shift, stats.log_sum, inv_T)
-                        : acc_t(0);
+        if (target < 0) {
+          out_logp[row * k + j] = 0;
+          continue;
+        }
+        const double x_y = static_cast<double>(static_cast<acc_t>(x[row_at(row) + target]));
+        out_logp[row * k + j] = static_cast<acc_t>(log_prob(x_y, stats.shift, stats.log_sum, static_cast<double>(inv_T)));
       }
     }
   });
 }
 
 // A label position inside a segment and the upstream gradient of the labels there.
-template <typename acc_t>
 struct LabelHit {
   int64_t col;
-  acc_t g;
-  acc_t x;  // the logit, read before an in-place pass overwrites it
+  double g;
+  double x;  // the logit, read before an in-place pass overwrites it
 };
 
 template <typename scalar_t, typename acc_t>
@@ -251,7 +253,7 @@ void backward_kernel(const Tensor& grad_logp, const std::optional<Tensor>& grad_
     const int64_t k = label.k();
     const int64_t grain = std::max<int64_t>(1, 65536 / split.segment_len);
     torch::stable::parallel_for(0, N * split.segments, grain, [&](int64_t begin, int64_t end) {
-      std::vector<LabelHit<acc_t>> hits;
+      std::vector<LabelHit> hits;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t row = task / split.segments, seg = task % split.segments;
         const int64_t start = seg * split.segment_len, len = std::min(split.segment_len, V - start);
@@ -263,28 +265,30 @@ void backward_kernel(const Tensor& grad_logp, const std::optional<Tensor>& grad_
         const scalar_t* x_seg = x + row_at(row) + start;
         // The row's total upstream logp gradient, and the labels in this segment
         // (repeated labels summed), read before the pass may overwrite them.
-        acc_t g_total = 0;
+        double g_total = 0;
         hits.clear();
         for (int64_t j = 0; j < k; ++j) {
           const int64_t y = label(row, j);
           if (is_ignored(y, ignore_index)) continue;
-          const acc_t g = g_logp[row * k + j];
+          const double g = g_logp[row * k + j];
           g_total += g;
           const int64_t col = local_target(y, vocab_start, V) - start;
           if (col < 0 || col >= len) continue;
-          auto same = std::find_if(hits.begin(), hits.end(), [&](const LabelHit<acc_t>& h) { return h.col == col; });
+          auto same = std::find_if(hits.begin(), hits.end(), [&](const LabelHit& h) { return h.col == col; });
           if (same != hits.end()) {
             same->g += g;
           } else {
-            hits.push_back({col, g, static_cast<acc_t>(x_seg[col])});
+            hits.push_back({col, g, static_cast<double>(static_cast<acc_t>(x_seg[col]))});
           }
         }
-        const RowGrad<acc_t> rg = row_grad(row_shift[row], row_log_sum[row], with_entropy ? row_entropy[row] : acc_t(0),
-                                           g_total, with_entropy ? g_entropy[row] : acc_t(0), inv_T);
-        run_segment_grad<scalar_t, acc_t>(x_seg, d_seg, len, rg);
-        for (const LabelHit<acc_t>& h : hits) {
-          d_seg[h.col] = static_cast<scalar_t>(grad_at_label(h.x, rg, h.g, g_total - h.g));
-        }
+        const acc_t h_row = with_entropy ? row_entropy[row] : acc_t(0), g_h = with_entropy ? g_entropy[row] : acc_t(0);
+        run_segment_grad<scalar_t, acc_t>(
+            x_seg, d_seg, len,
+            row_grad(row_shift[row], row_log_sum[row], h_row, static_cast<acc_t>(g_total), g_h, inv_T));
+        // The few label positions in double, from the same statistics: where 1 - p
+        // and the entropy term nearly cancel, a wider evaluation is all but free.
+        const RowGrad<double> rg = row_grad<double>(row_shift[row], row_log_sum[row], h_row, g_total, g_h, inv_T);
+        for (const LabelHit& h : hits) d_seg[h.col] = static_cast<scalar_t>(grad_at_label(h.x, rg, h.g, g_total - h.g));
       }
     });
   });

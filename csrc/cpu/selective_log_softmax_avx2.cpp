@@ -172,13 +172,13 @@ using avx2::bf16_bits;
 using avx2::fp16_bits;
 using avx2::Vec8f;
 
-OnlineSoftmax<float> avx2_segment_state_bf16(const uint16_t* x, int64_t n, float inv_T, bool with_entropy) {
+OnlineSoftmax<double> avx2_segment_state_bf16(const uint16_t* x, int64_t n, float inv_T, bool with_entropy) {
   return avx2::segment_state<Vec8f>(reinterpret_cast<const bf16_bits*>(x), n, inv_T, with_entropy);
 }
-OnlineSoftmax<float> avx2_segment_state_fp16(const uint16_t* x, int64_t n, float inv_T, bool with_entropy) {
+OnlineSoftmax<double> avx2_segment_state_fp16(const uint16_t* x, int64_t n, float inv_T, bool with_entropy) {
   return avx2::segment_state<Vec8f>(reinterpret_cast<const fp16_bits*>(x), n, inv_T, with_entropy);
 }
-OnlineSoftmax<float> avx2_segment_state_fp32(const float* x, int64_t n, float inv_T, bool with_entropy) {
+OnlineSoftmax<double> avx2_segment_state_fp32(const float* x, int64_t n, float inv_T, bool with_entropy) {
   return avx2::segment_state<Vec8f>(x, n, inv_T, with_entropy);
 }
 void avx2_segment_grad_bf16(const uint16_t* x, uint16_t* d, int64_t n, const RowGrad<float>& g) {

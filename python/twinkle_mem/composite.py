@@ -35,7 +35,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from .ops import new_grad_like, stats_dtype  # (importing ops loads the schemas)
-from .vocab_parallel import label_matrix
+from .row_stats import label_matrix, output_shift
 
 DEFAULT_BUDGET_BYTES = 64 << 20
 MIN_BUDGET_BYTES = 4096
@@ -245,15 +245,16 @@ def selective_log_softmax_fwd(logits, labels, inv_temperature, ignore_index, voc
                 row_shift = torch.where(s_max == -math.inf, zero, s_max)
                 row_log_sum = torch.log1p(s_rest)
                 skip = skipped[rs]
-                shift[rs] = torch.where(skip, zero, row_shift)
-                log_sum[rs] = torch.where(skip, zero, row_log_sum)
+                out_shift, out_log_sum = output_shift(row_shift, row_log_sum, inv_t, acc)
+                shift[rs] = torch.where(skip, zero, out_shift)
+                log_sum[rs] = torch.where(skip, zero, out_log_sum)
                 if with_entropy:
                     entropy[rs] = torch.where(skip, zero, row_log_sum - s_zsum / (1 + s_rest))
                 if k:
                     tgt = target[rs]
-                    x_t = x2[r0:r1].gather(1, tgt.clamp(min=0)).to(acc)
-                    lp = (x_t - row_shift.unsqueeze(1)) * inv_t - row_log_sum.unsqueeze(1)
-                    logp[rs] = torch.where(tgt >= 0, lp, zero)
+                    x_t = x2[r0:r1].gather(1, tgt.clamp(min=0)).double()
+                    lp = (x_t - row_shift.double().unsqueeze(1)) * inv_t - row_log_sum.double().unsqueeze(1)
+                    logp[rs] = torch.where(tgt >= 0, lp.to(acc), zero)
     return logp.view(labels.shape), entropy.view(lead if with_entropy else (0,)), shift.view(lead), log_sum.view(lead)
 
 
@@ -272,29 +273,31 @@ def _check_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, ent
     _check_inv_temperature(inv_temperature)
 
 
-def _block_grad(out, x, shift, log_sum, a, b, target, g_here, g_other, g_entropy_term, skipped, inv_t, acc):
-    """out = d x for one block of rows and vocab; `target` [rows, k] is block-local (outside [0, cols): elsewhere).
+def _block_grad(out, x, shift, log_sum, entropy, a, b, target, g_here, g_other, skipped, inv_t, acc):
+    """out = d x for one block of rows and vocab (online_softmax.h's gradient); `target` [rows, k] is
+    block-local (outside [0, cols): elsewhere).
 
     A function, so that its block-sized temporaries are freed on return, before
     the next block allocates its own.
     """
+    floor = _U_FLOOR[acc]
+    col = lambda v: v.unsqueeze(1)  # noqa: E731  (a per-row value against the block's columns)
     # u = log p = (x - shift) / T - log_sum (temporary 1); p = exp(u) (temporary 2, with one
     # spare column where the labels of other blocks land)
-    u = x.to(acc, copy=True).sub_(shift.unsqueeze(1)).mul_(inv_t).sub_(log_sum.unsqueeze(1))
+    u = x.to(acc, copy=True).sub_(col(shift)).mul_(inv_t).sub_(col(log_sum))
     cols = x.shape[1]
     wide = torch.empty(x.shape[0], cols + 1, dtype=acc, device=x.device)
     d = torch.exp(u, out=wide[:, :cols])
-    # off the labels: p (a + b max(u_floor, u))
-    d.mul_(u.clamp_(min=_U_FLOOR[acc]).mul_(b.unsqueeze(1)).add_(a.unsqueeze(1)))
+    # off the labels: p (a + b (max(u_floor, u) + entropy))
+    d.mul_(u.clamp_(min=floor).add_(col(entropy)).mul_(col(b)).add_(col(a)))
     if target.shape[1]:
         here = (target >= 0) & (target < cols)
-        col = torch.where(here, target, torch.full_like(target, cols))
-        x_t = x.gather(1, col.clamp(max=cols - 1)).to(acc)
-        u_t = (x_t - shift.unsqueeze(1)) * inv_t - log_sum.unsqueeze(1)
-        a_here = -(g_other + g_entropy_term.unsqueeze(1)) * inv_t
-        val = torch.exp(u_t) * (b.unsqueeze(1) * u_t.clamp(min=_U_FLOOR[acc]) + a_here) - g_here * inv_t * torch.expm1(u_t)
-        wide.scatter_(1, col, val)  # repeated labels write the same value
-    d.masked_fill_(skipped.unsqueeze(1), 0)
+        at = torch.where(here, target, torch.full_like(target, cols))
+        u_t = (x.gather(1, at.clamp(max=cols - 1)).to(acc) - col(shift)) * inv_t - col(log_sum)
+        val = (torch.exp(u_t) * (col(b) * (u_t.clamp(min=floor) + col(entropy)) - g_other * inv_t)
+               - g_here * inv_t * torch.expm1(u_t))
+        wide.scatter_(1, at, val)  # repeated labels write the same value
+    d.masked_fill_(col(skipped), 0)
     out.copy_(d)
 
 
@@ -315,22 +318,18 @@ def _backward_into(out, grad_logp, grad_entropy, logits, labels, shift, log_sum,
     same = (y.unsqueeze(2) == y.unsqueeze(1)) & ~ignored.unsqueeze(1)
     g_here = (same.to(acc) * g.unsqueeze(1)).sum(dim=2)
     g_other = g_total.unsqueeze(1) - g_here
+    zeros = torch.zeros(n, dtype=acc, device=y.device)
+    g_h = grad_entropy.reshape(n).to(acc) if grad_entropy is not None else zeros
+    row_entropy = entropy.reshape(n) if grad_entropy is not None else zeros
+    a, b = -g_total * inv_t, -g_h * inv_t
     row_shift, row_log_sum = shift.reshape(n), log_sum.reshape(n)
-    if grad_entropy is not None:
-        g_h = grad_entropy.reshape(n).to(acc)
-        g_entropy_term = g_h * entropy.reshape(n)
-    else:
-        g_h = torch.zeros(n, dtype=acc, device=y.device)
-        g_entropy_term = torch.zeros_like(g_h)
-    a = -(g_total + g_entropy_term) * inv_t
-    b = -g_h * inv_t
     rows, cols = block_shape(logits.shape[-2], v, acc, budget)
     for (base, x2), (_, o2) in zip(_row_views(logits), _row_views(out)):
         for r0, r1, c0, c1 in _blocks(x2.shape[0], v, rows, cols):
             rs = slice(base + r0, base + r1)
-            _block_grad(o2[r0:r1, c0:c1], x2[r0:r1, c0:c1], row_shift[rs], row_log_sum[rs], a[rs], b[rs],
-                        torch.where(target[rs] >= 0, target[rs] - c0, -1), g_here[rs], g_other[rs],
-                        g_entropy_term[rs], skipped[rs], inv_t, acc)
+            _block_grad(o2[r0:r1, c0:c1], x2[r0:r1, c0:c1], row_shift[rs], row_log_sum[rs], row_entropy[rs], a[rs],
+                        b[rs], torch.where(target[rs] >= 0, target[rs] - c0, -1), g_here[rs], g_other[rs],
+                        skipped[rs], inv_t, acc)
 
 
 @torch.no_grad()

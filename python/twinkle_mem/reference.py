@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 
-def _log_probs(logits, temperature):
+def log_probs_ref(logits, temperature):
     """float64 (log p [..., V], entropy [...], lse [...]) without cancellation.
 
     log p = (z - max) - log1p(sum of exp(z - max) over all but the first max):
@@ -45,7 +45,7 @@ def selective_log_softmax_ref(logits, index, temperature=1.0, ignore_index=None)
     index: [...] or [..., k] (when index.dim() == logits.dim()). An ignored
     index gives logp 0; a row whose indices are all ignored gives 0 everywhere.
     """
-    log_p, entropy, lse = _log_probs(logits, temperature)
+    log_p, entropy, lse = log_probs_ref(logits, temperature)
     multi, ignored, safe, skipped = _label_layout(logits, index, ignore_index)
     zero = torch.zeros((), dtype=torch.float64, device=logits.device)
     logp = torch.where(ignored, zero, log_p.gather(-1, safe))
@@ -64,7 +64,7 @@ def selective_log_softmax_grad_ref(logits, index, grad_logp, grad_entropy=None, 
       d_v = [sum_{j: y_j = v} g_j (1 - p_v) - (G - sum_{j: y_j = v} g_j) p_v - g_H p_v (log p_v + H)] / T
     with 1 - p_v = -expm1(log p_v).
     """
-    log_p, entropy, _ = _log_probs(logits.detach(), temperature)
+    log_p, entropy, _ = log_probs_ref(logits.detach(), temperature)
     multi, ignored, safe, skipped = _label_layout(logits, index, ignore_index)
     g = grad_logp.double().to(logits.device)
     g = (g if multi else g.unsqueeze(-1)).masked_fill(ignored, 0.0)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from . import ops
+from .row_stats import combine_shard_stats, label_matrix  # noqa: F401  (combine_shard_stats: also public here)
 
 # The all_gather without the FutureWarning of newer torch; the same collective.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -79,50 +80,6 @@ def vocab_parallel_selective_log_softmax(logits_shard, labels, return_entropy, i
                                                             bool(return_entropy), bool(inplace_backward),
                                                             process_group, rank, world)
     return logp, (entropy if return_entropy else None)
-
-
-def combine_shard_stats(shift, log_sum, logp, entropy, owner, ignored, inv_temperature):
-    """Combine per-shard statistics in shard order; pure local arithmetic.
-
-    shift, log_sum: [R, N]; logp: [R, N, k] (each against its own shard);
-    entropy: [R, N] or None; owner: [N, k] long, the shard holding each label;
-    ignored: [N, k] bool. Returns full-vocab (logp [N, k], entropy [N] or None,
-    shift [N], log_sum [N]); ignored labels give logp 0, rows whose labels are
-    all ignored (k >= 1) give 0 everywhere.
-    """
-    neg_inf = float("-inf")
-    present = log_sum != neg_inf  # shards with a finite logit (NaN counts: it must propagate)
-    big = torch.where(present, shift, torch.full_like(shift, neg_inf)).amax(dim=0)
-    big = torch.where(big == neg_inf, torch.zeros_like(big), big)
-    a = torch.where(present, (shift - big) * inv_temperature + log_sum, torch.full_like(shift, neg_inf))
-    total = torch.logsumexp(a, dim=0)
-    a_owner = a.gather(0, owner.unsqueeze(0)).squeeze(0)  # [N, k]
-    logp_owner = logp.gather(0, owner.unsqueeze(0)).squeeze(0)
-    # An owner shard of only -inf has a = -inf: the label's logit is -inf.
-    logp_full = torch.where(a_owner == neg_inf, torch.full_like(a_owner, neg_inf),
-                            logp_owner + (a_owner - total.unsqueeze(-1)))
-    zero = torch.zeros((), dtype=shift.dtype, device=shift.device)
-    logp_full = torch.where(ignored, zero, logp_full)
-    skipped = ignored.all(dim=-1) if ignored.shape[-1] > 0 else torch.zeros_like(ignored[..., 0])
-    big = torch.where(skipped, zero, big)
-    total = torch.where(skipped, zero, total)
-    if entropy is None:
-        return logp_full, None, big, total
-    w = torch.exp(a - total)
-    # Shards with w = 0 (only -inf there, or negligible) add nothing; their H_r may be NaN.
-    terms = torch.where(w == 0, zero, w * (entropy + (total - a)))
-    h = terms[0].clone()
-    for r in range(1, terms.shape[0]):  # fixed order: the same rounding on every rank
-        h += terms[r]
-    return logp_full, torch.where(skipped, zero, h), big, total
-
-
-def label_matrix(labels: torch.Tensor, lead_dims: int) -> torch.Tensor:
-    """The op's labels as [N, k] int64 (k = 1 for labels without a trailing dim)."""
-    n = 1
-    for s in labels.shape[:lead_dims]:
-        n *= s
-    return labels.reshape(n, -1).long() if labels.dim() > lead_dims else labels.reshape(n, 1).long()
 
 
 class _VocabParallelSelectiveLogSoftmax(torch.autograd.Function):
