@@ -92,6 +92,8 @@ def library():
                                         i64, i64, ctypes.c_int, i64, i64, ctypes.c_char_p, i64]
         lib.tm_emu_split.argtypes = [i64, i64, i64, ctypes.POINTER(i64)]
         lib.tm_emu_split.restype = None
+        lib.tm_emu_take_counters.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+        lib.tm_emu_take_counters.restype = None
         _lib = lib
     return _lib
 
@@ -101,6 +103,13 @@ def split(v: int, dtype: torch.dtype, segment_bytes: int = SEGMENT_BYTES) -> tup
     out = (ctypes.c_int64 * 3)()
     library().tm_emu_split(v, torch.empty((), dtype=dtype).element_size(), segment_bytes, out)
     return tuple(out)
+
+
+def take_counters() -> dict[str, int]:
+    """Slot loads and stores by width since the last call (the scalar tails are not counted)."""
+    out = (ctypes.c_uint64 * 4)()
+    library().tm_emu_take_counters(out)
+    return dict(zip(("vector_loads", "narrow_loads", "vector_stores", "narrow_stores"), out))
 
 
 def _ptr(t):

@@ -53,6 +53,16 @@ int tm_emu_backward(int dtype, const TensorRef* logits, const TensorRef* grad, c
   return finish(message, message_len);
 }
 
+// Global loads and stores since the last call: {16-byte loads, narrower loads,
+// 16-byte stores, narrower stores} (slot moves; the scalar tails are not counted).
+void tm_emu_take_counters(uint64_t* out) {
+  out[0] = emu_vector_loads;
+  out[1] = emu_narrow_loads;
+  out[2] = emu_vector_stores;
+  out[3] = emu_narrow_stores;
+  emu_vector_loads = emu_narrow_loads = emu_vector_stores = emu_narrow_stores = 0;
+}
+
 // The split of a row of V elements: {segments, segment_len, threads}.
 void tm_emu_split(int64_t V, int64_t elem_bytes, int64_t segment_bytes, int64_t* out) {
   const RowSplit s = split_rows(V, elem_bytes, segment_bytes);

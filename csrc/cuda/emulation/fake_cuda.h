@@ -93,11 +93,19 @@ inline __half2 __hmax2_nan(__half2 a, __half2 b) {
   return {m(a.x, b.x), m(a.y, b.y)};
 }
 
-// ---- memory
+// ---- memory; global loads and stores counted by width (16-byte vectors or narrower),
+// so that tests can see which path a kernel took
+inline uint64_t emu_vector_loads, emu_narrow_loads, emu_vector_stores, emu_narrow_stores;
 template <typename T>
-inline T __ldcs(const T* p) { return *p; }
+inline T __ldcs(const T* p) {
+  ++(sizeof(T) == 16 ? emu_vector_loads : emu_narrow_loads);
+  return *p;
+}
 template <typename T>
-inline void __stcs(T* p, T v) { *p = v; }
+inline void __stcs(T* p, T v) {
+  ++(sizeof(T) == 16 ? emu_vector_stores : emu_narrow_stores);
+  *p = v;
+}
 
 // ---- device-side asserts: recorded, reported by the caller after the launch
 inline std::string emu_assert_message;
