@@ -738,7 +738,7 @@ inline void run_forward(Dtype dtype, const TensorRef& logits, const TensorRef& l
 }
 
 // Bytes of the backward's workspace: the logits at the labels, in place only.
-inline int64_t backward_workspace_bytes(Dtype dtype, const TensorRef& labels, int lead_dims, bool inplace) {
+inline int64_t backward_workspace_bytes(Dtype dtype, const TensorRef& labels, bool inplace) {
   if (!inplace) return 0;
   int64_t n = 1;
   for (int d = 0; d < labels.dim; ++d) n *= labels.sizes[d];
@@ -857,7 +857,7 @@ void run_backward_op(const Tensor& grad_logp, const std::optional<Tensor>& grad_
   const Tensor entropy_c = with_entropy ? torch::stable::contiguous(*entropy) : shift_c;
   const Dtype dtype = dtype_of(logits);
   const TensorRef y = ref(labels);
-  const Tensor workspace = scratch(logits, backward_workspace_bytes(dtype, y, logits.dim() - 1, inplace));
+  const Tensor workspace = scratch(logits, backward_workspace_bytes(dtype, y, inplace));
   run_backward(dtype, ref(logits), ref(grad), y, labels.scalar_type() == ScalarType::Long, g_logp_c.data_ptr(),
                with_entropy ? g_entropy_c.data_ptr() : nullptr, with_entropy ? entropy_c.data_ptr() : nullptr,
                shift_c.data_ptr(), log_sum_c.data_ptr(), inv_temperature, ignore_index, vocab_start,

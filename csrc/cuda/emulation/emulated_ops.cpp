@@ -47,7 +47,7 @@ int tm_emu_backward(int dtype, const TensorRef* logits, const TensorRef* grad, c
                     int inplace, int64_t segment_bytes, int64_t max_grid, char* message, int64_t message_len) {
   const Launch how{nullptr, max_grid, segment_bytes};
   std::vector<uint64_t> workspace(
-      backward_workspace_bytes(Dtype(dtype), *labels, logits->dim - 1, inplace != 0) / 8 + 1);
+      backward_workspace_bytes(Dtype(dtype), *labels, inplace != 0) / 8 + 1);
   run_backward(Dtype(dtype), *logits, *grad, *labels, int64_labels != 0, grad_logp, grad_entropy, entropy, shift,
                log_sum, inv_T, ignore_index, vocab_start, inplace ? workspace.data() : nullptr, how);
   return finish(message, message_len);
