@@ -6,15 +6,28 @@
 - _C_npu: AscendC kernels + torch_npu glue, built through CMake when CANN
   (ASCEND_HOME_PATH) and torch_npu are present.
 Each is a py_limited_api (abi3) library loaded with torch.ops.load_library.
+
+_C_cuda is built with whatever nvcc the machine has, whatever CUDA version the
+build environment's torch was made for (the stable ABI needs only its headers
+and libtorch_cuda), and links the CUDA runtime statically: it depends on no
+libcudart soname, so it loads under a torch built for another CUDA major.
+TWINKLE_MEM_SIMULATE_TORCH_CUDA=12.8 (CI) makes the build see that torch
+version, to prove the point where only one nvcc is installed.
 """
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 from setuptools import find_packages, setup
+import torch
+import torch.utils.cpp_extension as cpp_ext
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+if os.environ.get("TWINKLE_MEM_SIMULATE_TORCH_CUDA"):  # CI: pretend torch was built for another CUDA
+    torch.version.cuda = os.environ["TWINKLE_MEM_SIMULATE_TORCH_CUDA"]
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 TORCH_TARGET_VERSION = "0x020a000000000000"  # stable ABI of torch 2.10
@@ -40,13 +53,54 @@ def _find_nvcc():
     return None
 
 
+def _torch_has_cuda_libs():
+    """The build environment's torch ships libtorch_cuda (which _C_cuda links)."""
+    import torch
+
+    return bool(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.*")))
+
+
 def _want_cuda():
     if os.environ.get("TWINKLE_MEM_NO_CUDA") == "1":
         return None
     cuda_home = _find_nvcc()
-    if os.environ.get("FORCE_CUDA") == "1" and cuda_home is None:
+    forced = os.environ.get("FORCE_CUDA") == "1"
+    if forced and cuda_home is None:
         sys.exit("FORCE_CUDA=1 but nvcc was not found (set CUDA_HOME)")
+    if cuda_home and not _torch_has_cuda_libs():
+        if forced:
+            sys.exit("FORCE_CUDA=1 but the build environment's torch has no CUDA libraries (libtorch_cuda)")
+        print("twinkle-mem: nvcc found, but the build environment's torch is CPU-only: not building _C_cuda")
+        return None
     return cuda_home
+
+
+def _nvcc_version(cuda_home):
+    out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else None
+
+
+def check_cuda_version_any_nvcc(original, cuda_home):
+    """torch's _check_cuda_version, but held against the nvcc found instead of the CUDA
+    version torch was built with: a major mismatch is no error for a stable-ABI library
+    (headers only; the CUDA runtime is linked statically). The compiler-bounds part of
+    torch's check still runs for that nvcc."""
+    import torch
+
+    def check(compiler_name, compiler_version):
+        built_for = torch.version.cuda
+        found = _nvcc_version(cuda_home)
+        if found and built_for and found.split(".")[0] != built_for.split(".")[0]:
+            print(f"twinkle-mem: nvcc {found} builds _C_cuda for a torch built with CUDA {built_for}: fine for "
+                  "the stable ABI (the CUDA runtime is linked statically)")
+        torch.version.cuda = found or built_for
+        try:
+            original(compiler_name, compiler_version)
+        finally:
+            torch.version.cuda = built_for
+
+    return check
 
 
 cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-psabi"]
@@ -63,10 +117,11 @@ ext_modules = [
 
 cuda_home = _want_cuda()
 cuda_sources = _rel("csrc/cuda/*.cu")
+# No --use_fast_math: it implies -ftz=true, which flushes subnormal gradients
+# (e^-100 in fp32/bf16) to 0; the contract wants them correctly rounded.
+NVCC_FLAGS = ["-O3", "-std=c++17", "-Xptxas=-v", "-lineinfo"]
 if cuda_home and cuda_sources:
     os.environ["CUDA_HOME"] = cuda_home
-    import torch.utils.cpp_extension as cpp_ext
-
     cpp_ext.CUDA_HOME = cuda_home  # torch guesses /usr/local from /usr/local/bin/nvcc
     arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     gencode = []
@@ -79,23 +134,35 @@ if cuda_home and cuda_sources:
         if ptx:
             gencode.append(f"-gencode=arch=compute_{num},code=compute_{num}")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
-    ext_modules.append(
-        CUDAExtension(
-            name="twinkle_mem._C_cuda",
-            sources=cuda_sources,
-            include_dirs=[os.path.join(ROOT, "csrc")],
-            define_macros=STABLE_DEFINES + [("USE_CUDA", None)],
-            extra_compile_args={
-                "cxx": cxx_flags,
-                "nvcc": ["-O3", "-std=c++17", "--use_fast_math", "-Xptxas=-v", "-lineinfo"] + gencode,
-            },
-            py_limited_api=True,
-        )
+    cuda_ext = CUDAExtension(
+        name="twinkle_mem._C_cuda",
+        sources=cuda_sources,
+        include_dirs=[os.path.join(ROOT, "csrc")],
+        define_macros=STABLE_DEFINES + [("USE_CUDA", None)],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": NVCC_FLAGS + gencode},
+        # The runtime's symbols stay inside _C_cuda (no clash with torch's own libcudart).
+        extra_link_args=["-Wl,--exclude-libs,libcudart_static.a"],
+        py_limited_api=True,
     )
+    # Static CUDA runtime instead of libcudart.so.<major> (CUDAExtension links the shared one).
+    cuda_ext.libraries = [lib for lib in cuda_ext.libraries if lib != "cudart"] + ["cudart_static", "rt", "pthread",
+                                                                                  "dl"]
+    cuda_ext.library_dirs.append(os.path.join(cuda_home, "lib64"))
+    ext_modules.append(cuda_ext)
 
 
 class BuildExt(BuildExtension):
-    """BuildExtension, plus the CMake build of the AscendC library when CANN is present."""
+    """BuildExtension that accepts any nvcc (see check_cuda_version_any_nvcc), plus the
+    CMake build of the AscendC library when CANN is present."""
+
+    def build_extensions(self):
+        original = cpp_ext._check_cuda_version
+        if cuda_home:
+            cpp_ext._check_cuda_version = check_cuda_version_any_nvcc(original, cuda_home)
+        try:
+            super().build_extensions()
+        finally:
+            cpp_ext._check_cuda_version = original
 
     def run(self):
         super().run()
@@ -123,10 +190,12 @@ class BuildExt(BuildExtension):
                 shutil.copy(so, os.path.join(ROOT, "python", "twinkle_mem"))
 
 
-setup(
-    packages=find_packages("python"),
-    package_dir={"": "python"},
-    ext_modules=ext_modules,
-    cmdclass={"build_ext": BuildExt.with_options(no_python_abi_suffix=True)},
-    options={"bdist_wheel": {"py_limited_api": "cp310"}},
-)
+if __name__ == "__main__":  # pip's build backend runs this file as __main__; tests import its helpers
+    setup(
+        packages=find_packages("python"),
+        package_dir={"": "python"},
+        package_data={"twinkle_mem": ["schemas.def"]},  # read by _native.py when no native library loads
+        ext_modules=ext_modules,
+        cmdclass={"build_ext": BuildExt.with_options(no_python_abi_suffix=True)},
+        options={"bdist_wheel": {"py_limited_api": "cp310"}},
+    )

@@ -1,101 +1,168 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a lent device machine (NVIDIA H200; its image: torch
-# 2.11.0+cu130, Python 3.12, nvcc 13.0), run from the repository root:
-#   1. build both native libraries in place for sm_90 and print the ptxas figures
-#   2. a small correctness pass over every CUDA kernel path, under compute-sanitizer
-#      memcheck when the machine supports it (Firecracker does, gVisor does not)
-#   3. the whole pytest suite with TWINKLE_MEM_TEST_DEVICES=cpu,cuda
-#   4. bench/bench_cuda.py at N=16384, V=151936, bf16 (naive, torch.compile,
-#      twinkle-mem, Liger-Kernel when its wheel was carried)
-# Logs and results go to $OUT (the device tool's folder that comes back), else
-# bench/results/gpu_check. Each step has its own time limit; the whole script is
-# sized to end within ~8 minutes (call it with timeout_s=600). Exit status: the
-# number of failed steps (0 = all passed).
+# The one script a lent GPU machine runs first (issue 11), from the repository root, within
+# 10 minutes including the build:
+#   1. build both native libraries in place (TORCH_CUDA_ARCH_LIST, default 9.0) and record the
+#      ptxas register / stack / spill figures of every kernel (ptxas.json)
+#   2. the test suite on the GPU: tests/test_cuda.py, the numerics classes on the "cuda"
+#      implementation (tests/test_numerics.py) and every device-parametrized test, with
+#      TWINKLE_MEM_TEST_DEVICES=cpu,cuda (pytest.xml, pytest.log)
+#   3. compute-sanitizer memcheck, racecheck and synccheck on the smoke pass (every kernel path
+#      against float64: bench/bench_cuda.py --smoke)
+#   4. bench/bench_cuda.py at N=16384, V=151936, bf16: the first and last rows against float64,
+#      then forward and forward+backward (out of place, in place) of twinkle-mem, Liger-Kernel,
+#      torch.compile and naive in one run, as a fraction of the measured copy bandwidth
+# Everything goes to bench/results/gpu_check/ (and to $OUT when the device tool provides it):
+# per-step logs, ptxas.json, bench_cuda.json, and gpu_check.json + gpu_check.md (step table).
+# Exit status: the number of failed steps (0 = all passed).
 #
-# Device tool call (with Liger: first, here, `echo /.whl/ >> .git/info/exclude` and
-# download its wheel into .whl/ as /work/.library/device/README.md says, e.g.
-# `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
-#  --implementation cp --platform manylinux_2_17_x86_64 -d .whl liger-kernel`; it
-# is pure Python and finds Triton on the machine):
-#   run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600)
+#   bash bench/gpu_check.sh              # on the GPU machine (device tool: timeout_s=600)
+#   bash bench/gpu_check.sh --dry-run    # here, without a GPU: the script's own logic on the CPU
+#                                        # (results in $TMPDIR, not bench/results)
+#
+# Liger-Kernel is optional: carry its wheel in .whl/ (pure Python; it finds Triton on the
+# machine); without it the Liger rows are reported as skipped.
 set -u -o pipefail
 
+DRY_RUN=0
+[ "${1:-}" = "--dry-run" ] && DRY_RUN=1
+
 START=$(date +%s)
-OUT_DIR=${OUT:-bench/results/gpu_check}
-mkdir -p "$OUT_DIR"
+RESULTS=bench/results/gpu_check
+[ $DRY_RUN -eq 1 ] && RESULTS=${TMPDIR:-/tmp}/twinkle_mem_gpu_check_dry_run  # never mistaken for GPU figures
+mkdir -p "$RESULTS"
 PY=${PYTHON:-python3}
+ARCHS=${TORCH_CUDA_ARCH_LIST:-9.0}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 FAILED=0
+STEPS=()  # "name|status|seconds|note"
 
 elapsed() { echo $(( $(date +%s) - START )); }
-step() { echo; echo "=== [$(elapsed) s] $*"; }
-fail() { echo "!!! FAILED: $*"; FAILED=$((FAILED + 1)); }
+banner() { echo; echo "=== [$(elapsed) s] $*"; }
+# record NAME STATUS SECONDS NOTE
+record() {
+  STEPS+=("$1|$2|$3|$4")
+  if [ "$2" = "FAIL" ]; then FAILED=$((FAILED + 1)); echo "!!! FAILED: $1 ($4)"; fi
+}
+# run_step NAME TIMEOUT LOG COMMAND...: runs COMMAND under a time limit, output to LOG
+run_step() {
+  local name=$1 limit=$2 log=$3 t0 rc
+  shift 3
+  t0=$(date +%s)
+  timeout "$limit" "$@" >"$log" 2>&1
+  rc=$?
+  tail -5 "$log"
+  if [ $rc -eq 0 ]; then
+    record "$name" PASS $(( $(date +%s) - t0 )) "$(basename "$log")"
+  else
+    record "$name" FAIL $(( $(date +%s) - t0 )) "rc=$rc$([ $rc -eq 124 ] && echo ', timed out'), $(basename "$log")"
+  fi
+  return $rc
+}
 
-step "environment"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 || true
-$PY -c "import torch, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name(0))"
+banner "environment"
+if [ $DRY_RUN -eq 1 ]; then
+  echo "dry run: no GPU steps; the Python parts run on the CPU"
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1 || true
+fi
+$PY -c "import torch, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda)"
 command -v nvcc >/dev/null && nvcc --version | tail -1
 
 if ls .whl/*.whl >/dev/null 2>&1; then
-  step "carried wheels: $(ls .whl | tr '\n' ' ')"
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "(wheel install failed: Liger will be skipped)"
+  banner "carried wheels: $(ls .whl)"
+  if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; then
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  else
+    echo "(wheel install failed: Liger will be skipped)"
+  fi
 fi
 
-step "1. build in place (TORCH_CUDA_ARCH_LIST=9.0)"
+banner "1. build in place (TORCH_CUDA_ARCH_LIST=$ARCHS) and ptxas figures"
 if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
   CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
 fi
 export CUDA_HOME
-if TORCH_CUDA_ARCH_LIST=9.0 FORCE_CUDA=1 MAX_JOBS=16 timeout 300 \
-     $PY setup.py build_ext --inplace --build-temp /tmp/tm_build >"$OUT_DIR/build.log" 2>&1; then
-  echo "built: $(ls python/twinkle_mem/*.so | tr '\n' ' ')"
-  # The ptxas -v lines of the real build, through the CI parser.
-  TORCH_CUDA_ARCH_LIST=9.0 $PY .ci/check_cuda_build.py --ptxas-log "$OUT_DIR/build.log" \
-      --skip-install-check --skip-emulation || fail "ptxas check"
-  $PY -m twinkle_mem || fail "python -m twinkle_mem"
-else
-  tail -40 "$OUT_DIR/build.log"
-  fail "build"
-  echo "FAILED steps: $FAILED"
-  exit "$FAILED"
-fi
-
-step "2. kernel smoke pass (every CUDA path vs float64)"
-if command -v compute-sanitizer >/dev/null && [ "$(elapsed)" -lt 200 ]; then
-  # memcheck is slow: small shapes only. On gVisor it refuses the device; then run plainly.
-  if timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 $PY bench/bench_cuda.py --smoke \
-       >"$OUT_DIR/smoke_memcheck.log" 2>&1; then
-    tail -3 "$OUT_DIR/smoke_memcheck.log"; echo "compute-sanitizer memcheck: clean"
+if [ $DRY_RUN -eq 1 ]; then
+  # The ptxas parser on a log of nvcc's -Xptxas=-v (no build here: the CPU library is assumed built).
+  if command -v nvcc >/dev/null; then
+    run_step "ptxas figures (compiled here)" 300 "$RESULTS/ptxas.log" \
+      env TORCH_CUDA_ARCH_LIST="$ARCHS" "$PY" .ci/check_cuda_build.py --skip-install-check --json "$RESULTS/ptxas.json"
   else
-    rc=$?
-    tail -15 "$OUT_DIR/smoke_memcheck.log"
-    if [ $rc -eq 9 ]; then fail "memcheck found errors"; else
-      echo "(compute-sanitizer did not complete, rc=$rc: running the smoke pass without it)"
-      timeout 60 $PY bench/bench_cuda.py --smoke || fail "smoke pass"
-    fi
+    record "ptxas figures" SKIP 0 "no nvcc"
   fi
+elif run_step "build" 300 "$RESULTS/build.log" \
+    env TORCH_CUDA_ARCH_LIST="$ARCHS" FORCE_CUDA=1 MAX_JOBS=16 "$PY" setup.py build_ext --inplace --build-temp /tmp/tm_build; then
+  echo "built: $(ls python/twinkle_mem/*.so)"
+  run_step "ptxas figures (0 stack/spills)" 60 "$RESULTS/ptxas.log" \
+    env TORCH_CUDA_ARCH_LIST="$ARCHS" "$PY" .ci/check_cuda_build.py --ptxas-log "$RESULTS/build.log" \
+    --skip-install-check --json "$RESULTS/ptxas.json"
+  $PY -m twinkle_mem | tee "$RESULTS/backends.txt"
+  grep -q "cuda  loaded" "$RESULTS/backends.txt" || record "CUDA library loads" FAIL 0 "see backends.txt"
 else
-  timeout 60 $PY bench/bench_cuda.py --smoke || fail "smoke pass"
+  tail -40 "$RESULTS/build.log"
 fi
 
-step "3. pytest, TWINKLE_MEM_TEST_DEVICES=cpu,cuda"
-TWINKLE_MEM_TEST_DEVICES=cpu,cuda timeout 200 $PY -m pytest -q -p no:cacheprovider tests \
-    --junitxml="$OUT_DIR/pytest.xml" >"$OUT_DIR/pytest.log" 2>&1
-rc=$?
-grep -E "^(FAILED|ERROR)" "$OUT_DIR/pytest.log" | head -40
-tail -3 "$OUT_DIR/pytest.log"
-[ $rc -eq 0 ] || fail "pytest (rc=$rc$([ $rc -eq 124 ] && echo ', timed out'))"
-
-step "4. benchmark (N=16384, V=151936, bf16)"
-left=$(( 540 - $(elapsed) ))
-if [ "$left" -lt 90 ]; then
-  fail "benchmark skipped: only ${left} s left of the script's budget"
+banner "2. tests on the GPU (TWINKLE_MEM_TEST_DEVICES=cpu,cuda)"
+if [ $DRY_RUN -eq 1 ]; then
+  run_step "pytest (dry run: collection only)" 120 "$RESULTS/pytest.log" \
+    env TWINKLE_MEM_TEST_DEVICES=cpu,cuda "$PY" -m pytest -q -p no:cacheprovider tests --collect-only -k "cuda and not emulat"
 else
-  timeout "$left" $PY bench/bench_cuda.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/bench.log" | grep -v "^W[0-9]"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || fail "benchmark"
+  run_step "pytest cuda" 240 "$RESULTS/pytest.log" \
+    env TWINKLE_MEM_TEST_DEVICES=cpu,cuda "$PY" -m pytest -q -p no:cacheprovider tests -k "cuda and not emulat" \
+    --junitxml="$RESULTS/pytest.xml"
+  grep -E "^(FAILED|ERROR)" "$RESULTS/pytest.log" | head -20
 fi
 
-step "done: $FAILED failed step(s); files in $OUT_DIR: $(ls "$OUT_DIR" | tr '\n' ' ')"
+banner "3. compute-sanitizer on the smoke pass"
+if [ $DRY_RUN -eq 1 ]; then
+  run_step "smoke pass (dry run, CPU kernels)" 120 "$RESULTS/smoke.log" "$PY" bench/bench_cuda.py --device cpu --smoke
+fi
+for tool in memcheck racecheck synccheck; do
+  if [ $DRY_RUN -eq 1 ]; then
+    echo "would run: compute-sanitizer --tool $tool --error-exitcode 9 $PY bench/bench_cuda.py --smoke"
+    record "compute-sanitizer $tool" SKIP 0 "dry run"
+  elif ! command -v compute-sanitizer >/dev/null; then
+    record "compute-sanitizer $tool" SKIP 0 "compute-sanitizer not found"
+  elif [ "$(elapsed)" -gt 330 ]; then
+    record "compute-sanitizer $tool" SKIP 0 "skipped: $(elapsed) s used, the benchmark comes first"
+  else
+    dtypes=bf16,fp16,fp32,fp64
+    [ "$tool" != memcheck ] && dtypes=bf16,fp32  # racecheck and synccheck are slower: two dtypes cover the paths
+    run_step "compute-sanitizer $tool" 90 "$RESULTS/sanitizer_$tool.log" \
+      compute-sanitizer --tool "$tool" --error-exitcode 9 "$PY" bench/bench_cuda.py --smoke --smoke-dtypes "$dtypes"
+  fi
+done
+
+banner "4. benchmark (N=16384, V=151936, bf16) and first/last rows vs float64"
+if [ $DRY_RUN -eq 1 ]; then
+  run_step "benchmark (dry run, CPU, N=64 V=4099)" 300 "$RESULTS/bench.log" \
+    "$PY" bench/bench_cuda.py --device cpu --n 64 --v 4099 --reps 2 --warmup 1 --out "$RESULTS"
+else
+  left=$(( 570 - $(elapsed) ))
+  if [ "$left" -lt 60 ]; then
+    record "benchmark" FAIL 0 "skipped: only ${left} s left"
+  else
+    run_step "benchmark" "$left" "$RESULTS/bench.log" "$PY" bench/bench_cuda.py --out "$RESULTS"
+    grep -v "^W[0-9]" "$RESULTS/bench.log" | tail -30
+  fi
+fi
+
+banner "summary"
+{
+  echo "| step | status | seconds | note |"
+  echo "| --- | --- | --- | --- |"
+  for s in "${STEPS[@]}"; do
+    IFS='|' read -r name status secs note <<<"$s"
+    echo "| $name | $status | $secs | $note |"
+  done
+} | tee "$RESULTS/gpu_check.md"
+printf '%s\n' "${STEPS[@]}" | $PY -c '
+import json, sys, time
+steps = [dict(zip(("step", "status", "seconds", "note"), line.rstrip("\n").split("|", 3))) for line in sys.stdin if line.strip()]
+json.dump({"dry_run": sys.argv[1] == "1", "failed": int(sys.argv[2]), "seconds": int(sys.argv[3]), "steps": steps,
+           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, open(sys.argv[4], "w"), indent=1)
+' "$DRY_RUN" "$FAILED" "$(elapsed)" "$RESULTS/gpu_check.json"
+if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then cp -r "$RESULTS"/. "$OUT"/; fi
+echo "done in $(elapsed) s: $FAILED failed step(s); files in $RESULTS"
 exit "$FAILED"

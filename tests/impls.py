@@ -42,3 +42,39 @@ IMPLS = [
     Impl("cpu", ops.selective_log_softmax_fwd, _native_backward),
     Impl("composite", _composite_forward, _composite_backward),
 ]
+
+
+# The CUDA kernels run on the CPU (tests/cuda_emulation.py): the kernel source and
+# its host plan, fibers for CUDA threads. Sized for the numerics suite's shapes.
+import cuda_emulation  # noqa: E402
+
+if cuda_emulation.compiler() is not None:
+    IMPLS.append(Impl("cuda_emulated", cuda_emulation.forward, cuda_emulation.backward, max_elements=1 << 20))
+
+
+# The CUDA kernels on a GPU, when there is one: CPU tensors in, CPU tensors out.
+def _on_cuda(fn):
+    def run(*args):
+        moved = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        out = fn(*moved)
+        if isinstance(out, tuple):
+            return tuple(t.cpu() for t in out)
+        return out.cpu()
+    return run
+
+
+def _cuda_backward(g_logp, g_entropy, logits, labels, shift, log_sum, entropy, inv_t, ignore, vocab_start, inplace):
+    if not inplace:
+        return _on_cuda(_native_backward)(g_logp, g_entropy, logits, labels, shift, log_sum, entropy, inv_t, ignore,
+                                          vocab_start, False)
+    on_gpu = logits.cuda()  # written over in place, then copied back into the caller's logits
+    grad = _native_backward(*[a.cuda() if isinstance(a, torch.Tensor) else a for a in (g_logp, g_entropy)], on_gpu,
+                            *[a.cuda() if isinstance(a, torch.Tensor) else a
+                              for a in (labels, shift, log_sum, entropy)], inv_t, ignore, vocab_start, True)
+    logits.copy_(grad.cpu())
+    return logits
+
+
+if torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "twinkle_mem::selective_log_softmax_fwd", "CUDA"):
+    IMPLS.append(Impl("cuda", _on_cuda(ops.selective_log_softmax_fwd), _cuda_backward))

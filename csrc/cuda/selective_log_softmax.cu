@@ -1,42 +1,38 @@
 // CUDA kernels of the selective log-softmax op (forward, backward, in-place
 // backward), registered for the CUDA dispatch key of the schemas in csrc/ops.cpp.
-// The math (online state, merge, finalize, gradient) comes from
-// csrc/common/online_softmax.h, the argument checks from csrc/common/op_checks.h.
+// The math (online state, merge, finalize, gradient) is csrc/common/online_softmax.h,
+// the row and label indexing csrc/common/layout.h: nothing of either is written here.
 //
-// Work decomposition (forward and backward alike):
-//   task    = one vocab segment of one row; a block runs one task at a time
-//             (grid-stride over tasks, so any N fits in the grid).
-//   split   = segments per row, fixed by (N, V) alone (split_rows below): rows
-//             are cut only when there are too few rows to fill the GPU. The
-//             forward then writes one partial state per task and a second
-//             kernel merges a row's states in segment order, so results are
-//             bitwise reproducible and independent of the GPU model.
-//   thread  = streams its share of the segment in chunks of kUnroll 16-byte
-//             vectors (coalesced: vector u of a chunk is read by consecutive
-//             threads). Nothing of the row is cached in registers beyond the
-//             chunk in flight, which keeps 150k+ vocab rows spill-free.
-//   edges   = a segment whose start is not 16-byte aligned is realigned: up to
-//             one vector's worth of head and tail elements is handled with
-//             scalar loads, the body with vector loads. This serves any row
-//             stride and storage offset (unit stride on the vocab dim).
+// Work decomposition, forward and backward alike:
+//   segment = a fixed run of kSegmentBytes of one row (the last one shorter):
+//             the cut depends on V and the dtype only, never on N.
+//   task    = one segment of one row; a block runs one task at a time and loops
+//             over tasks (grid-stride), so any N fits in the grid. The block size
+//             too depends on V and the dtype only.
+//   slot    = W = 16 / sizeof(scalar_t) consecutive elements of a segment. Slot s
+//             of a segment belongs to thread s % threads and is processed in chunks
+//             of kUnroll slots; the last V % W elements of the segment go one per
+//             thread. This assignment is by element index: a row's reduction is
+//             the same whatever its address. A slot is moved with one 16-byte
+//             vector when its segment is 16-byte aligned, else element by element.
+// Forward: each task reduces its segment to one online state (thread -> warp ->
+// block, merge() in a fixed tree) and writes it to a workspace; a second kernel,
+// one thread per row, merges the row's states in segment order and finishes the
+// row. So a row's results are bitwise the same whatever N, the other rows, the
+// grid size or the row's alignment.
+// Backward: each task writes p (a + b u) over its segment (read first: the
+// in-place variant is safe), then rewrites the label positions in it with
+// grad_at_label (repeated labels summed).
 //
-// Reductions: per-thread state -> warp (shuffle-down, lane 0 holds the result)
-// -> block (lane 0 of each warp through shared memory, merged by warp 0), all
-// with merge() from the shared header, in a fixed order.
-//
-// Out-of-range labels (not ignore_index, not in [0, vocab_size)): the kernels
-// never index with them (local_target() maps them to "no target"). The forward
-// records the first such row in a device word; the host reads it back after
-// the launch (one stream synchronization per forward call) and raises a
-// RuntimeError naming the row and the label. While the stream is being
-// captured into a CUDA graph no synchronization is allowed: the check is then
-// skipped and such rows get logp = NaN. The backward does not re-check labels:
-// it treats them as "not on this shard" (no read or write outside the row).
+// Out-of-range labels (neither ignore_index nor in [0, vocab_size)) are never used
+// as an index. The forward checks them on the device, as PyTorch's own nll_loss
+// does: a device-side assert, no host synchronization (see docs/cuda.md).
+#include "../common/layout.h"
 #include "../common/online_softmax.h"
 
 // TWINKLE_MEM_CUDA_EMULATION: csrc/cuda/emulation/ compiles this file's kernels
-// as host C++ over a stand-in for the CUDA runtime, to test their indexing on a
-// machine without a GPU; the torch-facing host code is left out there.
+// and host plan as plain C++ over a stand-in for the CUDA runtime, to run them on
+// a machine without a GPU; the torch-facing code is left out there.
 #ifndef TWINKLE_MEM_CUDA_EMULATION
 #include "../common/forward_outputs.h"
 #include "../common/op_checks.h"
@@ -51,35 +47,41 @@
 #include <torch/csrc/stable/macros.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/macros/Macros.h>
 #endif
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <optional>
-#include <tuple>
 #include <type_traits>
 
 namespace twinkle_mem {
 namespace cuda {
 
-constexpr int kMaxThreads = 256;  // threads per block (a multiple of 32)
-constexpr int kUnroll = 4;        // 16-byte vectors in flight per thread per chunk
+constexpr int kMaxThreads = 256;             // threads per block (a multiple of 32)
+constexpr int kUnroll = 4;                   // slots in flight per thread per chunk
+constexpr int64_t kSegmentBytes = 64 << 10;  // logits per task: 32768 bf16, 16384 fp32
 
 // ------------------------------------------------------------ element types
 template <typename scalar_t>
 struct Elem {
   using acc_t = float;
-  static constexpr int kVec = 16 / sizeof(scalar_t);  // elements per 16-byte vector
+  static constexpr int W = 16 / sizeof(scalar_t);  // elements per slot (one 16-byte vector)
 };
 template <>
 struct Elem<double> {
   using acc_t = double;
-  static constexpr int kVec = 2;
+  static constexpr int W = 2;
 };
 template <typename scalar_t>
 using acc_of = typename Elem<scalar_t>::acc_t;
+
+// A state in double, for the few merges that finish a row.
+template <typename acc_t>
+__host__ __device__ __forceinline__ OnlineSoftmax<double> widen(const OnlineSoftmax<acc_t>& s) {
+  return {static_cast<double>(s.max), static_cast<double>(s.rest), static_cast<double>(s.zsum)};
+}
 
 __device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
@@ -97,9 +99,9 @@ __device__ __forceinline__ float from_acc<float>(float v) { return v; }
 template <>
 __device__ __forceinline__ double from_acc<double>(double v) { return v; }
 
-// 16 bytes of scalar_t <-> kVec accumulator values.
+// 16 bytes of scalar_t <-> W accumulator values.
 template <typename scalar_t>
-__device__ __forceinline__ void unpack(const uint4& raw, acc_of<scalar_t> (&v)[Elem<scalar_t>::kVec]) {
+__device__ __forceinline__ void unpack(const uint4& raw, acc_of<scalar_t> (&v)[Elem<scalar_t>::W]) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
   if constexpr (std::is_same_v<scalar_t, __nv_bfloat16>) {
 #pragma unroll
@@ -123,7 +125,7 @@ __device__ __forceinline__ void unpack(const uint4& raw, acc_of<scalar_t> (&v)[E
 }
 
 template <typename scalar_t>
-__device__ __forceinline__ uint4 pack(const acc_of<scalar_t> (&v)[Elem<scalar_t>::kVec]) {
+__device__ __forceinline__ uint4 pack(const acc_of<scalar_t> (&v)[Elem<scalar_t>::W]) {
   uint32_t w[4];
   if constexpr (std::is_same_v<scalar_t, __nv_bfloat16>) {
 #pragma unroll
@@ -150,9 +152,9 @@ __device__ __forceinline__ uint4 pack(const acc_of<scalar_t> (&v)[Elem<scalar_t>
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// A vector of -inf: what the forward reads in place of a vector past the end.
+// A slot of -inf: what the forward reads in place of a slot past the end.
 template <typename scalar_t>
-__device__ __forceinline__ uint4 neg_inf_vector() {
+__device__ __forceinline__ uint4 neg_inf_slot() {
   if constexpr (std::is_same_v<scalar_t, __nv_bfloat16>) {
     return make_uint4(0xff80ff80u, 0xff80ff80u, 0xff80ff80u, 0xff80ff80u);
   } else if constexpr (std::is_same_v<scalar_t, __half>) {
@@ -164,10 +166,133 @@ __device__ __forceinline__ uint4 neg_inf_vector() {
   }
 }
 
-// Elements before the first 16-byte boundary at or after p (p is element-aligned).
-template <typename scalar_t>
-__device__ __forceinline__ int64_t head_elems(const scalar_t* p) {
-  return static_cast<int64_t>((16u - (reinterpret_cast<uintptr_t>(p) & 15u)) & 15u) / sizeof(scalar_t);
+// Moving a slot: one 16-byte vector (kVector, the address 16-byte aligned), or
+// W element loads/stores of the same bits (any element-aligned address).
+// Streaming cache hints: each logit is touched once per pass.
+template <int kBytes>
+struct Bits;
+template <>
+struct Bits<2> { using type = unsigned short; };
+template <>
+struct Bits<4> { using type = unsigned int; };
+template <>
+struct Bits<8> { using type = unsigned long long; };
+
+template <typename scalar_t, bool kVector>
+__device__ __forceinline__ uint4 load_slot(const scalar_t* p) {
+  if constexpr (kVector) {
+    return __ldcs(reinterpret_cast<const uint4*>(p));
+  } else {
+    using bits_t = typename Bits<sizeof(scalar_t)>::type;
+    bits_t b[Elem<scalar_t>::W];
+#pragma unroll
+    for (int k = 0; k < Elem<scalar_t>::W; ++k) b[k] = __ldcs(reinterpret_cast<const bits_t*>(p) + k);
+    uint4 raw;
+    memcpy(&raw, b, sizeof(raw));
+    return raw;
+  }
+}
+
+template <typename scalar_t, bool kVector>
+__device__ __forceinline__ void store_slot(scalar_t* p, const uint4& raw) {
+  if constexpr (kVector) {
+    __stcs(reinterpret_cast<uint4*>(p), raw);
+  } else {
+    using bits_t = typename Bits<sizeof(scalar_t)>::type;
+    bits_t b[Elem<scalar_t>::W];
+    memcpy(b, &raw, sizeof(raw));
+#pragma unroll
+    for (int k = 0; k < Elem<scalar_t>::W; ++k) __stcs(reinterpret_cast<bits_t*>(p) + k, b[k]);
+  }
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Max that propagates NaN (a chunk holding a NaN then has a NaN state, even
+// when all its other elements are -inf).
+__device__ __forceinline__ float max_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? a + b : fmaxf(a, b);
+#endif
+}
+__device__ __forceinline__ double max_nan(double a, double b) { return (a != a || b != b) ? a + b : fmax(a, b); }
+
+// -------------------------------------------------------------------- labels
+// Labels of any strides: [L] (k = 1) or [L, k] (layout.h's LabelIndex).
+template <typename label_t>
+struct Labels {
+  const label_t* ptr;
+  LabelIndex index;
+  __device__ __forceinline__ int64_t operator()(int64_t row, int64_t j) const {
+    return static_cast<int64_t>(ptr[index(row, j)]);
+  }
+  __device__ __forceinline__ int64_t k() const { return index.k; }
+};
+
+// A row is skipped (every output 0, gradient 0, logits unread) when it has
+// labels and all of them are ignore_index. Block-uniform: every thread calls it.
+template <typename label_t>
+__device__ __forceinline__ bool block_row_skipped(const Labels<label_t>& labels, int64_t row, int64_t ignore_index) {
+  if (labels.k() == 0) return false;
+  int kept = 0;
+  for (int64_t j = threadIdx.x; j < labels.k(); j += blockDim.x) kept |= !is_ignored(labels(row, j), ignore_index);
+  return !__syncthreads_or(kept);
+}
+
+template <typename label_t>
+__device__ __forceinline__ bool row_skipped(const Labels<label_t>& labels, int64_t row, int64_t ignore_index) {
+  if (labels.k() == 0) return false;
+  for (int64_t j = 0; j < labels.k(); ++j) {
+    if (!is_ignored(labels(row, j), ignore_index)) return false;
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------- reductions
+template <typename acc_t>
+__device__ __forceinline__ OnlineSoftmax<acc_t> warp_merge(OnlineSoftmax<acc_t> s, acc_t inv_T) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const OnlineSoftmax<acc_t> other{__shfl_down_sync(0xffffffffu, s.max, offset),
+                                     __shfl_down_sync(0xffffffffu, s.rest, offset),
+                                     __shfl_down_sync(0xffffffffu, s.zsum, offset)};
+    s = merge(s, other, inv_T);  // lane i merges lane i + offset: lane 0 ends with lanes 0..31 in a fixed tree
+  }
+  return s;
+}
+
+// The block's state, valid in thread 0. `smem` holds kMaxThreads / 32 states.
+template <typename acc_t>
+__device__ __forceinline__ OnlineSoftmax<acc_t> block_merge(OnlineSoftmax<acc_t> s, OnlineSoftmax<acc_t>* smem,
+                                                            acc_t inv_T) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  s = warp_merge(s, inv_T);
+  if (lane == 0) smem[warp] = s;
+  __syncthreads();
+  if (warp == 0) {
+    s = lane < static_cast<int>(blockDim.x / 32) ? smem[lane] : empty_state<acc_t>();
+    s = warp_merge(s, inv_T);
+  }
+  __syncthreads();  // smem is reused by the block's next task
+  return s;
+}
+
+// Sum over the block in a fixed tree, valid in every thread.
+template <typename acc_t>
+__device__ __forceinline__ acc_t block_sum(acc_t v, acc_t* smem) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
+  if (lane == 0) smem[warp] = v;
+  __syncthreads();
+  acc_t total = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += smem[w];
+  __syncthreads();
+  return total;
 }
 
 // ------------------------------------------------------------------ forward
@@ -175,43 +300,24 @@ template <typename scalar_t, typename label_t>
 struct ForwardArgs {
   using acc_t = acc_of<scalar_t>;
   const scalar_t* logits;
-  int64_t row_stride;
+  RowIndex row_at;
   int64_t rows;
   int64_t vocab;  // V, this shard's width
   int64_t segments;
   int64_t segment_len;
-  const label_t* labels;
-  int64_t label_stride;
+  Labels<label_t> labels;
   acc_t inv_T;
   int64_t ignore_index;
   int64_t vocab_start;
   int64_t vocab_size;
-  acc_t* logp;
-  acc_t* lse;
-  acc_t* entropy;  // null unless with_entropy
-  acc_t* mean;     // null unless with_entropy
-  OnlineSoftmax<acc_t>* partial;  // [rows * segments], used when segments > 1
-  unsigned long long* bad_row;    // 0, or rows - (first row with an out-of-range label)
+  acc_t* logp;     // [rows * k]
+  acc_t* entropy;  // [rows], null unless with_entropy
+  acc_t* shift;    // [rows]
+  acc_t* log_sum;  // [rows]
+  OnlineSoftmax<acc_t>* partial;  // [rows * segments]
 };
 
-// Adds z = x[k] * inv_T for k < K (raw logits of one thread's chunk) to
-// (sum, zsum), the chunk's state against shift = -neg_shift (t = z - shift, one FMA).
-template <bool kEntropy, typename acc_t, int K>
-__device__ __forceinline__ void accumulate(const acc_t (&x)[K], acc_t inv_T, acc_t neg_shift, acc_t& sum,
-                                           acc_t& zsum) {
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const acc_t t = shifted(x[k], inv_T, neg_shift);
-    const acc_t e = exp_(t);
-    sum += e;
-    if constexpr (kEntropy) zsum = add_entropy_term<acc_t, acc_t>(zsum, t, e);
-  }
-}
-
-// Max of the logits in a chunk of raw vectors, with the hardware max (bf16x2 /
-// half2 / fp32 / fp64 max instructions: half an instruction per 16-bit
-// element). It ignores NaN; a NaN logit still reaches the row's state through
-// its exp, so the row's results are NaN either way.
+// Max of a chunk of raw slots (packed bf16x2 / half2 max for 16-bit types).
 template <typename scalar_t, int U>
 __device__ __forceinline__ acc_of<scalar_t> chunk_max(const uint4 (&raw)[U]) {
   if constexpr (std::is_same_v<scalar_t, __nv_bfloat16> || std::is_same_v<scalar_t, __half>) {
@@ -224,192 +330,141 @@ __device__ __forceinline__ acc_of<scalar_t> chunk_max(const uint4 (&raw)[U]) {
     pair_t m = as_pair(raw[0].x);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (u > 0) m = __hmax2(m, as_pair(raw[u].x));
-      m = __hmax2(m, as_pair(raw[u].y));
-      m = __hmax2(m, as_pair(raw[u].z));
-      m = __hmax2(m, as_pair(raw[u].w));
+      if (u > 0) m = __hmax2_nan(m, as_pair(raw[u].x));
+      m = __hmax2_nan(m, as_pair(raw[u].y));
+      m = __hmax2_nan(m, as_pair(raw[u].z));
+      m = __hmax2_nan(m, as_pair(raw[u].w));
     }
-    return fmaxf(to_acc(m.x), to_acc(m.y));
+    return max_nan(to_acc(m.x), to_acc(m.y));
   } else {
     using acc_t = acc_of<scalar_t>;
-    constexpr int W = Elem<scalar_t>::kVec;
+    constexpr int W = Elem<scalar_t>::W;
     acc_t x[W];
     acc_t m = -std::numeric_limits<acc_t>::infinity();
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       unpack<scalar_t>(raw[u], x);
 #pragma unroll
-      for (int k = 0; k < W; ++k) m = fmax(m, x[k]);
+      for (int k = 0; k < W; ++k) m = max_nan(m, x[k]);
     }
     return m;
   }
 }
 
-// The state of one chunk of raw vectors, merged into `state`. The shift is
-// taken from max(x) (x * inv_T is monotonic in x for inv_T > 0, so
-// max(x) * inv_T == max(x * inv_T) exactly); values are converted to acc_t
-// as they are used rather than held as U * kVec fp32 registers.
+// The state of one chunk of raw slots, merged into `state`: sums against the
+// chunk's max, leaving out one element that holds it (online_softmax.h's
+// block_state). Branch-free: every element with t == 0 holds the max; all of
+// them but one count 1 each in the rest.
 template <typename scalar_t, bool kEntropy, int U>
 __device__ __forceinline__ void merge_chunk(OnlineSoftmax<acc_of<scalar_t>>& state, const uint4 (&raw)[U],
                                             acc_of<scalar_t> inv_T) {
   using acc_t = acc_of<scalar_t>;
-  constexpr int W = Elem<scalar_t>::kVec;
-  const acc_t shift = finite_shift(chunk_max<scalar_t>(raw) * inv_T);
+  constexpr int W = Elem<scalar_t>::W;
+  const acc_t max = chunk_max<scalar_t>(raw);
+  const acc_t neg_shift = -finite_shift(max);
   acc_t x[W];
-  acc_t sum = 0, zsum = 0;
+  acc_t sum = 0, at_max = 0, zsum = 0;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     unpack<scalar_t>(raw[u], x);
-    accumulate<kEntropy>(x, inv_T, -shift, sum, zsum);
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const acc_t t = scaled_gap(x[k], neg_shift, inv_T);
+      const acc_t e = exp_(t);
+      const bool is_max = t == acc_t(0);
+      sum += is_max ? acc_t(0) : e;
+      at_max += is_max ? acc_t(1) : acc_t(0);
+      if constexpr (kEntropy) zsum = add_entropy_term<acc_t, acc_t>(zsum, t, e);
+    }
   }
-  state = merge(state, OnlineSoftmax<acc_t>{shift, sum, zsum});
+  state = merge(state, block_state(max, sum + (at_max - acc_t(1)), zsum), inv_T);
 }
 
-// This thread's share of the online state of z = x[0, n) * inv_T.
-template <typename scalar_t, bool kEntropy>
+// This thread's share of the online state of x[0, n).
+template <typename scalar_t, bool kEntropy, bool kVector>
 __device__ __forceinline__ OnlineSoftmax<acc_of<scalar_t>> thread_state(const scalar_t* __restrict__ x, int64_t n,
                                                                          acc_of<scalar_t> inv_T) {
   using acc_t = acc_of<scalar_t>;
-  constexpr int W = Elem<scalar_t>::kVec;
-  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  constexpr int W = Elem<scalar_t>::W;
   const int tid = threadIdx.x, threads = blockDim.x;
-  const int64_t head = min(n, head_elems(x));
-  const int64_t nvec = (n - head) / W;
-  const int64_t tail = head + nvec * W;  // first element of the scalar tail
-
+  const int64_t slots = n / W;
   OnlineSoftmax<acc_t> state = empty_state<acc_t>();
-  {  // scalar edges: thread t takes head element t and tail element tail + t (each fewer than W)
-    acc_t ends[2] = {kNegInf, kNegInf};
-    if (tid < head) ends[0] = to_acc(x[tid]);
-    if (tail + tid < n) ends[1] = to_acc(x[tail + tid]);
-    const acc_t shift = finite_shift(max_(ends[0], ends[1]) * inv_T);
-    acc_t sum = 0, zsum = 0;
-    accumulate<kEntropy>(ends, inv_T, -shift, sum, zsum);
-    state = merge(state, OnlineSoftmax<acc_t>{shift, sum, zsum});
-  }
+  if (slots * W + tid < n) state = block_state(to_acc(x[slots * W + tid]), acc_t(0), acc_t(0));  // one tail element
 
-  const uint4* __restrict__ xv = reinterpret_cast<const uint4*>(x + head);
   const int64_t step = static_cast<int64_t>(kUnroll) * threads;
   int64_t base = tid;
-  for (; base + step - tid <= nvec; base += step) {  // full chunks: no bounds checks
+  for (; base + (kUnroll - 1) * threads < slots; base += step) {  // full chunks: no bounds checks
     uint4 raw[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) raw[u] = __ldcs(xv + base + u * threads);
+    for (int u = 0; u < kUnroll; ++u) raw[u] = load_slot<scalar_t, kVector>(x + (base + u * threads) * W);
     merge_chunk<scalar_t, kEntropy>(state, raw, inv_T);
   }
-  if (base - tid < nvec) {  // the last, partial chunk: vectors past the end read as -inf
+  if (base < slots) {  // the last, partial chunk: slots past the end read as -inf
     uint4 raw[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * threads;
-      raw[u] = i < nvec ? __ldcs(xv + i) : neg_inf_vector<scalar_t>();
+      const int64_t s = base + u * threads;
+      raw[u] = s < slots ? load_slot<scalar_t, kVector>(x + s * W) : neg_inf_slot<scalar_t>();
     }
     merge_chunk<scalar_t, kEntropy>(state, raw, inv_T);
   }
   return state;
 }
 
-template <typename acc_t>
-__device__ __forceinline__ OnlineSoftmax<acc_t> warp_merge(OnlineSoftmax<acc_t> s) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const OnlineSoftmax<acc_t> other{__shfl_down_sync(0xffffffffu, s.max, offset),
-                                     __shfl_down_sync(0xffffffffu, s.sum, offset),
-                                     __shfl_down_sync(0xffffffffu, s.zsum, offset)};
-    s = merge(s, other);  // lane i merges lane i + offset: lane 0 ends with lanes 0..31 in a fixed tree
-  }
-  return s;
-}
-
-// The block's state, valid in thread 0. `smem` holds kMaxThreads / 32 states.
-template <typename acc_t>
-__device__ __forceinline__ OnlineSoftmax<acc_t> block_merge(OnlineSoftmax<acc_t> s, OnlineSoftmax<acc_t>* smem) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  s = warp_merge(s);
-  if (lane == 0) smem[warp] = s;
-  __syncthreads();
-  if (warp == 0) {
-    s = lane < static_cast<int>(blockDim.x / 32) ? smem[lane] : empty_state<acc_t>();
-    s = warp_merge(s);
-  }
-  __syncthreads();  // smem is reused by the block's next task
-  return s;
-}
-
-template <typename scalar_t, typename label_t>
-__device__ __forceinline__ void write_ignored_row(const ForwardArgs<scalar_t, label_t>& a, int64_t row) {
-  a.logp[row] = 0;
-  a.lse[row] = 0;
-  if (a.entropy != nullptr) {
-    a.entropy[row] = 0;
-    a.mean[row] = 0;
-  }
-}
-
-// Outputs of a row that is not ignored, from its complete state.
-template <typename scalar_t, typename label_t>
-__device__ __forceinline__ void finish_row(const ForwardArgs<scalar_t, label_t>& a, int64_t row, int64_t label,
-                                           const OnlineSoftmax<acc_of<scalar_t>>& state) {
-  using acc_t = acc_of<scalar_t>;
-  const RowStats<acc_t> stats = finalize(state);
-  acc_t logp = 0;  // 0 when the label lies on another vocab shard
-  if (label < 0 || label >= a.vocab_size) {
-    atomicMax(a.bad_row, static_cast<unsigned long long>(a.rows - row));  // the first bad row wins
-    logp = std::numeric_limits<acc_t>::quiet_NaN();
-  } else {
-    const int64_t target = local_target(label, a.vocab_start, a.vocab);
-    if (target >= 0) logp = to_acc(a.logits[row * a.row_stride + target]) * a.inv_T - stats.lse;
-  }
-  a.logp[row] = logp;
-  a.lse[row] = stats.lse;
-  if (a.entropy != nullptr) {
-    a.entropy[row] = stats.entropy;
-    a.mean[row] = stats.mean;
-  }
-}
-
+// One state per (row, segment) task.
 template <typename scalar_t, typename label_t, bool kEntropy>
-__global__ void __launch_bounds__(kMaxThreads) forward_kernel(const ForwardArgs<scalar_t, label_t> a) {
+__global__ void __launch_bounds__(kMaxThreads) segment_state_kernel(const ForwardArgs<scalar_t, label_t> a) {
   using acc_t = acc_of<scalar_t>;
   __shared__ OnlineSoftmax<acc_t> smem[kMaxThreads / 32];
   const int64_t tasks = a.rows * a.segments;
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
     const int64_t row = task / a.segments, seg = task - row * a.segments;
-    const int64_t label = static_cast<int64_t>(a.labels[row * a.label_stride]);
-    if (is_ignored(label, a.ignore_index)) {  // uniform across the block: skip the row's bytes
-      if (a.segments == 1 && threadIdx.x == 0) write_ignored_row(a, row);
-      continue;
-    }
+    if (block_row_skipped(a.labels, row, a.ignore_index)) continue;  // the finish kernel writes its zeros
     const int64_t start = seg * a.segment_len;
     const int64_t len = min(a.segment_len, a.vocab - start);
-    OnlineSoftmax<acc_t> state =
-        thread_state<scalar_t, kEntropy>(a.logits + row * a.row_stride + start, len, a.inv_T);
-    state = block_merge(state, smem);
-    if (threadIdx.x == 0) {
-      if (a.segments == 1) {
-        finish_row(a, row, label, state);
-      } else {
-        a.partial[task] = state;
-      }
-    }
+    const scalar_t* x = a.logits + a.row_at(row) + start;
+    OnlineSoftmax<acc_t> state = aligned16(x) ? thread_state<scalar_t, kEntropy, true>(x, len, a.inv_T)
+                                              : thread_state<scalar_t, kEntropy, false>(x, len, a.inv_T);
+    state = block_merge(state, smem, a.inv_T);
+    if (threadIdx.x == 0) a.partial[task] = state;
   }
 }
 
-// Split rows: merge each row's segment states in segment order, then finish it.
+// One thread per row: merge the row's segment states in order, finish the row,
+// take logp at each label, check the labels.
 template <typename scalar_t, typename label_t>
-__global__ void __launch_bounds__(kMaxThreads) merge_segments_kernel(const ForwardArgs<scalar_t, label_t> a) {
+__global__ void __launch_bounds__(kMaxThreads) finish_rows_kernel(const ForwardArgs<scalar_t, label_t> a) {
   using acc_t = acc_of<scalar_t>;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (row >= a.rows) return;
-  const int64_t label = static_cast<int64_t>(a.labels[row * a.label_stride]);
-  if (is_ignored(label, a.ignore_index)) {
-    write_ignored_row(a, row);
-    return;
+  const int64_t k = a.labels.k();
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < a.rows; row += stride) {
+    if (row_skipped(a.labels, row, a.ignore_index)) {
+      for (int64_t j = 0; j < k; ++j) a.logp[row * k + j] = 0;
+      a.shift[row] = a.log_sum[row] = 0;
+      if (a.entropy != nullptr) a.entropy[row] = 0;
+      continue;
+    }
+    // The row is finished in double (a few merges per row), rounded once, and
+    // shift placed at the log-normalizer (output_shift), as the CPU kernel does.
+    const OnlineSoftmax<acc_t>* partial = a.partial + row * a.segments;
+    const double inv_T = static_cast<double>(a.inv_T);
+    OnlineSoftmax<double> state = widen(partial[0]);
+    for (int64_t seg = 1; seg < a.segments; ++seg) state = merge(state, widen(partial[seg]), inv_T);
+    const RowStats<double> stats = finalize(state);
+    output_shift(stats, inv_T, a.shift[row], a.log_sum[row]);
+    if (a.entropy != nullptr) a.entropy[row] = static_cast<acc_t>(stats.entropy);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t y = a.labels(row, j);
+      // In range: ignore_index, or a label on the "shard" [0, vocab_size).
+      CUDA_KERNEL_ASSERT_MSG(is_ignored(y, a.ignore_index) || local_target(y, 0, a.vocab_size) >= 0,
+                             "twinkle_mem: label out of range (not ignore_index, not in [0, vocab_size))");
+      const int64_t target = is_ignored(y, a.ignore_index) ? -1 : local_target(y, a.vocab_start, a.vocab);
+      a.logp[row * k + j] =
+          target >= 0 ? static_cast<acc_t>(log_prob(static_cast<double>(to_acc(a.logits[a.row_at(row) + target])),
+                                                    stats.shift, stats.log_sum, inv_T))
+                      : acc_t(0);
+    }
   }
-  const OnlineSoftmax<acc_t>* partial = a.partial + row * a.segments;
-  OnlineSoftmax<acc_t> state = partial[0];
-  for (int64_t seg = 1; seg < a.segments; ++seg) state = merge(state, partial[seg]);
-  finish_row(a, row, label, state);
 }
 
 // ----------------------------------------------------------------- backward
@@ -417,98 +472,61 @@ template <typename scalar_t, typename label_t>
 struct BackwardArgs {
   using acc_t = acc_of<scalar_t>;
   const scalar_t* logits;
-  int64_t row_stride;
+  RowIndex row_at;
   scalar_t* grad;  // may equal logits (in-place backward)
-  int64_t grad_row_stride;
+  RowIndex grad_row_at;
   int64_t rows;
   int64_t vocab;
   int64_t segments;
   int64_t segment_len;
-  const label_t* labels;
-  int64_t label_stride;
-  const acc_t* grad_logp;
-  int64_t grad_logp_stride;
-  const acc_t* grad_entropy;  // null: no entropy term
-  int64_t grad_entropy_stride;
-  const acc_t* lse;
-  int64_t lse_stride;
-  const acc_t* mean;  // null when grad_entropy is null
-  int64_t mean_stride;
+  Labels<label_t> labels;
+  const acc_t* grad_logp;     // [rows * k], contiguous
+  const acc_t* grad_entropy;  // [rows], null: no entropy term
+  const acc_t* entropy;       // [rows], null when grad_entropy is null
+  const acc_t* shift;         // [rows]
+  const acc_t* log_sum;       // [rows]
   acc_t inv_T;
   int64_t ignore_index;
   int64_t vocab_start;
+  acc_t* label_x;  // [rows * k]: the logits at the labels, saved before an in-place pass; null out of place
 };
 
-template <typename acc_t>
-struct RowGrad {
-  acc_t lse, mean, g_logp, g_entropy, inv_T;
-  __device__ __forceinline__ acc_t operator()(acc_t x, bool is_target) const {
-    return grad_logit<acc_t, acc_t>(x * inv_T, is_target ? acc_t(1) : acc_t(0), lse, mean, g_logp, g_entropy,
-                                    inv_T);
-  }
-};
-
-// Zeros d[0, n) (an ignored row: its logits are not read).
-template <typename scalar_t>
+// d[0, n) = 0 (a skipped row: its logits are not read).
+template <typename scalar_t, bool kVector>
 __device__ __forceinline__ void zero_segment(scalar_t* d, int64_t n) {
-  constexpr int W = Elem<scalar_t>::kVec;
-  const int tid = threadIdx.x, threads = blockDim.x;
-  const int64_t head = min(n, head_elems(d));
-  const int64_t nvec = (n - head) / W;
-  const int64_t tail = head + nvec * W;
-  const scalar_t zero = from_acc<scalar_t>(acc_of<scalar_t>(0));
-  if (tid < head) d[tid] = zero;
-  if (tail + tid < n) d[tail + tid] = zero;
-  uint4* dv = reinterpret_cast<uint4*>(d + head);
-  for (int64_t i = tid; i < nvec; i += threads) __stcs(dv + i, make_uint4(0u, 0u, 0u, 0u));
+  constexpr int W = Elem<scalar_t>::W;
+  const int64_t slots = n / W;
+  if (slots * W + threadIdx.x < n) d[slots * W + threadIdx.x] = from_acc<scalar_t>(0);
+  for (int64_t s = threadIdx.x; s < slots; s += blockDim.x) store_slot<scalar_t, kVector>(d + s * W, make_uint4(0, 0, 0, 0));
 }
 
-// d[0, n) = gradient for logits x[0, n); `target` is the label's column in this
-// segment (any value outside [0, n) when the label is elsewhere). d may alias x:
-// every element is read and written by the same thread, read first.
-template <typename scalar_t>
-__device__ __forceinline__ void grad_segment(const scalar_t* x, scalar_t* d, int64_t n, int64_t target,
+// d[0, n) = the off-label gradient of x[0, n). d may alias x: each slot is read
+// and written by the same thread, read first.
+template <typename scalar_t, bool kLoadVector, bool kStoreVector>
+__device__ __forceinline__ void grad_segment(const scalar_t* x, scalar_t* d, int64_t n,
                                              const RowGrad<acc_of<scalar_t>>& g) {
   using acc_t = acc_of<scalar_t>;
-  constexpr int W = Elem<scalar_t>::kVec;
+  constexpr int W = Elem<scalar_t>::W;
   const int tid = threadIdx.x, threads = blockDim.x;
-  const int64_t head = head_elems(x);
-  if (head != head_elems(d)) {
-    // x and d are misaligned differently (out-of-place grad of a row whose
-    // stride differs in alignment from the logits'): scalar loads and stores.
-    for (int64_t i = tid; i < n; i += threads) d[i] = from_acc<scalar_t>(g(to_acc(x[i]), i == target));
-    return;
-  }
-  const int64_t h = min(n, head);
-  const int64_t nvec = (n - h) / W;
-  const int64_t tail = h + nvec * W;
-  if (tid < h) d[tid] = from_acc<scalar_t>(g(to_acc(x[tid]), tid == target));
-  if (tail + tid < n) d[tail + tid] = from_acc<scalar_t>(g(to_acc(x[tail + tid]), tail + tid == target));
-
-  const uint4* xv = reinterpret_cast<const uint4*>(x + h);
-  uint4* dv = reinterpret_cast<uint4*>(d + h);
-  // The target as a vector index and lane, so that each element compares ints.
-  const int64_t target_body = target - h;
-  const int64_t target_vec = target_body >= 0 ? target_body / W : -1;
-  const int target_lane = target_body >= 0 ? static_cast<int>(target_body % W) : -1;
+  const int64_t slots = n / W;
+  if (slots * W + tid < n) d[slots * W + tid] = from_acc<scalar_t>(grad_off_label(to_acc(x[slots * W + tid]), g));
   const int64_t step = static_cast<int64_t>(kUnroll) * threads;
-  for (int64_t base = tid; base - tid < nvec; base += step) {
+  for (int64_t base = tid; base < slots; base += step) {
     uint4 raw[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * threads;
-      if (i < nvec) raw[u] = __ldcs(xv + i);
+      const int64_t s = base + u * threads;
+      if (s < slots) raw[u] = load_slot<scalar_t, kLoadVector>(x + s * W);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * threads;
-      if (i < nvec) {
+      const int64_t s = base + u * threads;
+      if (s < slots) {
         acc_t v[W];
         unpack<scalar_t>(raw[u], v);
-        const int lane = i == target_vec ? target_lane : -1;
 #pragma unroll
-        for (int k = 0; k < W; ++k) v[k] = g(v[k], k == lane);
-        __stcs(dv + i, pack<scalar_t>(v));
+        for (int k = 0; k < W; ++k) v[k] = grad_off_label(v[k], g);
+        store_slot<scalar_t, kStoreVector>(d + s * W, pack<scalar_t>(v));
       }
     }
   }
@@ -517,61 +535,273 @@ __device__ __forceinline__ void grad_segment(const scalar_t* x, scalar_t* d, int
 template <typename scalar_t, typename label_t>
 __global__ void __launch_bounds__(kMaxThreads) backward_kernel(const BackwardArgs<scalar_t, label_t> a) {
   using acc_t = acc_of<scalar_t>;
+  __shared__ acc_t smem[kMaxThreads / 32];
+  const int64_t k = a.labels.k();
   const int64_t tasks = a.rows * a.segments;
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
     const int64_t row = task / a.segments, seg = task - row * a.segments;
     const int64_t start = seg * a.segment_len;
     const int64_t len = min(a.segment_len, a.vocab - start);
-    scalar_t* d = a.grad + row * a.grad_row_stride + start;
-    const int64_t label = static_cast<int64_t>(a.labels[row * a.label_stride]);
-    if (is_ignored(label, a.ignore_index)) {
-      zero_segment(d, len);
+    const scalar_t* x = a.logits + a.row_at(row) + start;
+    scalar_t* d = a.grad + a.grad_row_at(row) + start;
+    if (block_row_skipped(a.labels, row, a.ignore_index)) {
+      if (aligned16(d)) {
+        zero_segment<scalar_t, true>(d, len);
+      } else {
+        zero_segment<scalar_t, false>(d, len);
+      }
       continue;
     }
-    RowGrad<acc_t> g;
-    g.lse = a.lse[row * a.lse_stride];
-    g.g_logp = a.grad_logp[row * a.grad_logp_stride];
-    g.g_entropy = a.grad_entropy != nullptr ? a.grad_entropy[row * a.grad_entropy_stride] : acc_t(0);
-    g.mean = a.grad_entropy != nullptr ? a.mean[row * a.mean_stride] : acc_t(0);
-    g.inv_T = a.inv_T;
-    // -1 (any negative) when the label is on another shard or out of range.
-    const int64_t target = local_target(label, a.vocab_start, a.vocab);
-    grad_segment(a.logits + row * a.row_stride + start, d, len, target >= 0 ? target - start : -1, g);
+    // G: the row's non-ignored upstream logp gradients (labels on other shards included).
+    acc_t g_mine = 0;
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
+      if (!is_ignored(a.labels(row, j), a.ignore_index)) g_mine += a.grad_logp[row * k + j];
+    }
+    const acc_t g_total = block_sum(g_mine, smem);
+    const bool with_entropy = a.grad_entropy != nullptr;
+    struct {
+      acc_t shift, log_sum, entropy, g_entropy, inv_T;
+    } const rg_in{a.shift[row], a.log_sum[row], with_entropy ? a.entropy[row] : acc_t(0),
+                  with_entropy ? a.grad_entropy[row] : acc_t(0), a.inv_T};
+    const RowGrad<acc_t> rg = row_grad(rg_in.shift, rg_in.log_sum, rg_in.entropy, g_total, rg_in.g_entropy, rg_in.inv_T);
+    // Label positions in this segment: -1 when ignored or elsewhere.
+    auto column = [&](int64_t y) {
+      const int64_t target = is_ignored(y, a.ignore_index) ? -1 : local_target(y, a.vocab_start, a.vocab);
+      return (target >= start && target < start + len) ? target - start : int64_t(-1);
+    };
+    if (a.label_x != nullptr) {  // in place: keep the logits at the labels before the pass overwrites them
+      for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
+        const int64_t col = column(a.labels(row, j));
+        if (col >= 0) a.label_x[row * k + j] = to_acc(x[col]);
+      }
+      __syncthreads();
+    }
+    switch ((aligned16(x) ? 2 : 0) | (aligned16(d) ? 1 : 0)) {
+      case 3: grad_segment<scalar_t, true, true>(x, d, len, rg); break;
+      case 2: grad_segment<scalar_t, true, false>(x, d, len, rg); break;
+      case 1: grad_segment<scalar_t, false, true>(x, d, len, rg); break;
+      default: grad_segment<scalar_t, false, false>(x, d, len, rg); break;
+    }
+    __syncthreads();  // the label positions below are rewritten after the pass
+    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
+      const int64_t y = a.labels(row, j);
+      const int64_t col = column(y);
+      if (col < 0) continue;
+      // The first of the labels equal to y writes, with their gradients summed in label order.
+      bool first = true;
+      for (int64_t i = 0; i < j && first; ++i) first = a.labels(row, i) != y;
+      if (!first) continue;
+      acc_t g_here = 0;
+      for (int64_t i = j; i < k; ++i) {
+        if (a.labels(row, i) == y) g_here += a.grad_logp[row * k + i];
+      }
+      // In double, from the same statistics (a few per row): where 1 - p and the
+      // entropy term nearly cancel, the wider evaluation is all but free.
+      const double xv = a.label_x != nullptr ? a.label_x[row * k + j] : to_acc(x[col]);
+      const RowGrad<double> rg64 = row_grad<double>(rg_in.shift, rg_in.log_sum, rg_in.entropy, g_total,
+                                                    rg_in.g_entropy, rg_in.inv_T);
+      d[col] = from_acc<scalar_t>(static_cast<acc_t>(grad_at_label(xv, rg64, double(g_here), double(g_total - g_here))));
+    }
   }
 }
 
-// ---------------------------------------------------------------- host code
+// ------------------------------------------------------------ the host plan
+// Shared by the torch glue below and the CPU emulation (csrc/cuda/emulation/):
+// everything from raw pointers, sizes and strides to the launches.
+enum class Dtype { kBFloat16, kHalf, kFloat, kDouble };
+
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// How rows are cut into vocab segments, and the block size. Depends on N and V
-// only (never on the GPU), so a given shape always reduces in the same order.
+// How rows are cut into segments, and the block size: from V and the element
+// size only (never N, never the GPU), so a row always reduces in the same order.
 struct RowSplit {
   int64_t segments;
   int64_t segment_len;
   int threads;
 };
-RowSplit split_rows(int64_t N, int64_t V, int vec) {
-  constexpr int64_t kBlocksWanted = 1024;  // ~8 resident blocks on each of ~132 SMs
-  constexpr int64_t kMinSegment = 8192;    // a segment must amortize its block reduction and merge
-  constexpr int64_t kSegmentAlign = 64;    // segment starts stay 16-byte aligned for aligned rows
-  int64_t segments = 1;
-  if (N > 0 && N < kBlocksWanted) {
-    segments = std::max<int64_t>(1, std::min(ceil_div(kBlocksWanted, N), V / kMinSegment));
-  }
-  int64_t segment_len = ceil_div(ceil_div(V, segments), kSegmentAlign) * kSegmentAlign;
-  segment_len = std::max<int64_t>(segment_len, 1);
-  segments = ceil_div(V, segment_len);
-  // Enough threads for one vector each, in whole warps, at most kMaxThreads.
-  const int64_t vectors = ceil_div(segment_len, vec);
-  const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, ceil_div(vectors, 32) * 32)));
+inline RowSplit split_rows(int64_t V, int64_t elem_bytes, int64_t segment_bytes = kSegmentBytes) {
+  const int64_t W = 16 / elem_bytes;
+  const int64_t segment_len = segment_bytes / elem_bytes;  // a multiple of W: segments keep the row's alignment
+  const int64_t segments = std::max<int64_t>(1, ceil_div(V, segment_len));
+  // Enough threads for one chunk each over the longest segment, in whole warps.
+  const int64_t chunks = ceil_div(ceil_div(std::min(V, segment_len), W), kUnroll);
+  const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, ceil_div(chunks, 32) * 32)));
   return {segments, segment_len, threads};
 }
 
-inline unsigned grid_for(int64_t tasks) {
-  return static_cast<unsigned>(std::min<int64_t>(tasks, std::numeric_limits<int32_t>::max()));
+// A tensor as the plan sees it.
+struct TensorRef {
+  void* ptr;
+  int dim;
+  int64_t sizes[4];
+  int64_t strides[4];
+};
+
+// The leading dims of a [N, ...] or [B, S, ...] tensor as a RowIndex (layout.h).
+inline RowIndex row_index(const TensorRef& t, int lead_dims) {
+  if (lead_dims == 1) return {std::max<int64_t>(t.sizes[0], 1), 0, t.strides[0]};
+  return {std::max<int64_t>(t.sizes[1], 1), t.strides[0], t.strides[1]};
+}
+
+template <typename label_t>
+Labels<label_t> labels_of(const TensorRef& labels, int lead_dims) {
+  const bool has_k = labels.dim > lead_dims;
+  return {static_cast<const label_t*>(labels.ptr),
+          LabelIndex{row_index(labels, lead_dims), has_k ? labels.sizes[lead_dims] : 1,
+                     has_k ? labels.strides[lead_dims] : 0}};
+}
+
+inline int64_t rows_of(const TensorRef& logits) {
+  int64_t n = 1;
+  for (int d = 0; d + 1 < logits.dim; ++d) n *= logits.sizes[d];
+  return n;
+}
+
+#ifdef TWINKLE_MEM_CUDA_EMULATION
+using Stream = void*;
+#else
+using Stream = cudaStream_t;
+#endif
+
+// Launch limits: real launches pass the hardware's; the emulation a small grid,
+// so that its blocks loop over several tasks.
+struct Launch {
+  Stream stream;
+  int64_t max_grid;
+  int64_t segment_bytes;
+};
+
+inline unsigned grid_for(int64_t blocks, int64_t max_grid) {
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min(blocks, max_grid)));
+}
+
+template <typename Kernel, typename Args>
+void launch(Kernel kernel, unsigned grid, int threads, const Launch& how, const Args& args) {
+#ifdef TWINKLE_MEM_CUDA_EMULATION
+  emulate_launch(grid, static_cast<unsigned>(threads), [&] { kernel(args); });
+#else
+  kernel<<<grid, threads, 0, how.stream>>>(args);
+  STD_CUDA_KERNEL_LAUNCH_CHECK();
+#endif
+}
+
+template <typename F>
+void dispatch_dtype(Dtype dtype, F&& f) {
+  switch (dtype) {
+    case Dtype::kBFloat16: return f(__nv_bfloat16{});
+    case Dtype::kHalf: return f(__half{});
+    case Dtype::kFloat: return f(float{});
+    default: return f(double{});
+  }
+}
+
+template <typename F>
+void dispatch_labels(bool int64_labels, F&& f) {
+  if (int64_labels) return f(int64_t{});
+  return f(int32_t{});
+}
+
+inline int64_t elem_bytes(Dtype dtype) {
+  return dtype == Dtype::kBFloat16 || dtype == Dtype::kHalf ? 2 : dtype == Dtype::kFloat ? 4 : 8;
+}
+
+// Bytes of the forward's workspace (one state per task): the caller allocates it.
+inline int64_t forward_workspace_bytes(Dtype dtype, const TensorRef& logits, const Launch& how) {
+  const RowSplit split = split_rows(logits.sizes[logits.dim - 1], elem_bytes(dtype), how.segment_bytes);
+  return rows_of(logits) * split.segments * 3 * (dtype == Dtype::kDouble ? 8 : 4);
+}
+
+// Outputs contiguous: logp [rows * k], entropy (null unless with_entropy), shift, log_sum [rows].
+inline void run_forward(Dtype dtype, const TensorRef& logits, const TensorRef& labels, bool int64_labels,
+                        double inv_temperature, int64_t ignore_index, int64_t vocab_start, int64_t vocab_size,
+                        void* logp, void* entropy, void* shift, void* log_sum, void* workspace, const Launch& how) {
+  const int lead = logits.dim - 1;
+  const int64_t N = rows_of(logits), V = logits.sizes[lead];
+  if (N == 0) return;
+  dispatch_dtype(dtype, [&](auto scalar) {
+    using scalar_t = decltype(scalar);
+    using acc_t = acc_of<scalar_t>;
+    const RowSplit split = split_rows(V, sizeof(scalar_t), how.segment_bytes);
+    dispatch_labels(int64_labels, [&](auto label) {
+      using label_t = decltype(label);
+      ForwardArgs<scalar_t, label_t> a;
+      a.logits = static_cast<const scalar_t*>(logits.ptr);
+      a.row_at = row_index(logits, lead);
+      a.rows = N;
+      a.vocab = V;
+      a.segments = split.segments;
+      a.segment_len = split.segment_len;
+      a.labels = labels_of<label_t>(labels, lead);
+      a.inv_T = static_cast<acc_t>(inv_temperature);
+      a.ignore_index = ignore_index;
+      a.vocab_start = vocab_start;
+      a.vocab_size = vocab_size;
+      a.logp = static_cast<acc_t*>(logp);
+      a.entropy = static_cast<acc_t*>(entropy);
+      a.shift = static_cast<acc_t*>(shift);
+      a.log_sum = static_cast<acc_t*>(log_sum);
+      a.partial = static_cast<OnlineSoftmax<acc_t>*>(workspace);
+      const unsigned grid = grid_for(N * split.segments, how.max_grid);
+      if (entropy != nullptr) {
+        launch(segment_state_kernel<scalar_t, label_t, true>, grid, split.threads, how, a);
+      } else {
+        launch(segment_state_kernel<scalar_t, label_t, false>, grid, split.threads, how, a);
+      }
+      launch(finish_rows_kernel<scalar_t, label_t>, grid_for(ceil_div(N, kMaxThreads), how.max_grid), kMaxThreads,
+             how, a);
+    });
+  });
+}
+
+// Bytes of the backward's workspace: the logits at the labels, in place only.
+inline int64_t backward_workspace_bytes(Dtype dtype, const TensorRef& labels, bool inplace) {
+  if (!inplace) return 0;
+  int64_t n = 1;
+  for (int d = 0; d < labels.dim; ++d) n *= labels.sizes[d];
+  return n * (dtype == Dtype::kDouble ? 8 : 4);
+}
+
+// grad may be logits.ptr (in place). Per-row inputs contiguous: grad_logp
+// [rows * k], grad_entropy and entropy (both null or neither), shift, log_sum [rows].
+inline void run_backward(Dtype dtype, const TensorRef& logits, const TensorRef& grad, const TensorRef& labels,
+                         bool int64_labels, const void* grad_logp, const void* grad_entropy, const void* entropy,
+                         const void* shift, const void* log_sum, double inv_temperature, int64_t ignore_index,
+                         int64_t vocab_start, void* workspace, const Launch& how) {
+  const int lead = logits.dim - 1;
+  const int64_t N = rows_of(logits), V = logits.sizes[lead];
+  if (N == 0 || V == 0) return;
+  dispatch_dtype(dtype, [&](auto scalar) {
+    using scalar_t = decltype(scalar);
+    using acc_t = acc_of<scalar_t>;
+    const RowSplit split = split_rows(V, sizeof(scalar_t), how.segment_bytes);
+    dispatch_labels(int64_labels, [&](auto label) {
+      using label_t = decltype(label);
+      BackwardArgs<scalar_t, label_t> a;
+      a.logits = static_cast<const scalar_t*>(logits.ptr);
+      a.row_at = row_index(logits, lead);
+      a.grad = static_cast<scalar_t*>(grad.ptr);
+      a.grad_row_at = row_index(grad, lead);
+      a.rows = N;
+      a.vocab = V;
+      a.segments = split.segments;
+      a.segment_len = split.segment_len;
+      a.labels = labels_of<label_t>(labels, lead);
+      a.grad_logp = static_cast<const acc_t*>(grad_logp);
+      a.grad_entropy = static_cast<const acc_t*>(grad_entropy);
+      a.entropy = static_cast<const acc_t*>(entropy);
+      a.shift = static_cast<const acc_t*>(shift);
+      a.log_sum = static_cast<const acc_t*>(log_sum);
+      a.inv_T = static_cast<acc_t>(inv_temperature);
+      a.ignore_index = ignore_index;
+      a.vocab_start = vocab_start;
+      a.label_x = static_cast<acc_t*>(workspace);
+      launch(backward_kernel<scalar_t, label_t>, grid_for(N * split.segments, how.max_grid), split.threads, how, a);
+    });
+  });
 }
 
 #ifndef TWINKLE_MEM_CUDA_EMULATION
+// ---------------------------------------------------------------- torch glue
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
@@ -582,180 +812,95 @@ cudaStream_t current_stream(int32_t device_index) {
   return static_cast<cudaStream_t>(stream);
 }
 
-template <typename T>
-struct Tag {
-  using type = T;
-};
+Launch launch_on(const Tensor& logits) {
+  // Grid-stride loops: 2^31 - 1 blocks is the hardware's limit on grid.x.
+  return {current_stream(logits.get_device_index()), std::numeric_limits<int32_t>::max(), kSegmentBytes};
+}
 
-template <typename F>
-void dispatch_logits_dtype(ScalarType t, F&& f) {
-  switch (t) {
-    case ScalarType::BFloat16: return f(Tag<__nv_bfloat16>{});
-    case ScalarType::Half: return f(Tag<__half>{});
-    case ScalarType::Float: return f(Tag<float>{});
-    case ScalarType::Double: return f(Tag<double>{});
-    default: STD_TORCH_CHECK(false, "twinkle_mem: unsupported logits dtype");
+Dtype dtype_of(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case ScalarType::BFloat16: return Dtype::kBFloat16;
+    case ScalarType::Half: return Dtype::kHalf;
+    case ScalarType::Float: return Dtype::kFloat;
+    default: return Dtype::kDouble;
   }
 }
 
-template <typename F>
-void dispatch_labels_dtype(ScalarType t, F&& f) {
-  if (t == ScalarType::Long) return f(Tag<int64_t>{});
-  return f(Tag<int32_t>{});
+TensorRef ref(const Tensor& t) {
+  TensorRef r{t.data_ptr(), static_cast<int>(t.dim()), {}, {}};
+  for (int d = 0; d < r.dim; ++d) {
+    r.sizes[d] = t.size(d);
+    r.strides[d] = t.stride(d);
+  }
+  return r;
 }
 
-// Raises if the forward recorded an out-of-range label: one stream sync.
-void raise_on_bad_label(const Tensor& bad_row, const Tensor& labels, int64_t N, int64_t ignore_index,
-                        int64_t vocab_size, cudaStream_t stream) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  STD_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone) return;  // no sync while capturing: such rows hold NaN
-  unsigned long long flag = 0;
-  STD_CUDA_CHECK(cudaMemcpyAsync(&flag, bad_row.data_ptr(), sizeof(flag), cudaMemcpyDeviceToHost, stream));
-  STD_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (flag == 0) return;
-  const int64_t row = N - static_cast<int64_t>(flag);
-  int64_t label = 0;
-  const char* src = static_cast<const char*>(labels.data_ptr()) + row * labels.stride(0) * labels.element_size();
-  if (labels.scalar_type() == ScalarType::Long) {
-    STD_CUDA_CHECK(cudaMemcpy(&label, src, sizeof(int64_t), cudaMemcpyDeviceToHost));
-  } else {
-    int32_t label32 = 0;
-    STD_CUDA_CHECK(cudaMemcpy(&label32, src, sizeof(int32_t), cudaMemcpyDeviceToHost));
-    label = label32;
-  }
-  fail_label_out_of_range(row, label, vocab_size, ignore_index);
+// A scratch tensor of `bytes` on the logits' device (the caching allocator: no sync).
+Tensor scratch(const Tensor& logits, int64_t bytes) {
+  return torch::stable::new_empty(logits, {std::max<int64_t>(bytes, 1)}, ScalarType::Byte);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> selective_log_softmax_fwd(
     const Tensor& logits, const Tensor& labels, double inv_temperature, int64_t ignore_index,
     int64_t vocab_start, int64_t vocab_size, bool with_entropy, bool /*inplace_backward*/) {
   check_forward_args(logits, labels, inv_temperature, vocab_start, vocab_size);
-  const int64_t N = logits.size(0), V = logits.size(1);
-  const ScalarType out_dtype = stats_dtype(logits.scalar_type());
-  auto outputs = new_forward_outputs(logits, with_entropy);
-  Tensor &logp = std::get<0>(outputs), &entropy = std::get<1>(outputs), &lse = std::get<2>(outputs),
-         &mean = std::get<3>(outputs);
-  if (N == 0) return outputs;
-
-  const int32_t device = logits.get_device_index();
-  torch::stable::accelerator::DeviceGuard guard(device);
-  const cudaStream_t stream = current_stream(device);
-  Tensor bad_row = torch::stable::new_empty(logits, {1}, ScalarType::Long);
-  STD_CUDA_CHECK(cudaMemsetAsync(bad_row.data_ptr(), 0, sizeof(int64_t), stream));
-
-  dispatch_logits_dtype(logits.scalar_type(), [&](auto scalar_tag) {
-    using scalar_t = typename decltype(scalar_tag)::type;
-    using acc_t = acc_of<scalar_t>;
-    const RowSplit split = split_rows(N, V, Elem<scalar_t>::kVec);
-    std::optional<Tensor> partial;
-    if (split.segments > 1) {
-      partial = torch::stable::new_empty(logits, {N * split.segments * 3}, out_dtype);
-    }
-    dispatch_labels_dtype(labels.scalar_type(), [&](auto label_tag) {
-      using label_t = typename decltype(label_tag)::type;
-      ForwardArgs<scalar_t, label_t> a;
-      a.logits = static_cast<const scalar_t*>(logits.data_ptr());
-      a.row_stride = logits.stride(0);
-      a.rows = N;
-      a.vocab = V;
-      a.segments = split.segments;
-      a.segment_len = split.segment_len;
-      a.labels = static_cast<const label_t*>(labels.data_ptr());
-      a.label_stride = labels.stride(0);
-      a.inv_T = static_cast<acc_t>(inv_temperature);
-      a.ignore_index = ignore_index;
-      a.vocab_start = vocab_start;
-      a.vocab_size = vocab_size;
-      a.logp = static_cast<acc_t*>(logp.data_ptr());
-      a.lse = static_cast<acc_t*>(lse.data_ptr());
-      a.entropy = with_entropy ? static_cast<acc_t*>(entropy.data_ptr()) : nullptr;
-      a.mean = with_entropy ? static_cast<acc_t*>(mean.data_ptr()) : nullptr;
-      a.partial = partial ? static_cast<OnlineSoftmax<acc_t>*>(partial->data_ptr()) : nullptr;
-      a.bad_row = static_cast<unsigned long long*>(bad_row.data_ptr());
-      const unsigned grid = grid_for(N * split.segments);
-      if (with_entropy) {
-        forward_kernel<scalar_t, label_t, true><<<grid, split.threads, 0, stream>>>(a);
-      } else {
-        forward_kernel<scalar_t, label_t, false><<<grid, split.threads, 0, stream>>>(a);
-      }
-      STD_CUDA_KERNEL_LAUNCH_CHECK();
-      if (split.segments > 1) {
-        merge_segments_kernel<scalar_t, label_t>
-            <<<grid_for(ceil_div(N, kMaxThreads)), kMaxThreads, 0, stream>>>(a);
-        STD_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-    });
-  });
-  raise_on_bad_label(bad_row, labels, N, ignore_index, vocab_size, stream);
+  auto outputs = new_forward_outputs(logits, labels, with_entropy);
+  Tensor &logp = std::get<0>(outputs), &entropy = std::get<1>(outputs), &shift = std::get<2>(outputs),
+         &log_sum = std::get<3>(outputs);
+  if (shift.numel() == 0) return outputs;
+  torch::stable::accelerator::DeviceGuard guard(logits.get_device_index());
+  const Launch how = launch_on(logits);
+  const TensorRef x = ref(logits);
+  const Tensor workspace = scratch(logits, forward_workspace_bytes(dtype_of(logits), x, how));
+  run_forward(dtype_of(logits), x, ref(labels), labels.scalar_type() == ScalarType::Long, inv_temperature,
+              ignore_index, vocab_start, vocab_size, logp.data_ptr(), with_entropy ? entropy.data_ptr() : nullptr,
+              shift.data_ptr(), log_sum.data_ptr(), workspace.data_ptr(), how);
   return outputs;
 }
 
-void run_backward(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, const Tensor& logits,
-                  const Tensor& labels, const Tensor& lse, const std::optional<Tensor>& mean,
-                  double inv_temperature, int64_t ignore_index, int64_t vocab_start, void* grad,
-                  int64_t grad_row_stride) {
-  const int64_t N = logits.size(0), V = logits.size(1);
-  if (N == 0 || V == 0) return;
-  const int32_t device = logits.get_device_index();
-  torch::stable::accelerator::DeviceGuard guard(device);
-  const cudaStream_t stream = current_stream(device);
-  dispatch_logits_dtype(logits.scalar_type(), [&](auto scalar_tag) {
-    using scalar_t = typename decltype(scalar_tag)::type;
-    using acc_t = acc_of<scalar_t>;
-    const RowSplit split = split_rows(N, V, Elem<scalar_t>::kVec);
-    dispatch_labels_dtype(labels.scalar_type(), [&](auto label_tag) {
-      using label_t = typename decltype(label_tag)::type;
-      BackwardArgs<scalar_t, label_t> a;
-      a.logits = static_cast<const scalar_t*>(logits.data_ptr());
-      a.row_stride = logits.stride(0);
-      a.grad = static_cast<scalar_t*>(grad);
-      a.grad_row_stride = grad_row_stride;
-      a.rows = N;
-      a.vocab = V;
-      a.segments = split.segments;
-      a.segment_len = split.segment_len;
-      a.labels = static_cast<const label_t*>(labels.data_ptr());
-      a.label_stride = labels.stride(0);
-      a.grad_logp = static_cast<const acc_t*>(grad_logp.data_ptr());
-      a.grad_logp_stride = grad_logp.stride(0);
-      a.grad_entropy = grad_entropy ? static_cast<const acc_t*>(grad_entropy->data_ptr()) : nullptr;
-      a.grad_entropy_stride = grad_entropy ? grad_entropy->stride(0) : 0;
-      a.lse = static_cast<const acc_t*>(lse.data_ptr());
-      a.lse_stride = lse.stride(0);
-      a.mean = grad_entropy ? static_cast<const acc_t*>(mean->data_ptr()) : nullptr;
-      a.mean_stride = grad_entropy ? mean->stride(0) : 0;
-      a.inv_T = static_cast<acc_t>(inv_temperature);
-      a.ignore_index = ignore_index;
-      a.vocab_start = vocab_start;
-      backward_kernel<scalar_t, label_t><<<grid_for(N * split.segments), split.threads, 0, stream>>>(a);
-      STD_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
+void run_backward_op(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, const Tensor& logits,
+                     const Tensor& labels, const Tensor& shift, const Tensor& log_sum,
+                     const std::optional<Tensor>& entropy, double inv_temperature, int64_t ignore_index,
+                     int64_t vocab_start, const Tensor& grad, bool inplace) {
+  if (shift.numel() == 0) return;
+  torch::stable::accelerator::DeviceGuard guard(logits.get_device_index());
+  const Launch how = launch_on(logits);
+  // Per-row vectors are O(N): contiguous copies (asynchronous) cost nothing next to the rows.
+  const Tensor g_logp_c = torch::stable::contiguous(grad_logp), shift_c = torch::stable::contiguous(shift),
+               log_sum_c = torch::stable::contiguous(log_sum);
+  const bool with_entropy = grad_entropy.has_value();
+  const Tensor g_entropy_c = with_entropy ? torch::stable::contiguous(*grad_entropy) : shift_c;
+  const Tensor entropy_c = with_entropy ? torch::stable::contiguous(*entropy) : shift_c;
+  const Dtype dtype = dtype_of(logits);
+  const TensorRef y = ref(labels);
+  const Tensor workspace = scratch(logits, backward_workspace_bytes(dtype, y, inplace));
+  run_backward(dtype, ref(logits), ref(grad), y, labels.scalar_type() == ScalarType::Long, g_logp_c.data_ptr(),
+               with_entropy ? g_entropy_c.data_ptr() : nullptr, with_entropy ? entropy_c.data_ptr() : nullptr,
+               shift_c.data_ptr(), log_sum_c.data_ptr(), inv_temperature, ignore_index, vocab_start,
+               inplace ? workspace.data_ptr() : nullptr, how);
 }
 
 Tensor selective_log_softmax_bwd(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy,
-                                 const Tensor& logits, const Tensor& labels, const Tensor& lse,
-                                 const std::optional<Tensor>& mean, double inv_temperature, int64_t ignore_index,
-                                 int64_t vocab_start) {
-  check_backward_args(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature);
-  const int64_t N = logits.size(0), V = logits.size(1);
-  Tensor grad = torch::stable::new_empty(logits, {N, V});
-  run_backward(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature, ignore_index, vocab_start,
-               grad.data_ptr(), V);
+                                 const Tensor& logits, const Tensor& labels, const Tensor& shift,
+                                 const Tensor& log_sum, const std::optional<Tensor>& entropy,
+                                 double inv_temperature, int64_t ignore_index, int64_t vocab_start) {
+  check_backward_args(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature);
+  Tensor grad = new_grad_like(logits);  // rows aligned as the logits' rows where cheap (layout.h)
+  run_backward_op(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature, ignore_index,
+                  vocab_start, grad, false);
   return grad;
 }
 
 void selective_log_softmax_bwd_(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy,
-                                Tensor& logits, const Tensor& labels, const Tensor& lse,
-                                const std::optional<Tensor>& mean, double inv_temperature, int64_t ignore_index,
+                                Tensor& logits, const Tensor& labels, const Tensor& shift, const Tensor& log_sum,
+                                const std::optional<Tensor>& entropy, double inv_temperature, int64_t ignore_index,
                                 int64_t vocab_start) {
-  check_backward_args(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature);
-  run_backward(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature, ignore_index, vocab_start,
-               logits.data_ptr(), logits.stride(0));
+  check_backward_args(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature);
+  run_backward_op(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature, ignore_index,
+                  vocab_start, logits, true);
 }
-
 #endif  // TWINKLE_MEM_CUDA_EMULATION
+
 }  // namespace cuda
 }  // namespace twinkle_mem
 

@@ -9,7 +9,10 @@ __version__ = "0.1.0"
 
 
 def backends() -> dict[str, str]:
-    """Which native backends were built and loaded: {'cpu': 'loaded', 'cuda': ..., 'npu': ...}."""
+    """Which native backends were built and loaded, and why not: {'cpu': 'loaded', 'cuda': ..., 'npu': ...}.
+
+    A library that failed to load reads "failed to load (<file>: <error>); the composite runs on this
+    device": the op still works there, through the composite PyTorch implementation."""
     return dict(_backend_status)
 
 

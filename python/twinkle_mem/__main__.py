@@ -18,7 +18,8 @@ def main() -> None:
     print(f"twinkle-mem {twinkle_mem.__version__}")
     print(f"torch {torch.__version__} (cuda {torch.version.cuda}), python {platform.python_version()}")
     for backend, state in twinkle_mem.backends().items():
-        extra = f" [cpu kernel path: {_cpu_isa()}, {torch.get_num_threads()} threads]" if backend == "cpu" else ""
+        loaded = state == "loaded"
+        extra = f" [cpu kernel path: {_cpu_isa()}, {torch.get_num_threads()} threads]" if backend == "cpu" and loaded else ""
         print(f"  {backend:5s} {state}{extra}")
 
 

@@ -1,26 +1,68 @@
 """Loads the native libraries that hold twinkle-mem's kernels.
 
 _C_cpu (op schemas + CPU kernels) always; _C_cuda only under a CUDA build of
-torch (it links libtorch_cuda and the CUDA runtime, which a CPU torch lacks);
-_C_npu only when torch_npu is importable. Each is built against the LibTorch
-stable ABI, so one build serves any torch >= 2.10.
+torch (it links libtorch_cuda, which a CPU torch lacks); _C_npu only when
+torch_npu is importable. Each is built against the LibTorch stable ABI, so one
+build serves any torch >= 2.10.
+
+A library that fails to load, for any reason, never breaks ``import
+twinkle_mem``: its device then runs the composite (composite.py, registered
+for every device without a native kernel), and ``status`` / ``backends()`` /
+``python -m twinkle_mem`` say why. When _C_cpu, which defines the schemas,
+does not load, the schemas are defined here from the same text
+(schemas.def, which csrc/ops.cpp includes).
 """
 from __future__ import annotations
 
 import glob
 import os
+import re
 
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+SCHEMAS_FILE = os.path.join(_HERE, "schemas.def")
+FALLBACK = "the composite runs on this device"
 
-# backend -> "loaded" | "not built" | "not loaded: <reason>"
+# backend -> "loaded" | "not built" | "built, not loaded: <why>" | "failed to load: <error>; <FALLBACK>"
 status: dict[str, str] = {}
+_python_schemas = None  # the torch.library.Library holding schemas defined from Python, kept alive
 
 
 def _find(name: str) -> str | None:
     hits = sorted(glob.glob(os.path.join(_HERE, f"{name}*.so")))
     return hits[0] if hits else None
+
+
+def schemas() -> list[str]:
+    """The op schemas, as written in schemas.def (C string literals of each m.def(...))."""
+    with open(SCHEMAS_FILE) as f:
+        text = "\n".join(line for line in f.read().splitlines() if not line.lstrip().startswith("//"))
+    literal = r'"((?:[^"\\]|\\.)*)"'
+    calls = re.findall(r'm\.def\(\s*((?:"(?:[^"\\]|\\.)*"\s*)+)\)\s*;', text)
+    return ["".join(re.findall(literal, call)) for call in calls]
+
+
+def _define_schemas_in_python() -> None:
+    global _python_schemas
+    if _python_schemas is not None or hasattr(torch.ops.twinkle_mem, "selective_log_softmax_fwd"):
+        return
+    lib = torch.library.Library("twinkle_mem", "DEF")
+    for schema in schemas():
+        lib.define(schema)
+    _python_schemas = lib
+
+
+def _try_load(backend: str, path: str) -> bool:
+    try:
+        torch.ops.load_library(path)
+    except Exception as e:  # noqa: BLE001 (any reason: missing soname, bad file, undefined symbol, ...)
+        cause = f": {e.__cause__}" if e.__cause__ is not None else ""  # torch wraps the dlopen error
+        reason = " ".join(f"{e}{cause}".split()) or type(e).__name__
+        status[backend] = f"failed to load ({os.path.basename(path)}: {reason}); {FALLBACK}"
+        return False
+    status[backend] = "loaded"
+    return True
 
 
 def _load(backend: str, name: str, wanted: bool, why_not: str) -> None:
@@ -30,19 +72,17 @@ def _load(backend: str, name: str, wanted: bool, why_not: str) -> None:
     elif not wanted:
         status[backend] = f"built, not loaded: {why_not}"
     else:
-        torch.ops.load_library(path)
-        status[backend] = "loaded"
+        _try_load(backend, path)
 
 
 def load() -> None:
     path = _find("_C_cpu")
     if path is None:
-        raise ImportError(
-            "twinkle_mem: the native library _C_cpu was not found next to the package; "
-            "install with `pip install .` (it compiles the kernels)"
-        )
-    torch.ops.load_library(path)
-    status["cpu"] = "loaded"
+        status["cpu"] = f"not built (install with `pip install .`, which compiles the kernels); {FALLBACK}"
+    else:
+        _try_load("cpu", path)
+    if status["cpu"] != "loaded":
+        _define_schemas_in_python()
     _load("cuda", "_C_cuda", torch.version.cuda is not None, "this torch has no CUDA")
     try:
         import torch_npu  # noqa: F401

@@ -1,18 +1,21 @@
 // Just enough of the CUDA device API to run the kernels of
-// ../selective_log_softmax.cu as host C++: one OS thread per CUDA thread,
-// blocks one after another, __syncthreads and warp shuffles on barriers.
-// It tests the kernels' indexing (edges, chunks, segments, grid-stride loops,
-// reductions, label handling) where no GPU is present. It says nothing about
-// speed or memory-model subtleties, and its exp/log are the host's, not __expf.
+// ../selective_log_softmax.cu as host C++. Blocks run one after another; the
+// threads of a block are fibers (ucontext) on one OS thread, switched at every
+// barrier (__syncthreads, __syncthreads_or, warp shuffles), so the emulation is
+// deterministic and cheap on a small machine. It tests the kernels' indexing,
+// reductions and label handling where no GPU is present; it says nothing about
+// speed or the memory model, and its exp/log are the host's libm.
 #pragma once
 
-#include <barrier>
+#include <sys/mman.h>
+#include <ucontext.h>
+
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <memory>
-#include <mutex>
-#include <thread>
+#include <string>
 #include <vector>
 
 #define __global__
@@ -30,7 +33,7 @@ inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return
 struct EmuDim {
   unsigned x = 1, y = 1, z = 1;
 };
-inline thread_local EmuDim threadIdx, blockIdx, blockDim, gridDim;
+inline EmuDim threadIdx, blockIdx, blockDim, gridDim;
 
 template <typename T>
 inline T min(T a, T b) { return b < a ? b : a; }
@@ -77,76 +80,149 @@ inline unsigned short __half_as_ushort(__half h) { return h.bits; }
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
 inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
 inline __half2 __floats2half2_rn(float a, float b) { return {__float2half_rn(a), __float2half_rn(b)}; }
-// Lane-wise max; like the hardware, a NaN lane yields the other operand.
-inline __nv_bfloat162 __hmax2(__nv_bfloat162 a, __nv_bfloat162 b) {
+// Lane-wise max that propagates NaN, like the hardware's max.NaN.
+inline float emu_max_nan(float p, float q) { return (std::isnan(p) || std::isnan(q)) ? NAN : std::fmax(p, q); }
+inline __nv_bfloat162 __hmax2_nan(__nv_bfloat162 a, __nv_bfloat162 b) {
   auto m = [](__nv_bfloat16 p, __nv_bfloat16 q) {
-    return __float2bfloat16_rn(std::fmax(__bfloat162float(p), __bfloat162float(q)));
+    return __float2bfloat16_rn(emu_max_nan(__bfloat162float(p), __bfloat162float(q)));
   };
   return {m(a.x, b.x), m(a.y, b.y)};
 }
-inline __half2 __hmax2(__half2 a, __half2 b) {
-  auto m = [](__half p, __half q) { return __float2half_rn(std::fmax(__half2float(p), __half2float(q))); };
+inline __half2 __hmax2_nan(__half2 a, __half2 b) {
+  auto m = [](__half p, __half q) { return __float2half_rn(emu_max_nan(__half2float(p), __half2float(q))); };
   return {m(a.x, b.x), m(a.y, b.y)};
 }
 
-// ---- memory
+// ---- memory; global loads and stores counted by width (16-byte vectors or narrower),
+// so that tests can see which path a kernel took
+inline uint64_t emu_vector_loads, emu_narrow_loads, emu_vector_stores, emu_narrow_stores;
 template <typename T>
-inline T __ldcs(const T* p) { return *p; }
+inline T __ldcs(const T* p) {
+  ++(sizeof(T) == 16 ? emu_vector_loads : emu_narrow_loads);
+  return *p;
+}
 template <typename T>
-inline void __stcs(T* p, T v) { *p = v; }
-inline std::mutex emu_atomic_mutex;
-inline unsigned long long atomicMax(unsigned long long* p, unsigned long long v) {
-  std::lock_guard<std::mutex> lock(emu_atomic_mutex);
-  const unsigned long long old = *p;
-  if (v > old) *p = v;
-  return old;
+inline void __stcs(T* p, T v) {
+  ++(sizeof(T) == 16 ? emu_vector_stores : emu_narrow_stores);
+  *p = v;
 }
 
-// ---- block execution
-struct EmuBlock {
-  explicit EmuBlock(unsigned threads) : block(threads), slots(threads) {
-    for (unsigned w = 0; w < (threads + 31) / 32; ++w) warps.emplace_back(std::make_unique<std::barrier<>>(32));
-  }
-  std::barrier<> block;
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
-  std::vector<uint64_t> slots;
-};
-inline thread_local EmuBlock* emu_block = nullptr;
+// ---- device-side asserts: recorded, reported by the caller after the launch
+inline std::string emu_assert_message;
+#define CUDA_KERNEL_ASSERT_MSG(cond, msg) \
+  if (!(cond) && emu_assert_message.empty()) emu_assert_message = (msg)
 
-inline void __syncthreads() { emu_block->block.arrive_and_wait(); }
+// ---- fibers: the threads of one block
+struct EmuBarrier {
+  unsigned expected = 0, arrived = 0, generation = 0;
+  int or_pending = 0, or_result = 0;
+};
+
+struct EmuBlock {
+  unsigned threads = 0;
+  std::vector<ucontext_t> contexts;
+  ucontext_t scheduler;
+  std::vector<bool> done;
+  unsigned current = 0;
+  EmuBarrier block;
+  std::vector<EmuBarrier> warps;
+  std::vector<uint64_t> slots[2];  // shuffle exchange, double-buffered (one barrier per shuffle)
+  std::vector<unsigned> shuffle_phase;
+};
+inline EmuBlock* emu_block = nullptr;
+
+inline void emu_yield() {
+  EmuBlock& b = *emu_block;
+  swapcontext(&b.contexts[b.current], &b.scheduler);
+}
+
+// Waits until all `expected` participants arrived; returns the OR of their flags.
+inline int emu_barrier(EmuBarrier& bar, int flag) {
+  if (bar.arrived == 0) bar.or_pending = 0;
+  bar.or_pending |= flag;
+  const unsigned gen = bar.generation;
+  if (++bar.arrived == bar.expected) {
+    bar.arrived = 0;
+    bar.or_result = bar.or_pending;
+    ++bar.generation;
+    return bar.or_result;
+  }
+  while (bar.generation == gen) emu_yield();
+  return bar.or_result;
+}
+
+inline void __syncthreads() { emu_barrier(emu_block->block, 0); }
+inline int __syncthreads_or(int pred) { return emu_barrier(emu_block->block, pred != 0); }
 
 template <typename T>
 inline T __shfl_down_sync(unsigned /*mask: whole warps only*/, T v, int offset) {
   static_assert(sizeof(T) <= sizeof(uint64_t));
   EmuBlock& b = *emu_block;
   const unsigned t = threadIdx.x, lane = t % 32;
+  std::vector<uint64_t>& slot = b.slots[b.shuffle_phase[t]];
+  b.shuffle_phase[t] ^= 1u;
   uint64_t bits = 0;
   std::memcpy(&bits, &v, sizeof(T));
-  b.slots[t] = bits;
-  b.warps[t / 32]->arrive_and_wait();
+  slot[t] = bits;
+  emu_barrier(b.warps[t / 32], 0);
   T out = v;
-  if (lane + offset < 32) std::memcpy(&out, &b.slots[t + offset], sizeof(T));
-  b.warps[t / 32]->arrive_and_wait();
+  if (lane + offset < 32) std::memcpy(&out, &slot[t + offset], sizeof(T));
   return out;
 }
 
 // kernel<<<grid, threads>>>(), run on the CPU. threads must be a multiple of 32.
 template <typename F>
 void emulate_launch(unsigned grid, unsigned threads, F kernel) {
+  constexpr size_t kStack = 256 << 10;
+  EmuBlock block;
+  block.threads = threads;
+  block.contexts.resize(threads);
+  block.block.expected = threads;
+  block.warps.resize((threads + 31) / 32);
+  for (EmuBarrier& w : block.warps) w.expected = 32;
+  block.slots[0].assign(threads, 0);
+  block.slots[1].assign(threads, 0);
+  // One mapping for all stacks, a guard page below each.
+  const size_t page = 4096, per = kStack + page;
+  char* stacks = static_cast<char*>(mmap(nullptr, per * threads, PROT_READ | PROT_WRITE,
+                                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (stacks == MAP_FAILED) std::abort();
+  for (unsigned t = 0; t < threads; ++t) mprotect(stacks + t * per, page, PROT_NONE);
+  static F* body;
+  body = &kernel;
+  auto entry = [] {
+    (*body)();
+    emu_block->done[emu_block->current] = true;
+  };
+  static void (*entry_fn)() = +entry;
+  entry_fn = +entry;
+  EmuBlock* saved = emu_block;
+  emu_block = &block;
+  blockDim.x = threads;
+  gridDim.x = grid;
   for (unsigned b = 0; b < grid; ++b) {
-    EmuBlock block(threads);
-    std::vector<std::thread> pool;
-    pool.reserve(threads);
+    blockIdx.x = b;
+    block.done.assign(threads, false);
+    block.shuffle_phase.assign(threads, 0);
     for (unsigned t = 0; t < threads; ++t) {
-      pool.emplace_back([&, b, t] {
-        threadIdx.x = t;
-        blockIdx.x = b;
-        blockDim.x = threads;
-        gridDim.x = grid;
-        emu_block = &block;
-        kernel();
-      });
+      getcontext(&block.contexts[t]);
+      block.contexts[t].uc_stack.ss_sp = stacks + t * per + page;
+      block.contexts[t].uc_stack.ss_size = kStack;
+      block.contexts[t].uc_link = &block.scheduler;
+      makecontext(&block.contexts[t], entry_fn, 0);
     }
-    for (auto& th : pool) th.join();
+    // Round-robin until every thread has returned.
+    for (unsigned left = threads; left > 0;) {
+      left = 0;
+      for (unsigned t = 0; t < threads; ++t) {
+        if (block.done[t]) continue;
+        block.current = t;
+        threadIdx.x = t;
+        swapcontext(&block.scheduler, &block.contexts[t]);
+        if (!block.done[t]) ++left;
+      }
+    }
   }
+  emu_block = saved;
+  munmap(stacks, per * threads);
 }

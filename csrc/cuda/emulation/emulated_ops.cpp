@@ -1,0 +1,74 @@
+// The CUDA kernels of ../selective_log_softmax.cu, run on the CPU through
+// fake_cuda.h, behind a C interface: tests/cuda_emulation.py builds this file
+// into a shared library with the host C++ compiler and calls it with ctypes,
+// so that the test suite runs the CUDA kernels (and their host plan: row and
+// label indexing, segments, alignment, workspaces) on CPU tensors.
+//
+//   g++ -std=c++20 -O2 -shared -fPIC -I csrc csrc/cuda/emulation/emulated_ops.cpp -o emulated_ops.so
+#define TWINKLE_MEM_CUDA_EMULATION 1
+#include "fake_cuda.h"
+// Keep the include after fake_cuda.h: the kernels use its stand-ins.
+#include "../selective_log_softmax.cu"
+
+#include <vector>
+
+using namespace twinkle_mem::cuda;
+
+namespace {
+
+// 0, or 1 with the device-side assert's message copied out.
+int finish(char* message, int64_t message_len) {
+  if (emu_assert_message.empty()) return 0;
+  std::snprintf(message, static_cast<size_t>(message_len), "%s", emu_assert_message.c_str());
+  emu_assert_message.clear();
+  return 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 bf16, 1 fp16, 2 fp32, 3 fp64 (Dtype). Tensors as TensorRef (data
+// pointer at the first element, dim, sizes, strides in elements).
+int tm_emu_forward(int dtype, const TensorRef* logits, const TensorRef* labels, int int64_labels, double inv_T,
+                   int64_t ignore_index, int64_t vocab_start, int64_t vocab_size, void* logp, void* entropy,
+                   void* shift, void* log_sum, int64_t segment_bytes, int64_t max_grid, char* message,
+                   int64_t message_len) {
+  const Launch how{nullptr, max_grid, segment_bytes};
+  std::vector<uint64_t> workspace(forward_workspace_bytes(Dtype(dtype), *logits, how) / 8 + 1);
+  run_forward(Dtype(dtype), *logits, *labels, int64_labels != 0, inv_T, ignore_index, vocab_start, vocab_size, logp,
+              entropy, shift, log_sum, workspace.data(), how);
+  return finish(message, message_len);
+}
+
+int tm_emu_backward(int dtype, const TensorRef* logits, const TensorRef* grad, const TensorRef* labels,
+                    int int64_labels, const void* grad_logp, const void* grad_entropy, const void* entropy,
+                    const void* shift, const void* log_sum, double inv_T, int64_t ignore_index, int64_t vocab_start,
+                    int inplace, int64_t segment_bytes, int64_t max_grid, char* message, int64_t message_len) {
+  const Launch how{nullptr, max_grid, segment_bytes};
+  std::vector<uint64_t> workspace(
+      backward_workspace_bytes(Dtype(dtype), *labels, inplace != 0) / 8 + 1);
+  run_backward(Dtype(dtype), *logits, *grad, *labels, int64_labels != 0, grad_logp, grad_entropy, entropy, shift,
+               log_sum, inv_T, ignore_index, vocab_start, inplace ? workspace.data() : nullptr, how);
+  return finish(message, message_len);
+}
+
+// Global loads and stores since the last call: {16-byte loads, narrower loads,
+// 16-byte stores, narrower stores} (slot moves; the scalar tails are not counted).
+void tm_emu_take_counters(uint64_t* out) {
+  out[0] = emu_vector_loads;
+  out[1] = emu_narrow_loads;
+  out[2] = emu_vector_stores;
+  out[3] = emu_narrow_stores;
+  emu_vector_loads = emu_narrow_loads = emu_vector_stores = emu_narrow_stores = 0;
+}
+
+// The split of a row of V elements: {segments, segment_len, threads}.
+void tm_emu_split(int64_t V, int64_t elem_bytes, int64_t segment_bytes, int64_t* out) {
+  const RowSplit s = split_rows(V, elem_bytes, segment_bytes);
+  out[0] = s.segments;
+  out[1] = s.segment_len;
+  out[2] = s.threads;
+}
+
+}  // extern "C"
