@@ -312,6 +312,41 @@ def test_peak_memory_beyond_logits(mode, tmp_path):
     assert extra - grad_bytes <= 0.01 * logits_bytes, (extra, grad_bytes, logits_bytes)
 
 
+VIEW_PEAK_SCRIPT = textwrap.dedent("""
+    import sys, warnings, torch, twinkle_mem
+    from twinkle_mem.measure import peak_rss
+    warnings.simplefilter("error")  # a copy would warn
+    b, s, v, layout = 4, int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(2)
+    full = torch.randn(b, s, v).bfloat16()
+    ids = torch.randint(0, v, (b, s + 1))
+    r = s // 4
+    view, labels = {"contiguous": (full, ids[:, 1:]), "trl": (full[:, :-1], ids[:, 1:-1]),
+                    "verl": (full[:, -r - 1:-1], ids[:, -r - 1:-1])}[layout]
+    view = view.detach().requires_grad_()
+    twinkle_mem.selective_log_softmax(view[:1, :2], labels[:1, :2], True)[0].sum().backward()  # warm up
+    view.grad = None
+    with peak_rss() as peak:
+        logp, entropy = twinkle_mem.selective_log_softmax(view, labels, True)
+        (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), view)
+    print(peak.bytes, view.numel() * 2, grad.untyped_storage().nbytes())
+""")
+
+
+@pytest.mark.parametrize("layout", ["trl", "verl"])
+def test_sliced_views_are_not_copied(layout, tmp_path):
+    # logits[:, :-1] (TRL) and logits[:, -r - 1:-1] (verl) at B = 4: the peak beyond the gradient's own
+    # storage stays within 1% of the view's logits plus the 2 MiB huge-page rounding at either end of the
+    # gradient (a copy would add 100%).
+    script = tmp_path / "view_peak.py"
+    script.write_text(VIEW_PEAK_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), "513", "32768", layout], capture_output=True, text=True,
+                         check=True).stdout.split()
+    extra, logits_bytes, grad_storage = int(out[0]), int(out[1]), int(out[2])
+    assert grad_storage <= 1.125 * logits_bytes + 4096, (grad_storage, logits_bytes)
+    assert extra - grad_storage <= 0.01 * logits_bytes + (4 << 20), (extra, grad_storage, logits_bytes)
+
+
 def test_inplace_backward_same_gradient_and_logits_overwritten(device):
     check_inplace_backward_matches(device)
 
