@@ -228,3 +228,18 @@ def test_broken_kernels_are_caught(name, tmp_path):
                        Case("finfo.min", x, y, temperature=0.7))
         else:
             emu.forward(x, y, 1.0, -100, 0, 999, True, lib=lib, max_tile=512)
+
+
+def test_margin_for_the_vector_units_exp_and_ln():
+    """The hardware's Exp / Ln are not the host's: with every exp / ln result of the stand-in moved by up
+    to 8 ulp, logp, entropy and bf16 / fp16 gradients still meet the suite's bounds. (fp32 gradients do
+    not: their bound, 2 ulp + 2^-22 of the row's largest, is missed now and then from 1 ulp on:
+    docs/npu.md.)"""
+    impl = _impl(max_tile=1024)
+    emu.set_transcendental_ulp(8)
+    try:
+        for dtype in (torch.bfloat16, torch.float16):
+            for case in _pick(make_cases(17, 257, dtype, seed=17257), *CLASSES):
+                check_case(impl, case)
+    finally:
+        emu.set_transcendental_ulp(0)

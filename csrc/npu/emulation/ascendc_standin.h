@@ -60,9 +60,11 @@ struct Violation : std::logic_error {
   using std::logic_error::logic_error;
 };
 [[noreturn]] inline void fail(const std::string& what) { throw Violation("AscendC stand-in: " + what); }
-inline void require(bool ok, const std::string& what) {
-  if (!ok) fail(what);
-}
+// STANDIN_REQUIRE(cond, message): the message is built only when cond fails (the checks run per 32-byte block).
+#define STANDIN_REQUIRE(cond, ...)        \
+  do {                                     \
+    if (!(cond)) ::standin::fail(__VA_ARGS__); \
+  } while (0)
 
 enum Pipe : int { kS = 0, kV = 1, kMTE2 = 2, kMTE3 = 3, kPipes = 4 };
 inline const char* pipe_name(int p) {
@@ -180,24 +182,24 @@ inline void ub_access(int p, int64_t off, int64_t bytes, bool write) {
   for (int64_t b = off / 32; b <= (off + bytes - 1) / 32; ++b) {
     BlockState& s = c.blocks[b];
     if (!write) {
-      require(s.writer >= 0, std::string("pipe ") + pipe_name(p) + " reads " + where(b * 32) +
+      STANDIN_REQUIRE(s.writer >= 0, std::string("pipe ") + pipe_name(p) + " reads " + where(b * 32) +
                                  ", which nothing has written (uninitialised UB)");
       if (!(s.writer == p && s.write_seq == now)) {
-        require(visible(p, s.writer, s.write_seq),
+        STANDIN_REQUIRE(visible(p, s.writer, s.write_seq),
                 std::string("pipe ") + pipe_name(p) + " reads " + where(b * 32) + " written by pipe " +
                     pipe_name(s.writer) + " without a " + pipe_name(s.writer) + "->" + pipe_name(p) +
                     " synchronisation (SetFlag/WaitFlag, a queue, or PipeBarrier<PIPE_V>)");
       }
     } else {
       if (s.writer >= 0 && !(s.writer == p && s.write_seq == now)) {
-        require(visible(p, s.writer, s.write_seq),
+        STANDIN_REQUIRE(visible(p, s.writer, s.write_seq),
                 std::string("pipe ") + pipe_name(p) + " overwrites " + where(b * 32) + " written by pipe " +
                     pipe_name(s.writer) + " without a " + pipe_name(s.writer) + "->" + pipe_name(p) +
                     " synchronisation");
       }
       for (int q = 0; q < kPipes; ++q) {
         if (s.read_seq[q] == 0) continue;
-        require(visible(p, q, s.read_seq[q]),
+        STANDIN_REQUIRE(visible(p, q, s.read_seq[q]),
                 std::string("pipe ") + pipe_name(p) + " overwrites " + where(b * 32) + " that pipe " + pipe_name(q) +
                     " reads, without a " + pipe_name(q) + "->" + pipe_name(p) + " synchronisation");
       }
@@ -212,7 +214,7 @@ inline void ub_access(int p, int64_t off, int64_t bytes, bool write) {
 inline const GmRegion& gm_region(uintptr_t begin, uintptr_t end, bool write, const char* what) {
   for (const GmRegion& r : gm_regions()) {
     if (begin >= r.begin && end <= r.end) {
-      require(!write || r.writable, std::string(what) + " writes read-only global memory (" + r.name + ")");
+      STANDIN_REQUIRE(!write || r.writable, std::string(what) + " writes read-only global memory (" + r.name + ")");
       return r;
     }
   }
@@ -256,10 +258,10 @@ inline float fp16_to_float(uint16_t h) {
   return from_bits32(sign | ((e + 112u) << 23) | (m << 13));
 }
 
-// The host's expf / logf, optionally moved by up to n ulp (deterministic noise).
+// The host's expf / logf, optionally moved by up to n ulp (deterministic noise; normal results only).
 inline float noisy(float v) {
   Core& c = core();
-  if (c.ulp_noise == 0 || !std::isfinite(v) || v == 0.0f) return v;
+  if (c.ulp_noise == 0 || !std::isnormal(v) || std::fabs(v) < 1e-37f) return v;  // (bits would cross 0)
   c.noise_state = c.noise_state * 6364136223846793005ull + 1442695040888963407ull;
   const int shift = static_cast<int>((c.noise_state >> 33) % (2 * c.ulp_noise + 1)) - c.ulp_noise;
   return from_bits32(static_cast<uint32_t>(static_cast<int64_t>(bits32(v)) + shift));
@@ -327,7 +329,7 @@ template <HardEvent E>
 inline void SetFlag(event_t ev) {
   const auto pipes = event_pipes(E);
   auto key = std::make_pair(static_cast<int>(E), static_cast<int>(ev));
-  standin::require(!standin::core().flags.count(key), "SetFlag twice on one event without a WaitFlag");
+  STANDIN_REQUIRE(!standin::core().flags.count(key), "SetFlag twice on one event without a WaitFlag");
   standin::core().flags[key] = snapshot(pipes.first);
 }
 template <HardEvent E>
@@ -335,7 +337,7 @@ inline void WaitFlag(event_t ev) {
   const auto pipes = event_pipes(E);
   auto& flags = standin::core().flags;
   auto it = flags.find(std::make_pair(static_cast<int>(E), static_cast<int>(ev)));
-  standin::require(it != flags.end(), "WaitFlag on an event nobody set (the core would hang)");
+  STANDIN_REQUIRE(it != flags.end(), "WaitFlag on an event nobody set (the core would hang)");
   standin::core().known[pipes.second].join(it->second);
   flags.erase(it);
 }
@@ -362,7 +364,7 @@ class LocalTensor {
   LocalTensor() = default;
   LocalTensor(int64_t off, int64_t cap, TPosition pos) : off_(off), cap_(cap), pos_(pos) {}
   LocalTensor operator[](int64_t i) const {
-    standin::require(i >= 0 && i <= cap_, "LocalTensor[] past its buffer");
+    STANDIN_REQUIRE(i >= 0 && i <= cap_, "LocalTensor[] past its buffer");
     return LocalTensor(off_ + i * static_cast<int64_t>(sizeof(T)), cap_ - i, pos_);
   }
   T GetValue(int64_t i) const {
@@ -381,10 +383,10 @@ class LocalTensor {
   }
   // For an instruction: `count` elements from here, the start 32-byte aligned.
   T* operand(int64_t count, const char* what, int64_t align = 32) const {
-    standin::require(valid(), std::string(what) + ": an unallocated LocalTensor");
-    standin::require(count >= 0 && count <= cap_, std::string(what) + ": " + std::to_string(count) +
+    STANDIN_REQUIRE(valid(), std::string(what) + ": an unallocated LocalTensor");
+    STANDIN_REQUIRE(count >= 0 && count <= cap_, std::string(what) + ": " + std::to_string(count) +
                                                       " elements past the buffer (" + std::to_string(cap_) + ")");
-    standin::require(off_ % align == 0, std::string(what) + ": UB address " + std::to_string(off_) +
+    STANDIN_REQUIRE(off_ % align == 0, std::string(what) + ": UB address " + std::to_string(off_) +
                                             " is not " + std::to_string(align) + "-byte aligned");
     return reinterpret_cast<T*>(&standin::core().ub[off_]);
   }
@@ -395,7 +397,7 @@ class LocalTensor {
 
  private:
   void check_scalar(int64_t i) const {
-    standin::require(valid() && i >= 0 && i < cap_, "GetValue/SetValue index " + std::to_string(i) +
+    STANDIN_REQUIRE(valid() && i >= 0 && i < cap_, "GetValue/SetValue index " + std::to_string(i) +
                                                         " outside the LocalTensor (" + std::to_string(cap_) + ")");
   }
   int64_t off_ = 0, cap_ = 0;
@@ -463,7 +465,7 @@ class TQue {
   template <typename T>
   void EnQue(const LocalTensor<T>& t) {
     BufferSlot& s = slot_of(t.offset(), "EnQue");
-    standin::require(s.state == 1, "TQue::EnQue of a tensor that is not freshly allocated");
+    STANDIN_REQUIRE(s.state == 1, "TQue::EnQue of a tensor that is not freshly allocated");
     s.state = 2;
     s.enq_sync = snapshot(producer());
     if (Pos == TPosition::VECIN) {
@@ -474,7 +476,7 @@ class TQue {
   }
   template <typename T>
   LocalTensor<T> DeQue() {
-    standin::require(!fifo_.empty(), "TQue::DeQue of an empty queue (the core would hang)");
+    STANDIN_REQUIRE(!fifo_.empty(), "TQue::DeQue of an empty queue (the core would hang)");
     BufferSlot* s = fifo_.front();
     fifo_.erase(fifo_.begin());
     standin::core().known[consumer()].join(s->enq_sync);
@@ -484,13 +486,13 @@ class TQue {
   template <typename T>
   void FreeTensor(const LocalTensor<T>& t) {
     BufferSlot& s = slot_of(t.offset(), "FreeTensor");
-    standin::require(s.state == 3 || s.state == 1, "TQue::FreeTensor of a tensor that is not in use");
+    STANDIN_REQUIRE(s.state == 3 || s.state == 1, "TQue::FreeTensor of a tensor that is not in use");
     s.state = 0;
     s.has_free_sync = true;
     s.free_sync = snapshot(consumer());
   }
   void init(int64_t off, int64_t bytes, int num) {
-    standin::require(num >= 1 && num <= Depth, "InitBuffer: more buffers than the queue's depth");
+    STANDIN_REQUIRE(num >= 1 && num <= Depth, "InitBuffer: more buffers than the queue's depth");
     slots_.clear();
     for (int i = 0; i < num; ++i) {
       BufferSlot s;
@@ -524,7 +526,7 @@ class TBuf {
  public:
   template <typename T>
   LocalTensor<T> Get() const {
-    standin::require(bytes_ > 0, "TBuf::Get before InitBuffer");
+    STANDIN_REQUIRE(bytes_ > 0, "TBuf::Get before InitBuffer");
     return LocalTensor<T>(off_, bytes_ / static_cast<int64_t>(sizeof(T)), Pos);
   }
   void init(int64_t off, int64_t bytes) {
@@ -539,7 +541,7 @@ class TBuf {
 class TPipe {
  public:
   TPipe() {
-    standin::require(standin::core().pipe == nullptr, "a second TPipe on one core");
+    STANDIN_REQUIRE(standin::core().pipe == nullptr, "a second TPipe on one core");
     standin::core().pipe = this;
   }
   ~TPipe() { standin::core().pipe = nullptr; }
@@ -562,8 +564,8 @@ class TPipe {
   static int64_t align32(int64_t n) { return (n + 31) / 32 * 32; }
   int64_t allocate(int64_t bytes) {
     standin::Core& c = standin::core();
-    standin::require(bytes > 0, "InitBuffer of 0 bytes");
-    standin::require(c.used + bytes <= c.budget, "InitBuffer: " + std::to_string(c.used + bytes) +
+    STANDIN_REQUIRE(bytes > 0, "InitBuffer of 0 bytes");
+    STANDIN_REQUIRE(c.used + bytes <= c.budget, "InitBuffer: " + std::to_string(c.used + bytes) +
                                                     " bytes of UB exceed the budget of " + std::to_string(c.budget));
     const int64_t off = c.used;
     c.used += bytes;
@@ -596,9 +598,9 @@ struct DataCopyPadExtParams {
 };
 
 inline void check_copy_params(const DataCopyExtParams& p, int64_t elem, const char* what) {
-  standin::require(p.blockCount <= 4095, std::string(what) + ": blockCount > 4095");
-  standin::require(p.blockLen <= 2097151, std::string(what) + ": blockLen > 2097151 bytes");
-  standin::require(p.blockLen % elem == 0, std::string(what) + ": blockLen is not a whole number of elements");
+  STANDIN_REQUIRE(p.blockCount <= 4095, std::string(what) + ": blockCount > 4095");
+  STANDIN_REQUIRE(p.blockLen <= 2097151, std::string(what) + ": blockLen > 2097151 bytes");
+  STANDIN_REQUIRE(p.blockLen % elem == 0, std::string(what) + ": blockLen is not a whole number of elements");
 }
 
 // GM -> UB, each block padded on the UB side to 32 bytes (the padding reads as NaN).
@@ -606,13 +608,13 @@ template <typename T>
 void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const DataCopyExtParams& p,
                  const DataCopyPadExtParams<T>& pad) {
   check_copy_params(p, sizeof(T), "DataCopyPad GM->UB");
-  standin::require(dst.position() == TPosition::VECIN || dst.position() == TPosition::VECOUT,
+  STANDIN_REQUIRE(dst.position() == TPosition::VECIN || dst.position() == TPosition::VECOUT,
                    "DataCopyPad GM->UB into a buffer that is not VECIN / VECOUT");
-  standin::require(!pad.isPad && pad.leftPadding == 0 && pad.rightPadding == 0,
+  STANDIN_REQUIRE(!pad.isPad && pad.leftPadding == 0 && pad.rightPadding == 0,
                    "DataCopyPad padding values are not modelled");
   const int64_t ub_block = (int64_t(p.blockLen) + 31) / 32 * 32 + int64_t(p.dstStride) * 32;
   uint8_t* ub = reinterpret_cast<uint8_t*>(dst.operand(0, "DataCopyPad GM->UB"));
-  standin::require((p.blockCount * ub_block) / int64_t(sizeof(T)) <= dst.capacity(),
+  STANDIN_REQUIRE((p.blockCount * ub_block) / int64_t(sizeof(T)) <= dst.capacity(),
                    "DataCopyPad GM->UB: the padded blocks overrun the UB buffer");
   standin::begin_op(standin::kMTE2);
   const uint8_t* gm = reinterpret_cast<const uint8_t*>(src.address());
@@ -632,11 +634,11 @@ void DataCopyPad(const LocalTensor<T>& dst, const GlobalTensor<T>& src, const Da
 template <typename T>
 void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const DataCopyExtParams& p) {
   check_copy_params(p, sizeof(T), "DataCopyPad UB->GM");
-  standin::require(src.position() == TPosition::VECIN || src.position() == TPosition::VECOUT,
+  STANDIN_REQUIRE(src.position() == TPosition::VECIN || src.position() == TPosition::VECOUT,
                    "DataCopyPad UB->GM from a buffer that is not VECIN / VECOUT");
   const int64_t ub_block = (int64_t(p.blockLen) + 31) / 32 * 32 + int64_t(p.srcStride) * 32;
   const uint8_t* ub = reinterpret_cast<const uint8_t*>(src.operand(0, "DataCopyPad UB->GM"));
-  standin::require(((p.blockCount - 1) * ub_block + p.blockLen) / int64_t(sizeof(T)) <= src.capacity() ||
+  STANDIN_REQUIRE(((p.blockCount - 1) * ub_block + p.blockLen) / int64_t(sizeof(T)) <= src.capacity() ||
                        p.blockCount == 0,
                    "DataCopyPad UB->GM: the blocks overrun the UB buffer");
   standin::begin_op(standin::kMTE3);
@@ -653,13 +655,13 @@ void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src, const Da
 // Whole 32-byte blocks only: DataCopy of other lengths is rounded down on the NPU.
 template <typename T>
 void DataCopy(const LocalTensor<T>& dst, const GlobalTensor<T>& src, uint32_t count) {
-  standin::require(count * sizeof(T) % 32 == 0, "DataCopy of a length that is not a multiple of 32 bytes");
+  STANDIN_REQUIRE(count * sizeof(T) % 32 == 0, "DataCopy of a length that is not a multiple of 32 bytes");
   DataCopyPad(dst, src, DataCopyExtParams(1, static_cast<uint32_t>(count * sizeof(T)), 0, 0, 0),
               DataCopyPadExtParams<T>());
 }
 template <typename T>
 void DataCopy(const GlobalTensor<T>& dst, const LocalTensor<T>& src, uint32_t count) {
-  standin::require(count * sizeof(T) % 32 == 0, "DataCopy of a length that is not a multiple of 32 bytes");
+  STANDIN_REQUIRE(count * sizeof(T) % 32 == 0, "DataCopy of a length that is not a multiple of 32 bytes");
   DataCopyPad(dst, src, DataCopyExtParams(1, static_cast<uint32_t>(count * sizeof(T)), 0, 0, 0));
 }
 
@@ -741,10 +743,10 @@ void Cast(const LocalTensor<D>& dst, const LocalTensor<S>& src, const RoundMode&
   constexpr bool widen = std::is_same<D, float>::value && !std::is_same<S, float>::value;
   constexpr bool narrow = std::is_same<S, float>::value && !std::is_same<D, float>::value;
   static_assert(widen || narrow, "the stand-in casts between fp32 and half / bfloat16_t");
-  if (widen) standin::require(mode == RoundMode::CAST_NONE, "Cast to fp32 takes CAST_NONE (exact)");
+  if (widen) STANDIN_REQUIRE(mode == RoundMode::CAST_NONE, "Cast to fp32 takes CAST_NONE (exact)");
   if (narrow && std::is_same<D, bfloat16_t>::value)
-    standin::require(mode == RoundMode::CAST_RINT, "Cast fp32 -> bfloat16_t on A2 / A3 takes a rounding mode");
-  standin::require(!narrow || mode == RoundMode::CAST_RINT || mode == RoundMode::CAST_NONE,
+    STANDIN_REQUIRE(mode == RoundMode::CAST_RINT, "Cast fp32 -> bfloat16_t on A2 / A3 takes a rounding mode");
+  STANDIN_REQUIRE(!narrow || mode == RoundMode::CAST_RINT || mode == RoundMode::CAST_NONE,
                    "the stand-in casts to 16 bits with round-to-nearest-even only");
   detail::unary(dst, src, static_cast<int32_t>(count), "Cast", [](S x) { return static_cast<D>(static_cast<float>(x)); });
 }
@@ -819,11 +821,11 @@ namespace standin {
 // UB of `ub_budget` bytes. Returns normally or throws Violation.
 template <typename F>
 void launch(int64_t block_dim, int64_t ub_budget, F&& kernel) {
-  require(ub_budget > 0 && ub_budget <= kUbPhysical, "launch: bad UB budget");
+  STANDIN_REQUIRE(ub_budget > 0 && ub_budget <= kUbPhysical, "launch: bad UB budget");
   for (int64_t b = block_dim - 1; b >= 0; --b) {
     reset_core(ub_budget, b, block_dim);
     kernel();
-    require(core().flags.empty(), "a flag was set and never waited on at the end of the kernel");
+    STANDIN_REQUIRE(core().flags.empty(), "a flag was set and never waited on at the end of the kernel");
   }
 }
 }  // namespace standin
