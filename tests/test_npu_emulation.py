@@ -201,6 +201,8 @@ MUTATIONS = {
                                           "outside every tensor|overrun"),
     "an unaligned fold": (r"tm_npu::align_up\(tm_npu::ceil_div\(len, 2\), tm_npu::kAlignElems\)",
                           "tm_npu::ceil_div(len, 2)", "aligned"),
+    "a ReduceMax scratch smaller than documented": (r"align_up\(this->t_\.reduce_work_elems \* 4,",
+                                                   "align_up(this->t_.reduce_work_elems * 2,", "sharedTmpBuffer"),
     "no far-below clamp in merge": (r"const float gap = kFarBelow > g \? kFarBelow : g;", "const float gap = g;",
                                     "NaN"),
 }
