@@ -1,12 +1,13 @@
 """Selective log-softmax on an Ascend NPU: twinkle-mem's AscendC kernel against
-its composite fallback, the eager PyTorch formula and torch_npu's fused
-cross-entropy (torch_npu.npu_cross_entropy_loss, which returns the loss and
-the full log_prob; its gradient flows through the loss only).
+its composite fallback on the same device, the eager PyTorch formula, and
+torch_npu's fused cross-entropy (torch_npu.npu_cross_entropy_loss, which returns
+the loss and the full log_prob; its gradient flows through the loss only).
 
-For each shape and dtype: agreement with a float64 reference (max |logp
-error|), time of forward and forward+backward (median, p20, p80 over
---iters runs) and the peak NPU memory above the inputs. Rows go to a JSON
-file tagged with the device, SoC and versions.
+For each shape and dtype, with and without entropy: agreement with a float64
+reference (max |logp error| on the first 256 rows), time of forward and
+forward+backward (median, p20, p80 over --iters runs; the in-place backward
+for twinkle-mem as its own row) and the peak NPU memory above the inputs. Rows
+go to a JSON file tagged with the device, SoC and versions.
 
 Run on a CANN node (bench/npu_check.sh does): python bench/bench_npu.py --out results.json
 """
@@ -27,22 +28,26 @@ SHAPES = [(4096, 151936), (16384, 151936), (8192, 32000)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def peers():
-    def native(x, y):
-        return twinkle_mem.selective_log_softmax(x, y)
-
-    composite_fallback = native  # the same call, measured inside composite.forced(("npu",))
+def peers(with_entropy):
+    def native(x, y, inplace=False):
+        out = twinkle_mem.selective_log_softmax(x, y, with_entropy, inplace_backward=inplace)
+        return out[0] + out[1] if with_entropy else out  # one tensor to reduce; entropy's gradient included
 
     def eager(x, y):
-        return torch.log_softmax(x.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        logp = torch.log_softmax(x.float(), -1)
+        sel = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        return sel - (logp.exp() * logp).sum(-1) if with_entropy else sel
 
     def npu_cross_entropy(x, y):
         loss, _log_prob, _zloss, _lse = torch_npu.npu_cross_entropy_loss(x, y, reduction="none")
         return -loss.float()
 
     none = contextlib.nullcontext
-    return {"twinkle_mem": (native, none), "twinkle_mem_composite": (composite_fallback, lambda: composite.forced(("npu",))),
-            "eager_log_softmax": (eager, none), "npu_cross_entropy_loss": (npu_cross_entropy, none)}
+    out = {"twinkle_mem": (native, none), "twinkle_mem_inplace_bwd": (lambda x, y: native(x, y, True), none),
+           "twinkle_mem_composite": (native, lambda: composite.forced(("npu",))), "eager_log_softmax": (eager, none)}
+    if not with_entropy:  # no entropy from the fused cross-entropy
+        out["npu_cross_entropy_loss"] = (npu_cross_entropy, none)
+    return out
 
 
 def timed(fn, iters):
@@ -67,33 +72,36 @@ def run(args):
             x0 = (torch.randn(n, v, device=dev) * 4).to(dtype)
             y = torch.randint(0, v, (n,), device=dev)
             ref = selective_log_softmax_ref(x0[:256].cpu(), y[:256].cpu())[0]
-            for name, (fn, context) in peers().items():
-                row = {"peer": name, "n": n, "v": v, "dtype": dname}
-                ctx = context()
-                ctx.__enter__()
-                try:
-                    logp = fn(x0[:256], y[:256])
-                    row["max_abs_err"] = (logp.double().cpu() - ref).abs().max().item()
-                    row["forward"] = timed(lambda: fn(x0, y), args.iters)
-                    x = x0.clone().requires_grad_()
+            for with_entropy in (False, True):
+                for name, (fn, context) in peers(with_entropy).items():
+                    row = {"peer": name, "n": n, "v": v, "dtype": dname, "entropy": with_entropy}
+                    ctx = context()
+                    ctx.__enter__()
+                    try:
+                        if not with_entropy:
+                            logp = fn(x0[:256], y[:256])
+                            row["max_abs_err"] = (logp.double().cpu() - ref).abs().max().item()
+                        with torch.no_grad():
+                            row["forward"] = timed(lambda: fn(x0, y), args.iters)
+                        x = x0.clone().requires_grad_()
 
-                    def step():
-                        x.grad = None
-                        fn(x, y).sum().backward()
+                        def step():
+                            x.grad = None
+                            fn(x, y).sum().backward()
 
-                    step()
-                    torch.npu.synchronize()
-                    torch.npu.reset_peak_memory_stats()
-                    base = torch.npu.memory_allocated()
-                    row["forward_backward"] = timed(step, args.iters)
-                    row["peak_extra_gib"] = (torch.npu.max_memory_allocated() - base) / 2**30
-                    del x
-                except Exception as exc:  # a peer that cannot run this case is reported, not fatal
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                finally:
-                    ctx.__exit__(None, None, None)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                        step()
+                        torch.npu.synchronize()
+                        torch.npu.reset_peak_memory_stats()
+                        base = torch.npu.memory_allocated()
+                        row["forward_backward"] = timed(step, args.iters)
+                        row["peak_extra_gib"] = (torch.npu.max_memory_allocated() - base) / 2**30
+                        del x
+                    except Exception as exc:  # a peer that cannot run this case is reported, not fatal
+                        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                    finally:
+                        ctx.__exit__(None, None, None)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
             del x0
             torch.npu.empty_cache()
     return rows

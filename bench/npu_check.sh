@@ -1,40 +1,81 @@
 #!/usr/bin/env bash
-# For a CANN node with an Ascend NPU (910B / A2, A3): build the AscendC kernels,
-# run the test suite on cpu and npu, and benchmark against torch_npu's fused
-# cross-entropy. Needs: CANN sourced (ASCEND_HOME_PATH), torch + torch_npu of
-# matching versions in the active Python. Writes bench/results/npu_<host>_<date>.json.
+# The one script to run first on a CANN node with an Ascend NPU (A2 / A3:
+# 910B, 910_93): builds the AscendC kernels, runs the CPU-side NPU tests and the
+# numerics suite on the NPU (the kernel, then the composite on the same
+# device), the op tests on cpu and npu, and benchmarks against the composite,
+# eager PyTorch and torch_npu's own fused cross-entropy.
+# Needs: CANN sourced (ASCEND_HOME_PATH), torch + the matching torch_npu in the
+# active Python, cmake and a C++ compiler. Every step runs; the script exits
+# non-zero if any failed and lists them. Writes bench/results/npu_<host>_<date>.json.
 #
 #   source /usr/local/Ascend/ascend-toolkit/set_env.sh
 #   bash bench/npu_check.sh            # SOC_VERSION=Ascend910B2 bash ... to pin the SoC
-set -euo pipefail
-cd "$(dirname "$0")/.."
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python}
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+FAILED=()
+step() {  # step "name" command...: runs it, records a failure, goes on
+  local name=$1
+  shift
+  echo
+  echo "== $name"
+  if ! "$@"; then
+    echo "!! $name failed"
+    FAILED+=("$name")
+  fi
+}
 
 : "${ASCEND_HOME_PATH:?source <CANN>/set_env.sh first (ASCEND_HOME_PATH is not set)}"
-$PY -c "import torch, torch_npu; assert torch.npu.is_available(), 'no NPU visible'; print('torch', torch.__version__, 'torch_npu', torch_npu.__version__, torch_npu.npu.get_device_name(0))"
-
-echo "== build (setup.py drives CMake for _C_npu)"
-TWINKLE_MEM_PYTHON=$(command -v "$PY") $PY setup.py build_ext --inplace 2>&1 | tail -20
-ls python/twinkle_mem/_C_npu*.so
-
-echo "== backends"
-PYTHONPATH=python $PY -m twinkle_mem
-PYTHONPATH=python $PY -c "import twinkle_mem; s = twinkle_mem.backends(); assert s.get('npu') == 'loaded', s"
-
-echo "== unit tests (CPU-only parts: tiling, composite)"
-PYTHONPATH=python $PY -m pytest -q tests/test_npu_tiling.py tests/test_composite.py
-
-echo "== op tests on cpu and npu"
-PYTHONPATH=python TWINKLE_MEM_TEST_DEVICES=cpu,npu $PY -m pytest -q tests/test_selective_log_softmax.py
-
-echo "== the same op tests on npu through the composite fallback (kernel bypassed)"
-PYTHONPATH=python TWINKLE_MEM_TEST_DEVICES=npu $PY - <<'PYEOF'
-import sys, pytest
-from twinkle_mem import composite
-with composite.forced(("npu",)):
-    sys.exit(pytest.main(["-q", "tests/test_selective_log_softmax.py", "-k", "not peak_memory and not cli"]))
+"$PY" - <<'PYEOF' || exit 1
+import torch, torch_npu
+assert torch.npu.is_available(), "no NPU visible to torch_npu"
+print("torch", torch.__version__, "torch_npu", torch_npu.__version__, "device", torch_npu.npu.get_device_name(0),
+      "count", torch.npu.device_count())
 PYEOF
 
-echo "== benchmark vs torch_npu.npu_cross_entropy_loss"
+step "build (setup.py drives CMake for _C_npu)" \
+  env TWINKLE_MEM_PYTHON="$(command -v "$PY")" "$PY" setup.py build_ext --inplace
+step "_C_npu built and loaded" "$PY" - <<'PYEOF'
+import glob, sys
+import twinkle_mem
+print(glob.glob("python/twinkle_mem/_C_npu*.so"), twinkle_mem.backends())
+sys.exit(0 if twinkle_mem.backends().get("npu") == "loaded" else 1)
+PYEOF
+
+step "CPU-side NPU tests (plan, stand-in of the kernel, CMake check) and numerics on the CPU" \
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_npu_tiling.py tests/test_npu_emulation.py tests/test_npu_cmake.py \
+  tests/test_numerics.py
+step "numerics suite on the NPU: the AscendC kernels" \
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_npu_device.py
+step "numerics suite on the NPU: the composite (kernel bypassed)" \
+  env TWINKLE_MEM_NPU_COMPOSITE=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_npu_device.py
+step "op tests on cpu and npu" \
+  env TWINKLE_MEM_TEST_DEVICES=cpu,npu "$PY" -m pytest -q -p no:cacheprovider tests/test_selective_log_softmax.py
+step "label check without a host sync: an out-of-range label raises at a later call" "$PY" - <<'PYEOF'
+import torch, torch_npu  # noqa: F401
+import twinkle_mem
+x = torch.randn(4, 1000, device="npu").bfloat16()
+y = torch.tensor([1, 2, 5000, 3], device="npu")
+logp = twinkle_mem.selective_log_softmax(x, y)
+assert torch.isnan(logp.cpu()[2]) and torch.isfinite(logp.cpu()[[0, 1, 3]]).all(), logp
+torch.npu.synchronize()
+try:
+    twinkle_mem.selective_log_softmax(x, y.clamp(max=999))
+except RuntimeError as e:
+    assert "label out of range" in str(e), e
+    print("raised:", str(e)[:120])
+else:
+    raise SystemExit("no error for an out-of-range label")
+PYEOF
+
 mkdir -p bench/results
-PYTHONPATH=python $PY bench/bench_npu.py --out "bench/results/npu_$(hostname)_$(date +%Y%m%d).json"
+step "benchmark vs the composite, eager and torch_npu.npu_cross_entropy_loss" \
+  "$PY" bench/bench_npu.py --out "bench/results/npu_$(hostname)_$(date +%Y%m%d).json"
+
+echo
+if [ ${#FAILED[@]} -gt 0 ]; then
+  printf 'FAILED: %s\n' "${FAILED[@]}"
+  exit 1
+fi
+echo "npu_check: every step passed"

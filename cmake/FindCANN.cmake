@@ -40,10 +40,18 @@ if(NOT SOC_VERSION AND TORCHNPU_PYTHON)
 endif()
 set(SOC_VERSION "${SOC_VERSION}" CACHE STRING "Ascend SoC to compile the kernels for (e.g. Ascend910B2)")
 
-# bf16 vector instructions exist from A2/A3 (dav-c220) on; not on 310P / 910 (first generation).
-set(TWINKLE_MEM_NPU_HAS_BF16 ON)
-if(SOC_VERSION MATCHES "^(Ascend310P|Ascend910A|Ascend910ProA|Ascend910PremiumA|Ascend910$)")
+# bf16 vector instructions exist from the 220 architecture on: Atlas A2 (910B*),
+# A3 (910_93*) and 950; not on 310P / 310B / the first-generation 910. SoC names
+# come in any case (Ascend910B2, ascend910b2, Ascend910_9392, Ascend950PR_9599):
+# the same rule as soc_supports_bf16() in csrc/npu/tiling.h.
+string(TOLOWER "${SOC_VERSION}" _soc_lower)
+if(_soc_lower MATCHES "^ascend(910b|910_93|950)")
+  set(TWINKLE_MEM_NPU_HAS_BF16 ON)
+else()
   set(TWINKLE_MEM_NPU_HAS_BF16 OFF)
+  if(SOC_VERSION)
+    message(STATUS "FindCANN: ${SOC_VERSION} has no bf16 vector instructions: bf16 kernels are not built")
+  endif()
 endif()
 
 set(CANN_INCLUDE_DIRS ${ASCEND_HOME_PATH}/include)

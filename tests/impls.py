@@ -2,12 +2,14 @@
 
 - cpu: the native CPU kernels (torch.ops.twinkle_mem on CPU tensors);
 - composite: python/twinkle_mem/composite.py called directly;
-- each CPU emulation of a device kernel adds itself below.
+- each CPU emulation of a device kernel adds itself below (npu_emulated: the
+  AscendC kernels compiled against the stand-in of the AscendC API, tests/npu_emulation.py).
 """
 from __future__ import annotations
 
 import torch
 
+import npu_emulation
 from numerics import Impl
 from twinkle_mem import composite
 
@@ -41,6 +43,7 @@ def _composite_forward(*args):
 IMPLS = [
     Impl("cpu", ops.selective_log_softmax_fwd, _native_backward),
     Impl("composite", _composite_forward, _composite_backward),
+    Impl("npu_emulated", npu_emulation.forward, npu_emulation.backward),
 ]
 
 

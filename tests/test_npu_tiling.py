@@ -1,9 +1,12 @@
-"""CPU unit test of the NPU tiling (csrc/npu/tiling.h), the host logic of the
-AscendC kernels that needs no CANN: compiles tests/npu_tiling_test.cpp with
-the system C++ compiler into a temporary directory and runs it. Covers
-V = 151936, V not a multiple of the 64-element alignment, N < core count,
-N = 0, strided rows, vocab-shard label columns, argument validation, and the
-shared online-softmax math streamed over the plan's tiles."""
+"""CPU unit test of the NPU host logic that needs no CANN (csrc/npu/tiling.h,
+csrc/npu/scalar_math.h): compiles tests/npu_tiling_test.cpp with the system
+C++ compiler into a temporary directory and runs it. Covers every plan fitting
+the 184 KiB UB budget of the 220 architecture (a sweep of V, dtypes, modes and
+tile caps), tiles independent of N, V = 151936, tails, N < core count, N = 0,
+[B, S, V] row offsets against layout.h, k labels, vocab-shard label columns and
+out-of-range labels, argument validation, the SoC's bf16 matching, the
+kernel's scalar helpers (16-bit floats, expm1, log1p) against the C library,
+and the shared online-softmax math streamed over the plan's tiles."""
 import os
 import shutil
 import subprocess

@@ -13,18 +13,24 @@
 extern "C" {
 #endif
 
-// One launch of block_dim vector cores on `stream` (an aclrtStream). Pointers are
-// device addresses; entropy / mean (forward) and grad_entropy / mean (backward)
-// are unused unless the tiling says with_entropy. `tiling` points to a device
-// copy of twinkle_mem::npu::Tiling. Returns 0, or 1 for an unsupported dtype.
-int twinkle_mem_npu_launch_fwd(int dtype, uint32_t block_dim, void* stream, void* logits, void* labels, void* logp,
-                               void* entropy, void* lse, void* mean, void* tiling, float inv_t);
+// Bit (1 << TWINKLE_MEM_NPU_*) set for each logits dtype the library was built
+// for (bf16 only for SoCs of the 220 architecture or later).
+int twinkle_mem_npu_kernel_dtypes(void);
 
-// grad may equal logits (in-place backward; the tiling's out_row_stride is then
-// the logits' row stride).
-int twinkle_mem_npu_launch_bwd(int dtype, uint32_t block_dim, void* stream, void* grad_logp, void* grad_entropy,
-                               void* logits, void* labels, void* lse, void* mean, void* grad, void* tiling,
+// One launch of block_dim vector cores on `stream` (an aclrtStream). Pointers are
+// device addresses, passed as plain uint8_t* as AscendC launchers take them;
+// entropy (forward) and grad_entropy / entropy (backward) are unused unless the
+// plan says with_entropy. `tiling` points to a device copy of
+// twinkle_mem::npu::Tiling. Returns 0, or 1 for a dtype the library lacks.
+int twinkle_mem_npu_launch_fwd(int dtype, uint32_t block_dim, void* stream, uint8_t* logits, uint8_t* labels,
+                               uint8_t* logp, uint8_t* entropy, uint8_t* shift, uint8_t* log_sum, uint8_t* tiling,
                                float inv_t);
+
+// grad may equal logits (in-place backward; the plan's gradient rows are then
+// the logits' own).
+int twinkle_mem_npu_launch_bwd(int dtype, uint32_t block_dim, void* stream, uint8_t* grad_logp,
+                               uint8_t* grad_entropy, uint8_t* logits, uint8_t* labels, uint8_t* shift,
+                               uint8_t* log_sum, uint8_t* entropy, uint8_t* grad, uint8_t* tiling, float inv_t);
 
 #ifdef __cplusplus
 }

@@ -1,18 +1,26 @@
 // torch_npu glue of the selective log-softmax op: registers the AscendC
 // kernels (selective_log_softmax_kernel.cpp) for the PrivateUse1 ("npu")
-// dispatch key of the schemas in csrc/ops.cpp.
+// dispatch key of the schemas in csrc/ops.cpp (contract v2).
 //
 // Unlike _C_cpu / _C_cuda this library uses the regular torch C++ API (not the
 // stable ABI): torch_npu's headers (OpCommand, NPUStream) are only offered
 // that way, and torch_npu pins one torch version anyway. It is built by the
 // top-level CMakeLists.txt on a CANN node only (see docs/npu.md).
 //
-// Per call: check the arguments (the messages of csrc/common/op_checks.h),
-// check the label range (one device reduction and a host sync, as the CPU
-// kernel's host-side check), plan the tiles (tiling.h) from the UB size and
-// vector-core count of the device, copy the plan to the device, and launch
-// through at_npu::native::OpCommand so the launch is ordered with torch_npu's
-// own task queue (a raw launch on the stream could run before queued ops).
+// Per call, without a host synchronisation:
+//   - the shared argument checks (csrc/common/op_checks.h) and the NPU's own
+//     (plain ND format, a dtype the library and the SoC have);
+//   - out-of-range labels: the kernel writes NaN for their log-probs and never
+//     reads outside a row; a count of them is reduced on the device and copied
+//     to pinned memory behind an event, and a later call raises once that event
+//     has completed (TWINKLE_MEM_NPU_SYNC_CHECKS=1: check with a host sync at
+//     the call, naming the label, as the CPU kernel does);
+//   - the plan (tiling.h) from the tensors' strides (no copy of [B, S, V] views
+//     or label views), the device's vector-core count (aclGetDeviceCapability)
+//     and the documented UB budget; its device copy is cached per shape and
+//     stream, and uploaded from pinned memory with a non-blocking copy on a miss;
+//   - the launch inside at_npu::native::OpCommand, ordered with torch_npu's
+//     task queue, on the current stream taken without flushing that queue.
 // fp64 logits, which the NPU's vector units do not compute, run on the CPU
 // kernel and come back.
 #include <ATen/ATen.h>
@@ -21,19 +29,27 @@
 
 #include <acl/acl.h>
 
+#include "torch_npu/csrc/core/npu/NPUEvent.h"
 #include "torch_npu/csrc/core/npu/NPUFormat.h"
 #include "torch_npu/csrc/core/npu/NPUGuard.h"
 #include "torch_npu/csrc/core/npu/NPUStream.h"
 #include "torch_npu/csrc/framework/OpCommand.h"
 
-#include <cmath>
+#include <array>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <list>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <unordered_map>
+#include <vector>
 
+#include "../common/layout.h"
 #include "../common/op_checks.h"
 #include "launch.h"
 #include "tiling.h"
@@ -44,63 +60,19 @@ namespace {
 
 using at::Tensor;
 
-// ------------------------------------------------------------- argument checks
-// The shared checks of csrc/common/op_checks.h, plus what only the NPU needs.
+int64_t env_int(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::strtoll(v, nullptr, 10) : fallback;
+}
 
-// The kernel reads rows by (row, column) offsets: the NPU tensor must hold its plain (ND) layout.
+// ------------------------------------------------------------- argument checks
+// The kernel reads rows by element offsets: the NPU tensor must hold its plain (ND) layout.
 void check_base_format(const Tensor& logits) {
   const int64_t format = at_npu::native::get_npu_format(logits);
   TORCH_CHECK(format == ACL_FORMAT_ND || format == ACL_FORMAT_NCHW || format == ACL_FORMAT_NHWC ||
                   format == ACL_FORMAT_NCDHW,
               "twinkle_mem(npu): logits must be in a base (ND) format, not the internal NPU format ", format,
               " (convert with torch_npu.npu_format_cast(logits, 2))");
-}
-
-void check_label_range(const Tensor& labels, int64_t ignore_index, int64_t vocab_size) {
-  if (labels.numel() == 0) return;
-  const Tensor y = labels.to(at::kLong);
-  const Tensor bad = y.ne(ignore_index).logical_and(y.lt(0).logical_or(y.ge(vocab_size)));
-  if (!bad.any().item<bool>()) return;  // the one host sync of the op
-  const int64_t i = bad.nonzero().select(1, 0)[0].item<int64_t>();
-  fail_label_out_of_range(i, y[i].item<int64_t>(), vocab_size, ignore_index);
-}
-
-// ------------------------------------------------------------- device facts
-struct DeviceFacts {
-  int64_t ub_bytes;
-  int64_t vector_cores;
-};
-
-int64_t env_int(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return (v && *v) ? std::strtoll(v, nullptr, 10) : fallback;
-}
-
-// UB bytes per vector core and the vector-core count, asked of ACL once per
-// device. TWINKLE_MEM_NPU_UB_BYTES / TWINKLE_MEM_NPU_CORES override them.
-DeviceFacts device_facts(int device) {
-  static std::mutex mu;
-  static std::unordered_map<int, DeviceFacts> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(device);
-  if (it != cache.end()) return it->second;
-  int64_t cores = 0, ub = 0;
-  // ACL_DEV_ATTR_VECTOR_CORE_NUM (201) and ACL_DEV_ATTR_UBUF_PER_VECTOR_CORE (204), by value: older
-  // CANN headers lack the second name, and an older runtime answers an error we fall back from.
-  if (aclrtGetDeviceInfo(static_cast<uint32_t>(device), static_cast<aclrtDevAttr>(201), &cores) != ACL_SUCCESS ||
-      cores <= 0) {
-    int64_t ai_cores = 0;
-    cores = aclrtGetDeviceInfo(static_cast<uint32_t>(device), static_cast<aclrtDevAttr>(101), &ai_cores) == ACL_SUCCESS &&
-                    ai_cores > 0
-                ? 2 * ai_cores  // A2/A3: two vector cores per AI core
-                : 40;
-  }
-  if (aclrtGetDeviceInfo(static_cast<uint32_t>(device), static_cast<aclrtDevAttr>(204), &ub) != ACL_SUCCESS || ub <= 0) {
-    ub = 192 * 1024;  // Ascend 910B / 910C
-  }
-  DeviceFacts facts{env_int("TWINKLE_MEM_NPU_UB_BYTES", ub), env_int("TWINKLE_MEM_NPU_CORES", cores)};
-  cache.emplace(device, facts);
-  return facts;
 }
 
 int kernel_dtype(at::ScalarType t) {
@@ -112,15 +84,126 @@ int kernel_dtype(at::ScalarType t) {
   }
 }
 
-// The plan for these tensors, and a device copy of it for the kernel.
-std::pair<Tiling, Tensor> plan(const Tensor& logits, const Tensor& labels, int64_t mode, bool with_entropy,
-                               int64_t ignore_index, int64_t vocab_start, int64_t vocab_size, int64_t out_row_stride) {
+// A dtype must be built into the library and supported by the SoC, or the
+// call raises here: before any output is allocated or any launch is queued.
+void check_dtype_supported(at::ScalarType t) {
+  const int dtype = kernel_dtype(t);
+  TORCH_CHECK((twinkle_mem_npu_kernel_dtypes() >> dtype) & 1, "twinkle_mem(npu): this build of _C_npu has no ", t,
+              " kernel (it was built for a SoC without bf16 vector instructions; rebuild with SOC_VERSION of this "
+              "NPU, or use float16 / float32 logits)");
+  if (t == at::kBFloat16) {
+    static const bool soc_bf16 = soc_supports_bf16(aclrtGetSocName());
+    TORCH_CHECK(soc_bf16, "twinkle_mem(npu): this NPU (", aclrtGetSocName() ? aclrtGetSocName() : "unknown SoC",
+                ") has no bf16 vector instructions (Atlas A2 / A3 or later needed); use float16 or float32 logits");
+  }
+}
+
+// ------------------------------------------------------------- label range
+// Out-of-range labels counted on the device, read back when the copy is done.
+struct PendingLabelCheck {
+  Tensor host_count;  // pinned int64 [1]
+  std::shared_ptr<c10_npu::NPUEvent> done;
+  int64_t vocab_size, ignore_index;
+};
+std::mutex g_label_mu;
+std::deque<PendingLabelCheck> g_label_checks;
+constexpr size_t kMaxPendingLabelChecks = 256;
+
+void raise_if_bad(const PendingLabelCheck& c) {
+  const int64_t bad = c.host_count.data_ptr<int64_t>()[0];
+  TORCH_CHECK(bad == 0, "twinkle_mem: label out of range in an earlier call on the NPU: ", bad,
+              " labels were neither ignore_index (", c.ignore_index, ") nor in [0, vocab_size = ", c.vocab_size,
+              "); their log-probs are NaN. Set TWINKLE_MEM_NPU_SYNC_CHECKS=1 to raise at the call, naming the label");
+}
+
+// Raises for the first completed check that found bad labels; never waits
+// (unless more than kMaxPendingLabelChecks are in flight).
+void poll_label_checks() {
+  std::lock_guard<std::mutex> lock(g_label_mu);
+  while (!g_label_checks.empty()) {
+    PendingLabelCheck& c = g_label_checks.front();
+    if (g_label_checks.size() > kMaxPendingLabelChecks) {
+      c.done->synchronize();
+    } else if (!c.done->query()) {
+      break;
+    }
+    PendingLabelCheck ready = std::move(c);
+    g_label_checks.pop_front();
+    raise_if_bad(ready);
+  }
+}
+
+void check_label_range(const Tensor& labels, int64_t ignore_index, int64_t vocab_size) {
+  if (labels.numel() == 0) return;
+  const Tensor bad = labels.ne(ignore_index).logical_and(labels.lt(0).logical_or(labels.ge(vocab_size)));
+  if (env_int("TWINKLE_MEM_NPU_SYNC_CHECKS", 0) != 0) {  // exact, with a host sync
+    if (!bad.any().item<bool>()) return;
+    const Tensor flat = bad.flatten();
+    const int64_t i = flat.nonzero().select(1, 0)[0].item<int64_t>();
+    fail_label_out_of_range(i, labels.flatten()[i].item<int64_t>(), vocab_size, ignore_index);
+  }
+  PendingLabelCheck c;
+  c.host_count = at::empty({1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  c.host_count.copy_(bad.sum(at::kLong).reshape({1}), /*non_blocking=*/true);
+  c.done = std::make_shared<c10_npu::NPUEvent>();
+  c.done->record(c10_npu::getCurrentNPUStream());
+  c.vocab_size = vocab_size;
+  c.ignore_index = ignore_index;
+  std::lock_guard<std::mutex> lock(g_label_mu);
+  g_label_checks.push_back(std::move(c));
+}
+
+// ------------------------------------------------------------- device facts
+struct DeviceFacts {
+  int64_t ub_bytes;
+  int64_t vector_cores;
+};
+
+// Vector cores (AIV) from aclGetDeviceCapability (CANN 8.0+; aclrtGetDeviceInfo
+// does not exist there), asked once per device; the UB budget is the
+// documented one of the 220 architecture (A2 / A3), which later SoCs exceed.
+// TWINKLE_MEM_NPU_CORES / TWINKLE_MEM_NPU_UB_BYTES override them.
+DeviceFacts device_facts(int device) {
+  static std::mutex mu;
+  static std::unordered_map<int, DeviceFacts> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
+  int64_t cores = 0;
+  if (aclGetDeviceCapability(static_cast<uint32_t>(device), ACL_DEVICE_INFO_VECTOR_CORE_NUM, &cores) != ACL_SUCCESS ||
+      cores <= 0) {
+    int64_t ai_cores = 0;
+    cores = aclGetDeviceCapability(static_cast<uint32_t>(device), ACL_DEVICE_INFO_AI_CORE_NUM, &ai_cores) ==
+                        ACL_SUCCESS &&
+                    ai_cores > 0
+                ? 2 * ai_cores  // A2 / A3: two vector cores per AI core
+                : 40;
+  }
+  DeviceFacts facts{env_int("TWINKLE_MEM_NPU_UB_BYTES", kUbBudget220), env_int("TWINKLE_MEM_NPU_CORES", cores)};
+  cache.emplace(device, facts);
+  return facts;
+}
+
+// ------------------------------------------------------------- the plan
+// layout.h RowIndex of a [N, ...] / [B, S, ...] tensor, as the CPU kernel forms it.
+RowIndexNpu rows_of(const Tensor& t, int64_t lead_dims) {
+  if (lead_dims == 1) return {std::max<int64_t>(t.size(0), 1), 0, t.stride(0)};
+  return {std::max<int64_t>(t.size(1), 1), t.stride(0), t.stride(1)};
+}
+
+TilingRequest make_request(const Tensor& logits, const Tensor& labels, int64_t mode, bool with_entropy,
+                           int64_t ignore_index, int64_t vocab_start, int64_t vocab_size) {
+  const int64_t lead = logits.dim() - 1;
   const DeviceFacts facts = device_facts(logits.device().index());
   TilingRequest r;
-  r.n_rows = logits.size(0);
-  r.vocab = logits.size(1);
-  r.row_stride = logits.size(0) > 1 ? logits.stride(0) : logits.size(1);
-  r.out_row_stride = out_row_stride;
+  r.n_rows = 1;
+  for (int64_t d = 0; d < lead; ++d) r.n_rows *= logits.size(d);
+  r.vocab = logits.size(lead);
+  r.x_rows = rows_of(logits, lead);
+  r.y_rows = rows_of(labels, lead);
+  const bool has_k = labels.dim() > lead;
+  r.label_k = has_k ? labels.size(lead) : 1;
+  r.label_k_stride = has_k ? labels.stride(lead) : 1;
   r.elem_bytes = static_cast<int64_t>(logits.element_size());
   r.label_bytes = static_cast<int64_t>(labels.element_size());
   r.vocab_start = vocab_start;
@@ -131,16 +214,55 @@ std::pair<Tiling, Tensor> plan(const Tensor& logits, const Tensor& labels, int64
   r.ub_bytes = facts.ub_bytes;
   r.core_count = facts.vector_cores;
   r.max_tile_len = env_int("TWINKLE_MEM_NPU_MAX_TILE", 0);
-  const TilingResult res = make_tiling(r);
-  TORCH_CHECK(res.error == nullptr, res.error ? res.error : "");
-  Tensor host = at::empty({kTilingWords}, at::TensorOptions().dtype(at::kLong));
-  std::memcpy(host.data_ptr(), &res.tiling, sizeof(Tiling));
-  return {res.tiling, host.to(logits.device())};
+  return r;
 }
 
+// The device copy of a plan: cached per (device, stream, plan), so that a
+// training loop's repeated shapes upload nothing; a new shape is copied from
+// pinned memory without blocking. A cached tensor is only freed into the
+// caching allocator of its own stream, after the kernels that read it.
+Tensor device_tiling(const Tiling& t, const Tensor& like) {
+  using Key = std::array<int64_t, kTilingWords + 2>;
+  static std::mutex mu;
+  static std::list<std::pair<Key, Tensor>> lru;  // most recent first
+  constexpr size_t kCapacity = 64;
+  Key key;
+  key[0] = like.device().index();
+  key[1] = static_cast<int64_t>(c10_npu::getCurrentNPUStream().id());
+  std::memcpy(key.data() + 2, &t, sizeof(Tiling));
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto it = lru.begin(); it != lru.end(); ++it) {
+    if (it->first == key) {
+      lru.splice(lru.begin(), lru, it);
+      return it->second;
+    }
+  }
+  Tensor host = at::empty({kTilingWords}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::memcpy(host.data_ptr(), &t, sizeof(Tiling));
+  Tensor dev = at::empty({kTilingWords}, like.options().dtype(at::kLong));
+  dev.copy_(host, /*non_blocking=*/true);  // the host block stays reserved until the copy is done
+  lru.emplace_front(key, dev);
+  if (lru.size() > kCapacity) lru.pop_back();
+  return dev;
+}
+
+std::pair<Tiling, Tensor> plan(const TilingRequest& r, const Tensor& like) {
+  const TilingResult res = make_tiling(r);
+  TORCH_CHECK(res.error == nullptr, res.error ? res.error : "");
+  return {res.tiling, device_tiling(res.tiling, like)};
+}
+
+// The current stream without flushing torch_npu's task queue: the launch runs
+// inside an OpCommand handler, which that queue orders after earlier work.
+aclrtStream current_stream() { return c10_npu::getCurrentNPUStream().stream(false); }
+
+uint8_t* bytes_of(const Tensor& t) { return t.defined() ? static_cast<uint8_t*>(t.data_ptr()) : nullptr; }
+
 // fp64: the CPU kernel, through the dispatcher, on CPU copies.
-c10::OperatorHandle op_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+c10::OperatorHandle op_handle(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
+
+std::vector<int64_t> lead_sizes(const Tensor& t) {
+  return std::vector<int64_t>(t.sizes().begin(), t.sizes().end() - 1);
 }
 
 // ------------------------------------------------------------------- forward
@@ -151,6 +273,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> selective_log_softmax_fwd(const Tenso
   check_forward_args(logits, labels, inv_temperature, vocab_start, vocab_size);
   check_base_format(logits);
   c10_npu::NPUGuard guard(logits.device());
+  poll_label_checks();
   if (logits.scalar_type() == at::kDouble) {
     auto out = op_handle("twinkle_mem::selective_log_softmax_fwd")
                    .typed<std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, double, int64_t,
@@ -160,101 +283,130 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> selective_log_softmax_fwd(const Tenso
     const auto dev = logits.device();
     return {std::get<0>(out).to(dev), std::get<1>(out).to(dev), std::get<2>(out).to(dev), std::get<3>(out).to(dev)};
   }
-  check_label_range(labels, ignore_index, vocab_size);
-  const int64_t n = logits.size(0);
+  check_dtype_supported(logits.scalar_type());
   const auto opts = logits.options().dtype(at::kFloat);
-  Tensor logp = at::empty({n}, opts), lse = at::empty({n}, opts);
-  Tensor entropy = at::empty({with_entropy ? n : 0}, opts), mean = at::empty({with_entropy ? n : 0}, opts);
-  if (n == 0) return {logp, entropy, lse, mean};
+  const std::vector<int64_t> lead = lead_sizes(logits);
+  Tensor logp = at::empty(labels.sizes(), opts), shift = at::empty(lead, opts), log_sum = at::empty(lead, opts);
+  Tensor entropy = with_entropy ? at::empty(lead, opts) : at::empty({0}, opts);
+  if (shift.numel() == 0) return {logp, entropy, shift, log_sum};
+  check_label_range(labels, ignore_index, vocab_size);
 
-  const Tensor y = labels.contiguous();
-  auto [tiling, tiling_dev] = plan(logits, y, kForward, with_entropy, ignore_index, vocab_start, vocab_size, 0);
+  const std::pair<Tiling, Tensor> planned =
+      plan(make_request(logits, labels, kForward, with_entropy, ignore_index, vocab_start, vocab_size), logits);
+  const Tiling& tiling = planned.first;
+  const Tensor tiling_dev = planned.second;  // (C++17 lambdas cannot capture structured bindings)
   const int dtype = kernel_dtype(logits.scalar_type());
   const uint32_t block_dim = static_cast<uint32_t>(tiling.used_cores);
   const float inv_t = static_cast<float>(inv_temperature);
-  aclrtStream stream = c10_npu::getCurrentNPUStream().stream();
+  aclrtStream stream = current_stream();
   // The handler may run later, from torch_npu's task queue: it holds the tensors.
   at_npu::native::OpCommand cmd;
   cmd.Name("twinkle_mem_selective_log_softmax_fwd");
   cmd.SetCustomHandler([=]() -> int {
-    return twinkle_mem_npu_launch_fwd(dtype, block_dim, stream, logits.data_ptr(), y.data_ptr(), logp.data_ptr(),
-                                      with_entropy ? entropy.data_ptr() : nullptr, lse.data_ptr(),
-                                      with_entropy ? mean.data_ptr() : nullptr, tiling_dev.data_ptr(), inv_t);
+    return twinkle_mem_npu_launch_fwd(dtype, block_dim, stream, bytes_of(logits), bytes_of(labels), bytes_of(logp),
+                                      with_entropy ? bytes_of(entropy) : nullptr, bytes_of(shift), bytes_of(log_sum),
+                                      bytes_of(tiling_dev), inv_t);
   });
   cmd.Run();
-  return {logp, entropy, lse, mean};
+  return {logp, entropy, shift, log_sum};
 }
 
 // ------------------------------------------------------------------ backward
 void check_backward(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, const Tensor& logits,
-                    const Tensor& labels, const Tensor& lse, const std::optional<Tensor>& mean,
-                    double inv_temperature) {
-  check_backward_args(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature);
+                    const Tensor& labels, const Tensor& shift, const Tensor& log_sum,
+                    const std::optional<Tensor>& entropy, double inv_temperature) {
+  check_backward_args(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature);
   check_base_format(logits);
 }
 
 // Launches the backward writing into `grad` (which may be `logits`).
 void launch_backward(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, const Tensor& logits,
-                     const Tensor& labels, const Tensor& lse, const std::optional<Tensor>& mean,
-                     double inv_temperature, int64_t ignore_index, int64_t vocab_start, const Tensor& grad) {
+                     const Tensor& labels, const Tensor& shift, const Tensor& log_sum,
+                     const std::optional<Tensor>& entropy, double inv_temperature, int64_t ignore_index,
+                     int64_t vocab_start, const Tensor& grad) {
   const bool with_entropy = grad_entropy.has_value();
-  const Tensor y = labels.contiguous(), gl = grad_logp.contiguous(), l = lse.contiguous();
+  // Per-label and per-row vectors are O(N k): contiguous copies cost nothing next to the rows.
+  const Tensor gl = grad_logp.contiguous(), sh = shift.contiguous(), ls = log_sum.contiguous();
   const Tensor ge = with_entropy ? grad_entropy->contiguous() : Tensor();
-  const Tensor m = with_entropy ? mean->contiguous() : Tensor();
-  // vocab_size only bounds the shard in the plan; the backward's labels were checked by the forward.
-  const int64_t out_stride = grad.size(0) > 1 ? grad.stride(0) : grad.size(1);
-  auto [tiling, tiling_dev] = plan(logits, y, kBackward, with_entropy, ignore_index, vocab_start,
-                                   vocab_start + logits.size(1), out_stride);
+  const Tensor en = with_entropy ? entropy->contiguous() : Tensor();
+  // vocab_size only bounds the shard in the plan; the forward checked the labels.
+  TilingRequest r = make_request(logits, labels, kBackward, with_entropy, ignore_index, vocab_start,
+                                 vocab_start + logits.size(-1));
+  r.g_rows = rows_of(grad, logits.dim() - 1);
+  const std::pair<Tiling, Tensor> planned = plan(r, logits);
+  const Tiling& tiling = planned.first;
+  const Tensor tiling_dev = planned.second;
   const int dtype = kernel_dtype(logits.scalar_type());
   const uint32_t block_dim = static_cast<uint32_t>(tiling.used_cores);
   const float inv_t = static_cast<float>(inv_temperature);
-  aclrtStream stream = c10_npu::getCurrentNPUStream().stream();
+  aclrtStream stream = current_stream();
   at_npu::native::OpCommand cmd;
   cmd.Name("twinkle_mem_selective_log_softmax_bwd");
   cmd.SetCustomHandler([=]() -> int {
-    return twinkle_mem_npu_launch_bwd(dtype, block_dim, stream, gl.data_ptr(), with_entropy ? ge.data_ptr() : nullptr,
-                                      logits.data_ptr(), y.data_ptr(), l.data_ptr(),
-                                      with_entropy ? m.data_ptr() : nullptr, grad.data_ptr(), tiling_dev.data_ptr(),
+    return twinkle_mem_npu_launch_bwd(dtype, block_dim, stream, bytes_of(gl), with_entropy ? bytes_of(ge) : nullptr,
+                                      bytes_of(logits), bytes_of(labels), bytes_of(sh), bytes_of(ls),
+                                      with_entropy ? bytes_of(en) : nullptr, bytes_of(grad), bytes_of(tiling_dev),
                                       inv_t);
   });
   cmd.Run();
 }
 
+// The out-of-place gradient: the logits' strides where layout.h's rule allows, else contiguous.
+Tensor new_grad_like(const Tensor& logits) {
+  const int ndim = static_cast<int>(logits.dim());
+  int64_t sizes[3], strides[3], alloc[3];
+  for (int d = 0; d < ndim; ++d) {
+    sizes[d] = logits.size(d);
+    strides[d] = logits.stride(d);
+  }
+  if (!strided_grad_alloc(ndim, sizes, strides, alloc)) return at::empty(logits.sizes(), logits.options());
+  Tensor grad = at::empty(at::IntArrayRef(alloc, ndim), logits.options());
+  for (int d = 0; d < ndim; ++d) {
+    if (alloc[d] != sizes[d]) grad = grad.narrow(d, 0, sizes[d]);
+  }
+  return grad;
+}
+
 Tensor selective_log_softmax_bwd(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy,
-                                 const Tensor& logits, const Tensor& labels, const Tensor& lse,
-                                 const std::optional<Tensor>& mean, double inv_temperature, int64_t ignore_index,
-                                 int64_t vocab_start) {
-  check_backward(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature);
+                                 const Tensor& logits, const Tensor& labels, const Tensor& shift,
+                                 const Tensor& log_sum, const std::optional<Tensor>& entropy,
+                                 double inv_temperature, int64_t ignore_index, int64_t vocab_start) {
+  check_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature);
   c10_npu::NPUGuard guard(logits.device());
+  poll_label_checks();
   if (logits.scalar_type() == at::kDouble) {
     auto cpu = [](const std::optional<Tensor>& t) { return t ? std::optional<Tensor>(t->cpu()) : std::nullopt; };
     return op_handle("twinkle_mem::selective_log_softmax_bwd")
         .typed<Tensor(const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
-                      const std::optional<Tensor>&, double, int64_t, int64_t)>()
-        .call(grad_logp.cpu(), cpu(grad_entropy), logits.cpu(), labels.cpu(), lse.cpu(), cpu(mean), inv_temperature,
-              ignore_index, vocab_start)
+                      const Tensor&, const std::optional<Tensor>&, double, int64_t, int64_t)>()
+        .call(grad_logp.cpu(), cpu(grad_entropy), logits.cpu(), labels.cpu(), shift.cpu(), log_sum.cpu(),
+              cpu(entropy), inv_temperature, ignore_index, vocab_start)
         .to(logits.device());
   }
-  Tensor grad = at::empty(logits.sizes(), logits.options().memory_format(at::MemoryFormat::Contiguous));
-  if (logits.size(0) == 0) return grad;
-  launch_backward(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature, ignore_index, vocab_start,
-                  grad);
+  check_dtype_supported(logits.scalar_type());
+  Tensor grad = new_grad_like(logits);
+  if (shift.numel() == 0) return grad;
+  launch_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature, ignore_index,
+                  vocab_start, grad);
   return grad;
 }
 
 void selective_log_softmax_bwd_(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, Tensor& logits,
-                                const Tensor& labels, const Tensor& lse, const std::optional<Tensor>& mean,
-                                double inv_temperature, int64_t ignore_index, int64_t vocab_start) {
-  check_backward(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature);
+                                const Tensor& labels, const Tensor& shift, const Tensor& log_sum,
+                                const std::optional<Tensor>& entropy, double inv_temperature, int64_t ignore_index,
+                                int64_t vocab_start) {
+  check_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature);
   c10_npu::NPUGuard guard(logits.device());
+  poll_label_checks();
   if (logits.scalar_type() == at::kDouble) {
-    logits.copy_(selective_log_softmax_bwd(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature,
-                                           ignore_index, vocab_start));
+    logits.copy_(selective_log_softmax_bwd(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy,
+                                           inv_temperature, ignore_index, vocab_start));
     return;
   }
-  if (logits.size(0) == 0) return;
-  launch_backward(grad_logp, grad_entropy, logits, labels, lse, mean, inv_temperature, ignore_index, vocab_start,
-                  logits);
+  check_dtype_supported(logits.scalar_type());
+  if (shift.numel() == 0) return;
+  launch_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature, ignore_index,
+                  vocab_start, logits);
 }
 
 }  // namespace
