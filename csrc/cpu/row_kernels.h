@@ -14,62 +14,86 @@ constexpr int64_t kSubVectors = 16;  // vectors summed in acc_t before their sum
 
 // Online softmax state of x[0, n) (see online_softmax.h), in double. Each block
 // of the row is read from memory once: a first sweep converts it to acc_t into
-// an L1 buffer and finds its max, a second accumulates exp(t) and the entropy
-// term with t = (x - max) / T over every element but the first max, whose
-// buffer copy is set to -inf in between (its exp is the state's implicit 1).
-// Sums run in acc_t over 16 vectors at a time and then in double: a row's
-// rest and zsum carry ~1e-8 relative error, not the ~1e-6 of 150k fp32 adds.
+// an L1 buffer and finds its max (and each sub-block's, so that finding the
+// first max element reads one sub-block), a second accumulates exp(t) and the
+// entropy term with t = (x - max) / T over every element but the first max,
+// whose buffer copy is set to -inf in between (its exp is the state's implicit
+// 1). Sums run in acc_t over a sub-block of 16 vectors and then in double: a
+// row's rest and zsum carry ~1e-8 relative error, not the ~1e-6 of 150k fp32 adds.
 template <typename Vec, typename scalar_t>
 OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTraits<Vec>::acc_t inv_T,
                                     bool with_entropy) {
   using acc_t = typename VecTraits<Vec>::acc_t;
   constexpr int64_t W = VecTraits<Vec>::W;
+  constexpr int64_t kSub = kSubVectors * W;  // elements per sub-block
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
   alignas(64) acc_t x_buf[kBlock];
+  acc_t sub_max[kBlock / kSub + 1];
   const Vec v_inv_T(inv_T);
   OnlineSoftmax<double> state = empty_state<double>();
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t len = std::min(kBlock, n - start);
+    const int64_t body = len - len % W;  // whole vectors
     const scalar_t* x_block = x + start;
 
-    Vec v_max(kNegInf);
-    acc_t s_max = kNegInf;
-    int64_t i = 0;
-    for (; i + W <= len; i += W) {
-      const Vec xv = load_vec(x_block + i);
-      store_vec(x_buf + i, xv);
-      v_max = max_(v_max, xv);
+    // sweep 1: convert, block max, sub-block maxima
+    int64_t subs = 0;
+    for (int64_t i = 0; i < body; i += kSub, ++subs) {
+      const int64_t end = std::min(body, i + kSub);
+      Vec v_max(kNegInf);
+      for (int64_t j = i; j < end; j += W) {
+        const Vec xv = load_vec(x_block + j);
+        store_vec(x_buf + j, xv);
+        v_max = max_(v_max, xv);
+      }
+      sub_max[subs] = hmax(v_max);
     }
-    for (; i < len; ++i) {
+    acc_t tail_max = kNegInf;
+    for (int64_t i = body; i < len; ++i) {
       const acc_t xs = load_scalar(x_block + i);
       x_buf[i] = xs;
-      s_max = max_(s_max, xs);
+      tail_max = max_(tail_max, xs);
     }
-    const acc_t block_max = max_(s_max, hmax(v_max));
+    acc_t block_max = tail_max;
+    for (int64_t b = 0; b < subs; ++b) block_max = max_(block_max, sub_max[b]);
     const acc_t shift = finite_shift(block_max);
-    const int64_t at_max = index_of(x_buf, len, block_max);  // len for a NaN or -inf max: nothing left out
-    if (block_max != kNegInf && at_max < len) x_buf[at_max] = kNegInf;
-
-    const Vec v_neg_shift(-shift);
-    double sum = 0, zsum = 0;
-    i = 0;
-    while (i + W <= len) {
-      const int64_t sub_end = std::min(len - len % W, i + kSubVectors * W);
-      Vec v_sum(acc_t(0)), v_zsum(acc_t(0));
-      if (with_entropy) {
-        for (; i < sub_end; i += W) {
-          const Vec t = scaled_gap(load_vec(x_buf + i), v_neg_shift, v_inv_T);
-          const Vec e = exp_(t);
-          v_sum = v_sum + e;
-          v_zsum = add_entropy_term<Vec, acc_t>(v_zsum, t, e);
-        }
-      } else {
-        for (; i < sub_end; i += W) v_sum = v_sum + exp_(scaled_gap(load_vec(x_buf + i), v_neg_shift, v_inv_T));
-      }
-      sum += hsum(v_sum);
-      zsum += hsum(v_zsum);
+    if (block_max != kNegInf) {  // leave the first max out (a NaN max is found nowhere: nothing left out)
+      int64_t b = 0;
+      while (b < subs && !(sub_max[b] == block_max)) ++b;
+      const int64_t from = b < subs ? b * kSub : body, count = b < subs ? std::min(kSub, body - from) : len - body;
+      const int64_t at = from + index_of(x_buf + from, count, block_max);
+      if (at < from + count) x_buf[at] = kNegInf;
     }
-    for (; i < len; ++i) {
+
+    // sweep 2: the sums, t = (x - shift) / T (no product at T = 1: the same bits)
+    double sum = 0, zsum = 0;
+    auto sweep = [&](auto unit_temperature) {
+      constexpr bool kUnit = decltype(unit_temperature)::value;
+      const Vec v_neg_shift(-shift);
+      auto gap = [&](Vec xv) { return kUnit ? xv + v_neg_shift : scaled_gap(xv, v_neg_shift, v_inv_T); };
+      for (int64_t i = 0; i < body; i += kSub) {
+        const int64_t end = std::min(body, i + kSub);
+        Vec v_sum(acc_t(0)), v_zsum(acc_t(0));
+        if (with_entropy) {
+          for (int64_t j = i; j < end; j += W) {
+            const Vec t = gap(load_vec(x_buf + j));
+            const Vec e = exp_(t);
+            v_sum = v_sum + e;
+            v_zsum = add_entropy_term<Vec, acc_t>(v_zsum, t, e);
+          }
+          zsum += hsum(v_zsum);
+        } else {
+          for (int64_t j = i; j < end; j += W) v_sum = v_sum + exp_(gap(load_vec(x_buf + j)));
+        }
+        sum += hsum(v_sum);
+      }
+    };
+    if (inv_T == acc_t(1)) {
+      sweep(std::true_type{});
+    } else {
+      sweep(std::false_type{});
+    }
+    for (int64_t i = body; i < len; ++i) {
       const acc_t t = scaled_gap(x_buf[i], -shift, inv_T);
       const acc_t e = exp_(t);
       sum += e;
