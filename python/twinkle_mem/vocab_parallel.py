@@ -96,7 +96,7 @@ def combine_shard_stats(shift, log_sum, logp, entropy, owner, ignored, inv_tempe
     big = torch.where(big == neg_inf, torch.zeros_like(big), big)
     a = torch.where(present, (shift - big) * inv_temperature + log_sum, torch.full_like(shift, neg_inf))
     total = torch.logsumexp(a, dim=0)
-    a_owner = a.gather(0, owner.unsqueeze(0)).squeeze(0)  # [N, k]
+    a_owner = a.t().gather(1, owner)  # [N, k]: a[owner[n, j], n]
     logp_owner = logp.gather(0, owner.unsqueeze(0)).squeeze(0)
     # An owner shard of only -inf has a = -inf: the label's logit is -inf.
     logp_full = torch.where(a_owner == neg_inf, torch.full_like(a_owner, neg_inf),
