@@ -119,6 +119,21 @@ def _logits_block(buf: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Te
     return x
 
 
+def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b with the products in acc's dtype: for bf16/fp16 a and b into an fp32 acc, no
+    block's term is rounded to the input dtype before the sum over blocks."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.device.type == "cuda":
+        try:  # cuBLAS: bf16/fp16 inputs, fp32 output, no fp32 copies (not exercised on CPU-only CI)
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, TypeError):
+            pass
+    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))  # fp32 copies of the block: counted in chunk_bytes
+
+
 def _select(t: Optional[Tensor], kept: Optional[Tensor]) -> Optional[Tensor]:
     if t is None or kept is None:
         return t
@@ -256,11 +271,7 @@ def linear_bwd(grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor
         if need_bias:
             torch.sum(d, dim=0, out=grad_bias[v0:v1])
         if need_hidden:
-            w = weight[v0:v1]
-            if acc.dtype == d.dtype:
-                acc.addmm_(d, w)
-            else:  # bf16/fp16: fp32 products, so that no block's term is rounded to the input dtype
-                acc.addmm_(d.to(acc.dtype), w.to(acc.dtype))
+            _add_matmul(acc, d, weight[v0:v1])
     del buf
     if need_hidden and acc is not grad_hidden:
         if kept is None:
