@@ -8,11 +8,12 @@ twinkle-mem's fused path against the unfused path and the chunked peers, side by
         [--n 1024 4096] [--h 1024] [--vocab 151936] [--dtype fp32|bf16] [--reps 2] [--chunk-mib 256] \\
         [--rss-n 4096 16384] [--device cpu|cuda|npu]
 
-Each (peer, N) runs in its own subprocess: one warm-up call (compiles what compiles) at a small
-vocab, then --reps timed calls of forward + backward (gradients of hidden and weight from
-logp, and from entropy where the peer gives it). Peak memory is the rise of the resident set's
-high-water mark over the first timed call (CPU; glibc's mmap threshold is fixed so that freed
-buffers go back to the OS), or the device allocator's peak; "beyond" subtracts the outputs and
+Every timed call runs in its own subprocess, after one warm-up call (compiles what compiles) at a
+small vocab: forward + backward (gradients of hidden and weight from logp, and from entropy where
+the peer gives it). The --reps calls of each peer go round robin with the other peers' (a shared
+machine's load falls on all alike); the table gives the fastest. Peak memory is the rise of the
+resident set's high-water mark over the call (CPU; glibc's mmap threshold is fixed so that freed
+buffers go back to the OS), or the device allocator's peak, the largest over the reps; "beyond" subtracts the outputs and
 the gradients of hidden and weight, so it is the peer's working memory. Log-probs and entropy are
 compared with the unfused path's (same inputs, fp32 logits). Peers, imported from their installed
 packages:
@@ -195,7 +196,7 @@ def main(argv=None):
     p.add_argument("--h", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--reps", type=int, default=2, help="timed calls per peer and N, each in its own process")
     p.add_argument("--chunk-mib", type=int, default=256)
     p.add_argument("--rss-n", type=int, nargs="*", default=[16384])
     p.add_argument("--peers", nargs="+", default=list(PEERS.values()), choices=list(PEERS.values()))
@@ -215,27 +216,38 @@ def main(argv=None):
         print(f"[{time.monotonic() - start:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
     names = {kind: name for name, kind in PEERS.items()}
-    plan = [(n, kind, args.reps) for n in args.n for kind in args.peers]
-    plan += [(n, "fused", 1) for n in args.rss_n if n not in args.n]
-    rows = []
+    # Round robin: rep r of every peer at one N before rep r + 1 of any, so that a change of load on a
+    # shared machine falls on all peers alike. Each run is its own process with one timed call.
+    plan = [(n, kind, rep) for n in args.n for rep in range(args.reps) for kind in args.peers]
+    plan += [(n, "fused", 0) for n in args.rss_n if n not in args.n]
+    results = {}
     load_before = _loadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (n, kind, reps) in enumerate(plan, 1):
-            log(f"[{i}/{len(plan)}] {names[kind]}, N={n}, H={args.h}, V={args.vocab}, {args.dtype}")
-            cfg = {"kind": kind, "n": n, "h": args.h, "vocab": args.vocab, "dtype": args.dtype, "reps": reps,
+        for i, (n, kind, rep) in enumerate(plan, 1):
+            log(f"[{i}/{len(plan)}] {names[kind]}, N={n}, H={args.h}, V={args.vocab}, {args.dtype}, rep {rep + 1}")
+            cfg = {"kind": kind, "n": n, "h": args.h, "vocab": args.vocab, "dtype": args.dtype, "reps": 1,
                    "chunk_bytes": args.chunk_mib << 20, "device": args.device,
                    "out": os.path.join(tmp, f"{kind}_{n}.pt")}
             res = _run(cfg, sys.executable, log)
-            row = {"peer": names[kind], "kind": kind, "n": n, **{k: res.get(k) for k in
-                                                                  ("times", "peak", "held", "error", "wall_s",
-                                                                   "threads")}}
-            if res.get("times"):
-                row["time_s"] = min(res["times"])
-                row["time_median_s"] = statistics.median(res["times"])
-                row["beyond"] = None if res.get("peak") is None else res["peak"] - res["held"]
-                log(f"    {row['time_s']:.2f} s (min of {len(res['times'])}), peak rise "
-                    f"{(res['peak'] or 0) / 2**20:.0f} MiB, beyond outputs+grads {(row['beyond'] or 0) / 2**20:.0f} MiB")
-            rows.append(row)
+            acc = results.setdefault((n, kind), {"peer": names[kind], "kind": kind, "n": n, "times": [],
+                                                 "peaks": [], "wall_s": 0.0})
+            acc["wall_s"] += res.get("wall_s", 0.0)
+            if res.get("error"):
+                acc["error"] = res["error"]
+                continue
+            acc["times"] += res["times"]
+            acc["peaks"].append(res["peak"])
+            acc["held"], acc["threads"] = res["held"], res["threads"]
+            log(f"    {res['times'][0]:.2f} s, peak rise {(res['peak'] or 0) / 2**20:.0f} MiB, beyond outputs+grads "
+                f"{((res['peak'] or 0) - res['held']) / 2**20:.0f} MiB")
+        rows = list(results.values())
+        for row in rows:
+            if row["times"]:
+                row["time_s"] = min(row["times"])
+                row["time_median_s"] = statistics.median(row["times"])
+                peaks = [p for p in row["peaks"] if p is not None]
+                row["peak"] = max(peaks) if peaks else None
+                row["beyond"] = None if row["peak"] is None else row["peak"] - row["held"]
         # accuracy against the unfused path, and the time ratios
         for row in rows:
             base = next((r for r in rows if r["kind"] == "unfused" and r["n"] == row["n"] and r.get("time_s")), None)
