@@ -202,10 +202,18 @@ def main(argv=None):
     p.add_argument("--peers", nargs="+", default=list(PEERS.values()), choices=list(PEERS.values()))
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--replot", action="store_true", help="redraw the table and PNG from the JSON in --out")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return child(json.loads(args.child))
+    if args.replot:
+        stem = os.path.join(args.out, "linear_selective_log_softmax")
+        with open(stem + ".json") as f:
+            saved = json.load(f)
+        print(_table(saved["rows"], saved["meta"]))
+        _plot(saved["rows"], saved["meta"], stem + ".png")
+        return 0
 
     import torch
 
@@ -323,9 +331,11 @@ def _plot(rows, meta, path):
         colors = ["tab:green" if r["kind"].startswith("fused") else
                   ("tab:gray" if r["kind"] == "unfused" else "tab:red") for r in rs]
         row_axes[0].barh(labels, [r["time_s"] for r in rs], color=colors)
-        row_axes[0].set_xlabel(f"N={n}: forward + backward time (s)")
+        only = " (memory run: twinkle-mem alone, 1 call)" if len(rs) == 1 else ""
+        row_axes[0].set_xlabel(f"N={n}: forward + backward time (s){only}")
         row_axes[1].barh(labels, [max(r.get("beyond") or 0, 1 << 20) / 2**20 for r in rs], color=colors)
         row_axes[1].set_xscale("log")
+        row_axes[1].set_xlim(64, 8192)
         row_axes[1].set_xlabel(f"N={n}: peak memory beyond outputs and gradients (MiB, log)")
         row_axes[1].axvline(meta["chunk_mib"], color="k", lw=0.8, ls="--")
         row_axes[1].set_yticklabels([])
