@@ -56,7 +56,7 @@ def combine_shard_stats(shift, log_sum, logp, entropy, owner, ignored, inv_tempe
                             logp_owner + (a_owner - total.unsqueeze(-1)))
     zero = torch.zeros((), dtype=shift.dtype, device=shift.device)
     logp_full = torch.where(ignored, zero, logp_full)
-    skipped = ignored.all(dim=-1) if ignored.shape[-1] > 0 else torch.zeros_like(ignored[..., 0])
+    skipped = ignored.all(dim=-1) if ignored.shape[-1] > 0 else ignored.new_zeros(ignored.shape[:-1])
     big = torch.where(skipped, zero, big)
     total = torch.where(skipped, zero, total)
     if entropy is None:

@@ -82,6 +82,42 @@ def vocab_parallel_selective_log_softmax(logits_shard, labels, return_entropy, i
     return logp, (entropy if return_entropy else None)
 
 
+def gather_combine_shard_stats(logp_r, entropy_r, shift_r, log_sum_r, y, shard, inv_temperature, ignore_index,
+                               group, world):
+    """Full-vocab statistics from this rank's per-shard ones: one all_gather, then combine_shard_stats.
+
+    logp_r: this shard's log-probs (N k values, 0 for labels elsewhere); entropy_r,
+    shift_r, log_sum_r: N values each (entropy_r None without entropy); y: [N, k]
+    int64 global labels, the same on every rank; shard: this rank's vocab size.
+    Returns (logp [N, k], entropy [N] or None, shift [N], log_sum [N]), identical
+    on every rank of ``group``.
+    """
+    n, k = y.shape
+    with_entropy = entropy_r is not None
+    cols = 2 + (1 if with_entropy else 0) + k
+    dtype = shift_r.dtype
+    device = shift_r.device
+    send = torch.empty(_HEADER + cols * n, dtype=dtype, device=device)
+    header = (float(shard), float(inv_temperature), float(ignore_index & 0xFFFFFFFF))
+    send[:_HEADER] = torch.tensor(header, dtype=dtype)
+    stats = send[_HEADER:].view(cols, n)
+    stats[0] = shift_r.reshape(n)
+    stats[1] = log_sum_r.reshape(n)
+    if with_entropy:
+        stats[2] = entropy_r.reshape(n)
+    stats[cols - k:] = logp_r.reshape(n, k).t()
+    recv = torch.empty(world * send.numel(), dtype=dtype, device=device)
+    _all_gather_single(recv, send, group=group)
+    recv = recv.view(world, send.numel())
+    _check_header(recv[:, :_HEADER], group, header, device)
+
+    gathered = recv[:, _HEADER:].view(world, cols, n)
+    ignored = y == ignore_index
+    owner = torch.where(ignored, 0, y.div(shard, rounding_mode="floor")).clamp(0, world - 1)
+    return combine_shard_stats(gathered[:, 0], gathered[:, 1], gathered[:, cols - k:].transpose(1, 2),
+                               gathered[:, 2] if with_entropy else None, owner, ignored, inv_temperature)
+
+
 class _VocabParallelSelectiveLogSoftmax(torch.autograd.Function):
 
     @staticmethod
@@ -91,30 +127,9 @@ class _VocabParallelSelectiveLogSoftmax(torch.autograd.Function):
         lead_dims = rows.dim() - 1
         logp_r, entropy_r, shift_r, log_sum_r = ops.fwd(rows, labels, inv_temperature, ignore_index, rank * shard,
                                                         world * shard, with_entropy, False)
-        y = label_matrix(labels, lead_dims)
-        n, k = y.shape
-        cols = 2 + (1 if with_entropy else 0) + k
-        dtype = shift_r.dtype
-        send = torch.empty(_HEADER + cols * n, dtype=dtype, device=rows.device)
-        header = (float(shard), float(inv_temperature), float(ignore_index & 0xFFFFFFFF))
-        send[:_HEADER] = torch.tensor(header, dtype=dtype)
-        stats = send[_HEADER:].view(cols, n)
-        stats[0] = shift_r.reshape(n)
-        stats[1] = log_sum_r.reshape(n)
-        if with_entropy:
-            stats[2] = entropy_r.reshape(n)
-        stats[cols - k:] = logp_r.reshape(n, k).t()
-        recv = torch.empty(world * send.numel(), dtype=dtype, device=rows.device)
-        _all_gather_single(recv, send, group=group)
-        recv = recv.view(world, send.numel())
-        _check_header(recv[:, :_HEADER], group, header, rows.device)
-
-        gathered = recv[:, _HEADER:].view(world, cols, n)
-        ignored = y == ignore_index
-        owner = torch.where(ignored, 0, y.div(shard, rounding_mode="floor")).clamp(0, world - 1)
-        logp, entropy, shift, log_sum = combine_shard_stats(
-            gathered[:, 0], gathered[:, 1], gathered[:, cols - k:].transpose(1, 2), gathered[:, 2] if with_entropy
-            else None, owner, ignored, inv_temperature)
+        logp, entropy, shift, log_sum = gather_combine_shard_stats(
+            logp_r, entropy_r if with_entropy else None, shift_r, log_sum_r, label_matrix(labels, lead_dims), shard,
+            inv_temperature, ignore_index, group, world)
         lead = rows.shape[:-1]
         shift, log_sum = shift.view(lead), log_sum.view(lead)
         entropy = entropy.view(lead) if with_entropy else None

@@ -1,0 +1,349 @@
+"""Log-probs (+ entropy) and their gradients from hidden states and the LM-head weight:
+twinkle-mem's fused path against the unfused path and the chunked peers, side by side in one run.
+
+    python3 -m venv /tmp/linear-peers-venv
+    /tmp/linear-peers-venv/bin/pip install torch==2.13.0 trl cut-cross-entropy matplotlib
+    /tmp/linear-peers-venv/bin/pip install --no-deps verl      # its torch module only (no Ray)
+    PYTHONPATH=python /tmp/linear-peers-venv/bin/python bench/bench_linear_selective_log_softmax.py \\
+        [--n 1024 4096] [--h 1024] [--vocab 151936] [--dtype fp32|bf16] [--reps 2] [--chunk-mib 256] \\
+        [--rss-n 4096 16384] [--device cpu|cuda|npu]
+
+Every timed call runs in its own subprocess, after one warm-up call (compiles what compiles) at a
+small vocab: forward + backward (gradients of hidden and weight from logp, and from entropy where
+the peer gives it). The --reps calls of each peer go round robin with the other peers' (a shared
+machine's load falls on all alike); the table gives the fastest. Peak memory is the rise of the
+resident set's high-water mark over the call (CPU; glibc's mmap threshold is fixed so that freed
+buffers go back to the OS), or the device allocator's peak, the largest over the reps; "beyond" subtracts the outputs and
+the gradients of hidden and weight, so it is the peer's working memory. Log-probs and entropy are
+compared with the unfused path's (same inputs, fp32 logits). Peers, imported from their installed
+packages:
+- twinkle-mem fused: ``twinkle_mem.linear_selective_log_softmax`` (chunk_bytes = --chunk-mib),
+  and again with 3/4 of the rows ignored (the prompt tokens of RL);
+- unfused: ``hidden @ weight.T`` then ``twinkle_mem.selective_log_softmax``;
+- TRL ``trl.kernels.ChunkedLogProbFunction`` (its torch path off Triton devices), vocab chunk
+  width set so that its logits tile has the same bytes as twinkle-mem's chunk;
+- verl ``FusedLinearForPPOFunction`` (verl/utils/experimental/torch_functional.py, loaded from the
+  installed package without verl/__init__, which needs Ray), token chunks of the same bytes;
+- Cut Cross-Entropy ``linear_cross_entropy(..., impl="torch_compile", reduction="none")``, its
+  implementation off CUDA (log-probs only, no entropy).
+--rss-n runs twinkle-mem's fused path alone at those N (one timed call) for the memory figures.
+Writes bench/results/linear_selective_log_softmax.{json,md,png}; progress on stderr.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+IGNORE = -100
+
+PEERS = {
+    "twinkle-mem fused": "fused",
+    "twinkle-mem fused, 3/4 rows ignored": "fused_ignored",
+    "unfused: matmul + twinkle_mem op": "unfused",
+    "TRL ChunkedLogProbFunction": "trl",
+    "verl FusedLinearForPPO (torch)": "verl",
+    "Cut Cross-Entropy (torch_compile)": "cce",
+}
+CHUNKED = ("trl", "verl")
+
+
+# ------------------------------------------------------------------ the peers (run in the child)
+def _make_step(kind, hidden, weight, labels, chunk_bytes, elem):
+    """A function running one forward + backward: returns (logp, entropy or None, grad_hidden, grad_weight)."""
+    import torch
+
+    n, v = hidden.shape[0], weight.shape[0]
+
+    def grads(logp, entropy):
+        loss = logp.sum() + (entropy.sum() if entropy is not None else 0)
+        return torch.autograd.grad(loss, (hidden, weight))
+
+    if kind in ("fused", "fused_ignored"):
+        import twinkle_mem
+
+        def step():
+            logp, ent = twinkle_mem.linear_selective_log_softmax(hidden, weight, labels, True, ignore_index=IGNORE,
+                                                                 chunk_bytes=chunk_bytes)
+            return (logp, ent, *grads(logp, ent))
+    elif kind == "unfused":
+        import twinkle_mem
+
+        def step():
+            logp, ent = twinkle_mem.selective_log_softmax(hidden @ weight.t(), labels, True, ignore_index=IGNORE)
+            return (logp, ent, *grads(logp, ent))
+    elif kind == "trl":
+        from trl.kernels import ChunkedLogProbFunction
+        cols = max(1, chunk_bytes // (min(n, 4096) * elem))  # its tile: [min(N, 4096), chunk_size]
+
+        def step():
+            logp, ent, *_ = ChunkedLogProbFunction.apply(hidden, weight, None, labels, 1.0, cols, None, 1.0,
+                                                         ("entropy",))
+            return (logp, ent, *grads(logp, ent))
+    elif kind == "verl":
+        import importlib.metadata
+        import importlib.util
+        path = importlib.metadata.distribution("verl").locate_file("verl/utils/experimental/torch_functional.py")
+        spec = importlib.util.spec_from_file_location("verl_torch_functional", str(path))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        rows = max(1, chunk_bytes // (v * 4))  # its fp32 logits chunk: [chunk_size, V]
+
+        def step():
+            logp, ent = module.FusedLinearForPPOFunction.apply(hidden, weight, labels, 1.0, rows)
+            return (logp, ent, *grads(logp, ent))
+    elif kind == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        def step():
+            logp = -linear_cross_entropy(hidden, weight, labels, impl="torch_compile", reduction="none")
+            return (logp, None, *grads(logp, None))
+    else:
+        raise ValueError(kind)
+    return step
+
+
+def child(cfg):
+    """One (peer, N): warm-up, timed calls, peak memory; prints JSON, saves logp/entropy."""
+    import torch
+
+    from twinkle_mem.measure import peak_rss
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg["dtype"]]
+    device = torch.device(cfg["device"])
+    n, h, v = cfg["n"], cfg["h"], cfg["vocab"]
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=gen).to(dtype).to(device).requires_grad_()
+    weight = (torch.randn(v, h, generator=gen) * h**-0.5 * 2).to(dtype).to(device).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=gen).to(device)
+    if cfg["kind"] == "fused_ignored":
+        labels[torch.arange(n, device=device) % 4 != 3] = IGNORE  # 3/4 of the rows
+    elem = hidden.element_size()
+    try:
+        step = _make_step(cfg["kind"], hidden, weight, labels, cfg["chunk_bytes"], elem)
+        # Warm-up at a small vocab: code paths, thread pools, compilation (CCE recompiles for new
+        # shapes with dynamic=True only where it must; its first full-size call is timed).
+        small_w = weight[:4096].detach().requires_grad_()
+        small = _make_step(cfg["kind"], hidden, small_w, labels % 4096 if cfg["kind"] != "fused_ignored" else
+                           torch.where(labels == IGNORE, labels, labels % 4096), cfg["chunk_bytes"], elem)
+        small()
+    except ImportError as e:
+        print(json.dumps({"error": f"not installed: {e}"}))
+        return
+
+    sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (  # noqa: E731
+        (lambda: torch.npu.synchronize()) if device.type == "npu" else (lambda: None))
+    times, peak = [], None
+    for rep in range(cfg["reps"]):
+        if device.type == "cpu" and rep == 0:
+            with peak_rss() as m:
+                t0 = time.perf_counter()
+                out = step()
+                times.append(time.perf_counter() - t0)
+            peak = m.bytes
+        else:
+            accel = getattr(torch, device.type, None) if device.type != "cpu" else None
+            if rep == 0 and accel is not None:
+                accel.reset_peak_memory_stats()
+                base = accel.memory_allocated()
+            sync()
+            t0 = time.perf_counter()
+            out = step()
+            sync()
+            times.append(time.perf_counter() - t0)
+            if rep == 0 and accel is not None:
+                peak = accel.max_memory_allocated() - base
+        held = sum(t.numel() * t.element_size() for t in out if t is not None)
+        if rep == 0:
+            logp, ent = out[0].detach().float().cpu(), (None if out[1] is None else out[1].detach().float().cpu())
+            torch.save({"logp": logp, "entropy": ent}, cfg["out"])
+        del out
+    print(json.dumps({"times": times, "peak": peak, "held": held, "threads": torch.get_num_threads()}))
+
+
+# ------------------------------------------------------------------ the parent
+def _run(cfg, python, log):
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MALLOC_MMAP_THRESHOLD_="65536")
+    t0 = time.monotonic()
+    proc = subprocess.run([python, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env,
+                          capture_output=True, text=True)
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["?"]
+        log(f"    failed ({proc.returncode}): {tail[0][:200]}")
+        return {"error": f"exit {proc.returncode}: {tail[0][:300]}", "wall_s": wall}
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res["wall_s"] = wall
+    return res
+
+
+def _loadavg():
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--h", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--reps", type=int, default=2, help="timed calls per peer and N, each in its own process")
+    p.add_argument("--chunk-mib", type=int, default=256)
+    p.add_argument("--rss-n", type=int, nargs="*", default=[16384])
+    p.add_argument("--peers", nargs="+", default=list(PEERS.values()), choices=list(PEERS.values()))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--replot", action="store_true", help="redraw the table and PNG from the JSON in --out")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(json.loads(args.child))
+    if args.replot:
+        stem = os.path.join(args.out, "linear_selective_log_softmax")
+        with open(stem + ".json") as f:
+            saved = json.load(f)
+        print(_table(saved["rows"], saved["meta"]))
+        _plot(saved["rows"], saved["meta"], stem + ".png")
+        return 0
+
+    import torch
+
+    from twinkle_mem.measure import cpu_name
+    start = time.monotonic()
+
+    def log(msg):
+        print(f"[{time.monotonic() - start:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    names = {kind: name for name, kind in PEERS.items()}
+    # Round robin: rep r of every peer at one N before rep r + 1 of any, so that a change of load on a
+    # shared machine falls on all peers alike. Each run is its own process with one timed call.
+    plan = [(n, kind, rep) for n in args.n for rep in range(args.reps) for kind in args.peers]
+    plan += [(n, "fused", 0) for n in args.rss_n if n not in args.n]
+    results = {}
+    load_before = _loadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (n, kind, rep) in enumerate(plan, 1):
+            log(f"[{i}/{len(plan)}] {names[kind]}, N={n}, H={args.h}, V={args.vocab}, {args.dtype}, rep {rep + 1}")
+            cfg = {"kind": kind, "n": n, "h": args.h, "vocab": args.vocab, "dtype": args.dtype, "reps": 1,
+                   "chunk_bytes": args.chunk_mib << 20, "device": args.device,
+                   "out": os.path.join(tmp, f"{kind}_{n}.pt")}
+            res = _run(cfg, sys.executable, log)
+            acc = results.setdefault((n, kind), {"peer": names[kind], "kind": kind, "n": n, "times": [],
+                                                 "peaks": [], "wall_s": 0.0})
+            acc["wall_s"] += res.get("wall_s", 0.0)
+            if res.get("error"):
+                acc["error"] = res["error"]
+                continue
+            acc["times"] += res["times"]
+            acc["peaks"].append(res["peak"])
+            acc["held"], acc["threads"] = res["held"], res["threads"]
+            log(f"    {res['times'][0]:.2f} s, peak rise {(res['peak'] or 0) / 2**20:.0f} MiB, beyond outputs+grads "
+                f"{((res['peak'] or 0) - res['held']) / 2**20:.0f} MiB")
+        rows = list(results.values())
+        for row in rows:
+            if row["times"]:
+                row["time_s"] = min(row["times"])
+                row["time_median_s"] = statistics.median(row["times"])
+                peaks = [p for p in row["peaks"] if p is not None]
+                row["peak"] = max(peaks) if peaks else None
+                row["beyond"] = None if row["peak"] is None else row["peak"] - row["held"]
+        # accuracy against the unfused path, and the time ratios
+        for row in rows:
+            base = next((r for r in rows if r["kind"] == "unfused" and r["n"] == row["n"] and r.get("time_s")), None)
+            if row.get("time_s") and base:
+                row["vs_unfused"] = row["time_s"] / base["time_s"]
+            f, fb = os.path.join(tmp, f"{row['kind']}_{row['n']}.pt"), os.path.join(tmp, f"unfused_{row['n']}.pt")
+            if row.get("time_s") and base and os.path.exists(f) and row["kind"] != "fused_ignored":
+                a, b = torch.load(f), torch.load(fb)
+                row["max_dlogp"] = (a["logp"] - b["logp"]).abs().max().item()
+                if a["entropy"] is not None:
+                    row["max_dentropy"] = (a["entropy"] - b["entropy"]).abs().max().item()
+            full = next((r for r in rows if r["kind"] == "fused" and r["n"] == row["n"] and r.get("time_s")), None)
+            if row["kind"] == "fused_ignored" and row.get("time_s") and full:
+                row["vs_all_rows"] = row["time_s"] / full["time_s"]
+    meta = {"h": args.h, "vocab": args.vocab, "dtype": args.dtype, "reps": args.reps, "chunk_mib": args.chunk_mib,
+            "device": args.device, "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "loadavg_before": load_before, "loadavg_after": _loadavg(),
+            "total_s": time.monotonic() - start, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, "linear_selective_log_softmax")
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    table = _table(rows, meta)
+    with open(stem + ".md", "w") as f:
+        f.write(table)
+    print(table)
+    _plot(rows, meta, stem + ".png")
+    log(f"done in {meta['total_s']:.0f} s; load average before {load_before}, after {meta['loadavg_after']}")
+    return 0
+
+
+def _mib(x):
+    return "" if x is None else f"{x / 2**20:,.0f}"
+
+
+def _table(rows, meta):
+    lines = [f"fwd+bwd of log-probs (+ entropy) from hidden [N, {meta['h']}] and weight [{meta['vocab']}, "
+             f"{meta['h']}], {meta['dtype']}, {meta['device']} ({meta['cpu']}, {meta['threads']} threads), "
+             f"chunk {meta['chunk_mib']} MiB, min of {meta['reps']}; torch {meta['torch']}",
+             "",
+             "| peer | N | entropy | time (s) | vs unfused | peak rise (MiB) | beyond outputs + grads (MiB) | "
+             "max abs dlogp vs unfused | max abs dentropy |",
+             "|---|---:|:---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['peer']} | {r['n']} | | {r['error'][:60]} | | | | | |")
+            continue
+        ent = "no" if r["kind"] == "cce" else "yes"
+        ratio = f"{r['vs_unfused']:.2f}x" if r.get("vs_unfused") else ""
+        if r.get("vs_all_rows"):
+            ratio += f" ({r['vs_all_rows']:.2f}x of all rows)"
+        lines.append(f"| {r['peer']} | {r['n']} | {ent} | {r['time_s']:.2f} | {ratio} | {_mib(r.get('peak'))} | "
+                     f"{_mib(r.get('beyond'))} | {r.get('max_dlogp', float('nan')):.2g} | "
+                     f"{r.get('max_dentropy', float('nan')):.2g} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows, meta, path):
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed: no PNG", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    done = [r for r in rows if r.get("time_s") is not None]
+    ns = sorted({r["n"] for r in done})
+    fig, axes = plt.subplots(len(ns), 2, figsize=(14, 2.6 + 2.2 * len(ns)), squeeze=False)
+    for row_axes, n in zip(axes, ns):
+        rs = [r for r in done if r["n"] == n]
+        labels = [r["peer"] for r in rs]
+        colors = ["tab:green" if r["kind"].startswith("fused") else
+                  ("tab:gray" if r["kind"] == "unfused" else "tab:red") for r in rs]
+        row_axes[0].barh(labels, [r["time_s"] for r in rs], color=colors)
+        only = " (memory run: twinkle-mem alone, 1 call)" if len(rs) == 1 else ""
+        row_axes[0].set_xlabel(f"N={n}: forward + backward time (s){only}")
+        row_axes[1].barh(labels, [max(r.get("beyond") or 0, 1 << 20) / 2**20 for r in rs], color=colors)
+        row_axes[1].set_xscale("log")
+        row_axes[1].set_xlim(64, 8192)
+        row_axes[1].set_xlabel(f"N={n}: peak memory beyond outputs and gradients (MiB, log)")
+        row_axes[1].axvline(meta["chunk_mib"], color="k", lw=0.8, ls="--")
+        row_axes[1].set_yticklabels([])
+    fig.suptitle(f"LM head log-probs from hidden states: H={meta['h']}, V={meta['vocab']}, {meta['dtype']}, "
+                 f"{meta['device']} ({meta['threads']} threads); dashed: chunk_bytes", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

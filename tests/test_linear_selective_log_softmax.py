@@ -1,0 +1,453 @@
+"""twinkle_mem.linear_selective_log_softmax: the fused LM-head path (python/twinkle_mem/linear.py).
+
+- The op's own accuracy suite (tests/numerics.py) run through the fused path:
+  with hidden = I and weight = X.T the logits hidden @ weight.T are X exactly,
+  and grad_weight is the logits' gradient transposed (one nonzero term per dot
+  product), so every case the op is held to holds the fused path to the same
+  bound, across several vocab blocks.
+- Random LM heads with inputs whose logits are exact in fp32 (dyadic values):
+  values and the gradients of hidden, weight and bias against float64, with a
+  bound derived from the op's per-element gradient bound through the matmuls;
+  for bf16, in addition, no larger error than the unfused path (matmul, then
+  the op).
+- gradcheck in float64; ignored rows (no matmul rows, zero outputs and
+  gradients, seen by the profiler); what autograd saves; argument errors;
+  torch.compile(fullgraph=True); opcheck; the composite backend.
+Memory (peak RSS): tests/test_linear_memory.py. Tensor parallel: tests/test_linear_vocab_parallel.py.
+"""
+import math
+
+import pytest
+import torch
+
+import twinkle_mem
+from numerics import SUBNORMAL_STEP, Impl, check_case, make_cases, ulp
+from twinkle_mem import composite
+from twinkle_mem.linear import block_bytes_per_column, block_columns, linear_bwd, linear_fwd
+from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
+
+lsls = twinkle_mem.linear_selective_log_softmax
+NO_IGNORE = -(2**63)
+
+
+# ------------------------------------------------------------------ the op's numerics, through the fused path
+def _as_linear(x):
+    """hidden, weight, bias with hidden @ weight.T + bias == x exactly (x [N, V]).
+
+    Columns that are -inf on every row go to the bias (0 * -inf would be NaN in the matmul)."""
+    n, v = x.shape
+    hidden = torch.eye(n, dtype=x.dtype)
+    dead = torch.isneginf(x).all(dim=0)
+    assert not (torch.isinf(x) & ~dead).any(), "only whole -inf columns can be expressed"
+    weight = torch.where(dead.unsqueeze(0), torch.zeros((), dtype=x.dtype), x).t().contiguous()
+    bias = torch.where(dead, torch.full((), float("-inf"), dtype=x.dtype), torch.zeros((), dtype=x.dtype))
+    return hidden, weight, (bias if dead.any() else None)
+
+
+class _Fused:
+    """The op contract's forward/backward (tests/numerics.Impl) computed by the fused path."""
+
+    def __init__(self, cols):
+        self.cols = cols  # vocab block width: several blocks, the last one ragged
+
+    def forward(self, x, labels, inv_t, ignore, vocab_start, vocab_size, with_entropy):
+        assert vocab_start == 0 and vocab_size == x.shape[-1]
+        hidden, weight, bias = _as_linear(x)
+        self.weight = weight.requires_grad_()
+        chunk = block_bytes(x.shape[0], self.cols, x.dtype)
+        out = lsls(hidden, self.weight, labels, True, bias=bias, temperature=1.0 / inv_t,
+                   ignore_index=None if ignore == NO_IGNORE else ignore, chunk_bytes=chunk)
+        self.out = out
+        logp, entropy = out
+        return logp.detach(), entropy.detach(), None, None
+
+    def backward(self, g_logp, g_entropy, x, labels, shift, log_sum, entropy, inv_t, ignore, vocab_start, inplace):
+        logp, ent = self.out
+        total = (logp * g_logp).sum() + ((ent * g_entropy).sum() if g_entropy is not None else 0)
+        (grad_weight,) = torch.autograd.grad(total, self.weight)
+        return grad_weight.t()
+
+
+def block_bytes(rows, cols, dtype, hidden_size=None):
+    """A chunk_bytes that gives backward blocks of `cols` vocab columns for `rows` kept rows
+    (the forward's blocks are as wide or wider)."""
+    return block_bytes_per_column(rows, rows if hidden_size is None else hidden_size, dtype, True) * cols
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_op_numerics_through_the_fused_path(dtype):
+    fused = _Fused(cols=64)  # V = 257: blocks 64, 64, 64, 64, 1
+    for case in make_cases(6, 257, dtype, seed=21):
+        if not case.with_entropy:
+            case.with_entropy = True  # the fused path returns both; the case's gradients still use g_entropy=None
+        check_case(Impl("fused", fused.forward, fused.backward), case)
+
+
+def test_op_numerics_long_rows():
+    fused = _Fused(cols=20000)  # a Qwen-sized vocab in 8 blocks
+    for case in make_cases(2, 151936, torch.bfloat16, seed=7):
+        if case.name.startswith(("randn", "finfo.min first half", "peaked 60", "offset 1e4", "T=0.05", "k=4")):
+            check_case(Impl("fused", fused.forward, fused.backward), case)
+
+
+# ------------------------------------------------------------------ random LM heads against float64
+def _dyadic(shape, scale, gen):
+    """Values k * scale, |k| <= 8: products and their sums over H <= 64 are exact in fp32."""
+    return torch.randint(-8, 9, shape, generator=gen).double() * scale
+
+
+def make_head(n, h, v, dtype, *, bias=True, ignore_frac=0.0, k=None, seed=0, lead=None):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = _dyadic((n, h), 0.25, gen)
+    weight = _dyadic((v, h), 0.125, gen)
+    b = _dyadic((v,), 0.5, gen) if bias else None
+    labels = torch.randint(0, v, (n,) if k is None else (n, k), generator=gen)
+    if ignore_frac:
+        drop = torch.rand(n, generator=gen) < ignore_frac
+        labels[drop] = -100
+        if k is not None:
+            labels[~drop, 0] = torch.where(torch.rand(int((~drop).sum()), generator=gen) < 0.3, -100,
+                                           labels[~drop, 0])
+    cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
+    hidden, weight, b = cast(hidden), cast(weight), cast(b)
+    if lead is not None:
+        hidden, labels = hidden.view(*lead, h), labels.view(*lead, *labels.shape[1:])
+    return hidden, weight, b, labels
+
+
+def reference(hidden, weight, bias, labels, g_logp, g_entropy, temperature, ignore_index):
+    """float64 values and gradients, from the logits as the dtype's matmul rounds them
+    (exact fp32 sums of exact products, rounded once to the dtype)."""
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    x = (h2.double() @ weight.double().t() + (0 if bias is None else bias.double()))
+    x = x.to(hidden.dtype).double()  # the logits' rounding, as any matmul in that dtype rounds them
+    y = labels.reshape(h2.shape[0], *labels.shape[hidden.dim() - 1:])
+    logp, entropy, lse, mean = selective_log_softmax_ref(x, y, temperature, ignore_index)
+    gl = g_logp.reshape(y.shape).double()
+    ge = None if g_entropy is None else g_entropy.reshape(-1).double()
+    d = selective_log_softmax_grad_ref(x, y, gl, ge, temperature, ignore_index)
+    return dict(logp=logp.view(labels.shape), entropy=entropy.view(labels.shape[:hidden.dim() - 1]), d=d, x=x,
+                lse=lse, mean=mean)
+
+
+def _op_bound(d, dtype):
+    """The op's per-element bound on the logits' gradient d [N, V] (tests/numerics.py): 2 ulp of the
+    dtype + 2^-22 of the row's largest gradient + the dtype's subnormal step."""
+    return 2 * ulp(d, dtype) + 2.0**-22 * d.abs().amax(-1, keepdim=True) + SUBNORMAL_STEP[dtype]
+
+
+def _through_matmul(bound, d, operand_abs):
+    """|error| allowed in d @ operand: the per-element bound carried through the sum, plus fp32
+    accumulation over the summed dim."""
+    return bound @ operand_abs + d.shape[-1] * 2.0**-24 * (d.abs() @ operand_abs)
+
+
+def check_against_float64(hidden, weight, bias, labels, *, temperature=1.0, ignore_index=None, entropy=True,
+                          chunk_bytes=None, seed=0):
+    dtype = hidden.dtype
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    b = None if bias is None else bias.detach().clone().requires_grad_()
+    out = lsls(h, w, labels, entropy, bias=b, temperature=temperature, ignore_index=ignore_index,
+               chunk_bytes=chunk_bytes)
+    logp, ent = out if entropy else (out, None)
+    want = torch.float64 if dtype == torch.float64 else torch.float32
+    assert logp.dtype == want and logp.shape == labels.shape
+    gen = torch.Generator().manual_seed(seed + 1)
+    g_logp = torch.randn(labels.shape, generator=gen, dtype=torch.float64).to(want)
+    g_ent = torch.randn(hidden.shape[:-1], generator=gen, dtype=torch.float64).to(want) if entropy else None
+    total = (logp * g_logp).sum() + ((ent * g_ent).sum() if entropy else 0)
+    grads = torch.autograd.grad(total, [t for t in (h, w, b) if t is not None])
+    ref = reference(hidden, weight, bias, labels, g_logp, g_ent, temperature, ignore_index)
+
+    scale = 1 + ref["lse"].abs() + ref["mean"].abs()
+    stat_tol = (16 * 2.0**-23 * scale).view(hidden.shape[:-1])  # fp32 statistics (tests/helpers.py)
+    err = (logp.double() - ref["logp"]).abs()
+    assert (err <= (stat_tol.unsqueeze(-1) if labels.dim() == hidden.dim() else stat_tol)).all(), \
+        f"logp: max err {err.max().item():.3g}"
+    if entropy:
+        err = (ent.double() - ref["entropy"]).abs()
+        assert (err <= stat_tol).all(), f"entropy: max err {err.max().item():.3g}"
+
+    d = ref["d"]
+    e = _op_bound(d, dtype)
+    h2 = hidden.reshape(-1, hidden.shape[-1]).double()
+    got = dict(zip(("hidden", "weight", "bias"), grads))
+    want_grads = {"hidden": (d @ weight.double(), _through_matmul(e, d, weight.double().abs())),
+                  "weight": (d.t() @ h2, _through_matmul(e.t(), d.t(), h2.abs()))}
+    if bias is not None:
+        ones = torch.ones(d.shape[0], 1, dtype=torch.float64)
+        want_grads["bias"] = (d.sum(0), _through_matmul(e.t(), d.t(), ones)[:, 0])
+    for name, (ref_g, bound) in want_grads.items():
+        g = got[name].reshape(ref_g.shape)
+        assert g.dtype == dtype
+        tol = ulp(ref_g, dtype) + bound  # rounded once to the dtype, plus what the op's gradient carries
+        e = (g.double() - ref_g).abs()
+        bad = e > tol
+        assert not bad.any(), (f"grad_{name} ({dtype}): {int(bad.sum())} of {e.numel()} off; worst err "
+                               f"{e.max().item():.3g} at ref {ref_g.flatten()[e.argmax()].item():.3g}, "
+                               f"tol there {tol.flatten()[e.argmax()].item():.3g}")
+    return logp, ent, got, ref
+
+
+CONFIGS = {
+    "one block": dict(),
+    "ragged blocks": dict(chunk_cols=96),
+    "blocks, T=0.7, ignored rows": dict(chunk_cols=128, temperature=0.7, ignore_frac=0.4),
+    "no bias, no entropy": dict(chunk_cols=200, bias=False, entropy=False),
+    "k=3 labels, some ignored": dict(chunk_cols=77, k=3, ignore_frac=0.3),
+    "[B, S, H], int32 labels": dict(chunk_cols=300, lead=(3, 8), int32=True),
+    "temperature 3, one column per block": dict(chunk_cols=1, v=40, temperature=3.0),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_against_float64(dtype, name):
+    cfg = dict(CONFIGS[name])
+    n, h, v = 24, 32, cfg.pop("v", 1000)
+    cols = cfg.pop("chunk_cols", None)
+    temperature = cfg.pop("temperature", 1.0)
+    entropy = cfg.pop("entropy", True)
+    int32 = cfg.pop("int32", False)
+    hidden, weight, bias, labels = make_head(n, h, v, dtype, seed=list(CONFIGS).index(name), **cfg)
+    if int32:
+        labels = labels.int()
+    ignore = -100 if cfg.get("ignore_frac") else None
+    chunk = None if cols is None else block_bytes(n, cols, dtype, h)
+    check_against_float64(hidden, weight, bias, labels, temperature=temperature, ignore_index=ignore,
+                          entropy=entropy, chunk_bytes=chunk)
+
+
+def _unfused(hidden, weight, bias, labels, g_logp, g_ent, temperature):
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    logits = h @ w.t() + (0 if bias is None else bias)
+    logp, ent = twinkle_mem.selective_log_softmax(logits, labels, True, temperature=temperature)
+    return torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (h, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_reduced_precision_gradients_no_worse_than_unfused(dtype):
+    # grad_hidden is summed over vocab blocks: in fp32, then rounded once. Rounding each block's term
+    # to the dtype instead would give an error that grows with the number of blocks; this compares the
+    # RMS error against float64 with the unfused path's (one matmul over the whole vocab).
+    n, h, v = 64, 64, 8192
+    hidden, weight, bias, labels = make_head(n, h, v, dtype, bias=False, seed=5)
+    gen = torch.Generator().manual_seed(9)
+    g_logp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    ref = reference(hidden, weight, None, labels, g_logp, g_ent, 1.0, None)
+    ref_h, ref_w = ref["d"] @ weight.double(), ref["d"].t() @ hidden.double()
+    hf, wf = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp, ent = lsls(hf, wf, labels, True, chunk_bytes=block_bytes(n, 256, dtype))  # 32 blocks
+    fused = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (hf, wf))
+    unfused = _unfused(hidden, weight, None, labels, g_logp, g_ent, 1.0)
+    rms = lambda g, r: ((g.double() - r) ** 2).mean().sqrt().item()  # noqa: E731
+    for name, f, u, r in (("hidden", fused[0], unfused[0], ref_h), ("weight", fused[1], unfused[1], ref_w)):
+        assert rms(f, r) <= 1.1 * rms(u, r), f"grad_{name}: RMS error {rms(f, r):.3g} vs unfused {rms(u, r):.3g}"
+
+
+def test_float64_tight_and_gradcheck():
+    hidden, weight, bias, labels = make_head(7, 5, 50, torch.float64, k=2, ignore_frac=0.3, seed=3)
+    hidden = hidden + torch.randn_like(hidden) * 0.1  # not dyadic: float64 is exact enough
+    chunk = block_bytes(7, 13, torch.float64)
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+
+    def f(h, w, b):
+        return lsls(h, w, labels, True, bias=b, temperature=0.8, ignore_index=-100, chunk_bytes=chunk)
+    assert torch.autograd.gradcheck(f, (h, w, b))
+    logp, ent = f(h, w, b)
+    ref = reference(hidden, weight, bias, labels, torch.zeros(7, 2), None, 0.8, -100)
+    torch.testing.assert_close(logp, ref["logp"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ent, ref["entropy"], rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------ ignored rows
+def _mm_shapes(fn):
+    """Input shapes of every aten matmul run inside fn (the profiler sees inside the custom ops)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [(e.name, e.input_shapes) for e in prof.events() if e.name in ("aten::mm", "aten::addmm")]
+
+
+def test_ignored_rows_cost_no_matmul_and_give_zeros():
+    n, h, v = 40, 16, 900
+    hidden, weight, bias, labels = make_head(n, h, v, torch.float32, seed=4)
+    labels[::4] = -100
+    labels[1::4] = -100
+    labels[2::4] = -100  # 3/4 of the rows ignored
+    kept = int((labels != -100).sum())
+    hf, wf, bf = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    out = {}
+
+    def run():
+        logp, ent = lsls(hf, wf, labels, True, bias=bf, ignore_index=-100, chunk_bytes=block_bytes(n, 256,
+                                                                                                      torch.float32))
+        out["logp"], out["ent"] = logp, ent
+        out["grads"] = torch.autograd.grad(logp.sum() + ent.sum(), (hf, wf, bf))
+    shapes = _mm_shapes(run)
+    assert shapes, "no matmul seen by the profiler"
+    for name, inputs in shapes:
+        rows = [s[0] for s in inputs if len(s) == 2]
+        assert kept in rows or any(len(s) == 2 and s[1] == kept for s in inputs), (name, inputs)
+        assert not any(len(s) == 2 and n in s for s in inputs), f"{name} saw all {n} rows: {inputs}"
+    dropped = labels == -100
+    assert (out["logp"][dropped] == 0).all() and (out["ent"][dropped] == 0).all()
+    assert (out["grads"][0][dropped] == 0).all()
+    check_against_float64(hidden, weight, bias, labels, ignore_index=-100,
+                          chunk_bytes=block_bytes(n, 256, torch.float32))
+
+
+def test_all_rows_ignored_and_empty():
+    hidden, weight, bias, labels = make_head(6, 8, 50, torch.float32, seed=6)
+    labels[:] = -100
+    hf, wf, bf = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    logp, ent = lsls(hf, wf, labels, True, bias=bf, ignore_index=-100)
+    assert (logp == 0).all() and (ent == 0).all()
+    grads = torch.autograd.grad(logp.sum() + ent.sum(), (hf, wf, bf))
+    assert all((g == 0).all() for g in grads)
+    logp, ent = lsls(hf[:0], wf, labels[:0], True)
+    assert logp.shape == (0,) and ent.shape == (0,)
+
+
+def test_entropy_only_k0_labels():
+    hidden, weight, bias, _ = make_head(5, 8, 70, torch.float32, seed=8)
+    no_labels = torch.zeros(5, 0, dtype=torch.long)
+    logp, ent = lsls(hidden, weight, no_labels, True, bias=bias, chunk_bytes=block_bytes(5, 16, torch.float32))
+    ref = reference(hidden, weight, bias, no_labels, torch.zeros(5, 0), None, 1.0, None)
+    assert logp.shape == (5, 0)
+    torch.testing.assert_close(ent.double(), ref["entropy"], rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ what is saved, what is allocated
+def test_saves_only_the_inputs_and_row_statistics():
+    n, h, v = 30, 16, 2000
+    hidden, weight, bias, labels = make_head(n, h, v, torch.float32, ignore_frac=0.3, seed=10)
+    hf, wf, bf = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, ent = lsls(hf, wf, labels, True, bias=bf, ignore_index=-100,
+                         chunk_bytes=block_bytes(n, 300, torch.float32))
+    (logp.sum() + ent.sum()).backward()
+    inputs = {t.untyped_storage().data_ptr() for t in (hf, wf, bf, labels)}
+    assert saved
+    for t in saved:
+        if t.untyped_storage().data_ptr() in inputs:
+            continue  # a reference to an input (a view of it, not a copy)
+        assert t.numel() <= n, f"saved {tuple(t.shape)} {t.dtype}: neither an input nor O(N)"
+
+
+def test_no_tensor_of_the_logits_size_goes_through_any_op():
+    # Every aten op run inside the fused path (the profiler sees inside the custom ops), with the shapes of
+    # its inputs: none is [N, V]-sized, and the logits blocks [N, c] fit in chunk_bytes.
+    n, h, v = 32, 8, 4096
+    hidden, weight, bias, labels = make_head(n, h, v, torch.bfloat16, seed=11)
+    hf, wf, bf = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    chunk = block_bytes(n, 512, torch.bfloat16, h)
+
+    def run():
+        logp, ent = lsls(hf, wf, labels, True, bias=bf, chunk_bytes=chunk)
+        torch.autograd.grad(logp.sum() + ent.sum(), (hf, wf, bf))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        run()
+    shapes = [s for e in prof.events() for s in e.input_shapes if s]
+    biggest = max(math.prod(s) for s in shapes)
+    assert biggest < n * v, f"a tensor of {biggest} elements went through an op (N V = {n * v})"
+    blocks = [s for s in shapes if len(s) == 2 and s[0] == n and s[1] > h]
+    assert blocks, "no logits block seen"
+    assert max(b[1] for b in blocks) * n * 2 <= chunk, f"logits blocks wider than chunk_bytes allows: {blocks[:3]}"
+    assert max(b[1] for b in blocks) < v, "a single block: the test would not see blocks"
+
+
+def test_block_columns():
+    assert block_columns(10, 4, 1000, torch.float32, 10 * 4 * 1000, False) == 1000
+    assert block_columns(10, 4, 100000, torch.float32, 10 * 4 * 1000, False) == 960  # a multiple of 64
+    assert block_columns(10, 4, 100000, torch.float32, 10 * 4 * 100, False) == 100
+    # bf16 backward: logits column (2 B/row) + fp32 gradient column (4 B/row) + fp32 weight row (4 B * H)
+    assert block_columns(10, 4, 100000, torch.bfloat16, (20 + 40 + 16) * 100, True) == 100
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        block_columns(10, 4, 1000, torch.float32, 39, False)
+
+
+# ------------------------------------------------------------------ errors
+def test_bad_arguments():
+    hidden, weight, bias, labels = make_head(4, 8, 30, torch.float32, seed=12)
+    cases = [
+        (dict(hidden=hidden[:, :7]), "weight must be"),
+        (dict(weight=weight.double()), "dtype"),
+        (dict(weight=weight[None]), "weight must be"),
+        (dict(hidden=hidden.int()), "hidden must be"),
+        (dict(bias=bias[:-1]), "bias must be"),
+        (dict(bias=bias.double()), "bias must have"),
+        (dict(index=labels.float()), "index must be"),
+        (dict(index=labels[:3]), "index shape"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=torch.tensor(1.0)), "temperature"),
+        (dict(ignore_index=1.5), "ignore_index"),
+        (dict(chunk_bytes=0), "chunk_bytes"),
+        (dict(chunk_bytes=4 * 4 - 1), "chunk_bytes"),  # below one column of 4 fp32 rows
+    ]
+    for change, match in cases:
+        args = dict(hidden=hidden, weight=weight, index=labels, bias=bias)
+        args.update(change)
+        kw = {k: args.pop(k) for k in list(args) if k not in ("hidden", "weight", "index")}
+        with pytest.raises(ValueError, match=match):
+            lsls(args["hidden"], args["weight"], args["index"], True, **kw)
+    if torch.device("meta") != hidden.device:
+        with pytest.raises(ValueError, match="on meta"):
+            lsls(hidden, weight.to("meta"), labels)
+    bad = labels.clone()
+    bad[2] = 30
+    with pytest.raises(RuntimeError, match="out of range"):
+        lsls(hidden, weight, bad)
+    bad[2] = -1
+    with pytest.raises(RuntimeError, match="out of range"):
+        lsls(hidden, weight, bad, ignore_index=-100)
+
+
+# ------------------------------------------------------------------ compile, opcheck, composite
+def test_torch_compile_fullgraph():
+    hidden, weight, bias, labels = make_head(12, 16, 300, torch.float32, ignore_frac=0.4, seed=13)
+    chunk = block_bytes(12, 64, torch.float32)
+
+    def step(h, w, b):
+        logp, ent = lsls(h, w, labels, True, bias=b, temperature=0.9, ignore_index=-100, chunk_bytes=chunk)
+        loss = -(logp * 2.0).sum() + 0.1 * ent.sum()
+        return loss, torch.autograd.grad(loss, (h, w, b))
+
+    def fwd_bwd(fn):
+        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        logp, ent = fn(h, w, b)
+        loss = -(logp * 2.0).sum() + 0.1 * ent.sum()
+        return [loss.detach(), *torch.autograd.grad(loss, (h, w, b))]
+
+    def model(h, w, b):
+        return lsls(h, w, labels, True, bias=b, temperature=0.9, ignore_index=-100, chunk_bytes=chunk)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for got, want in zip(fwd_bwd(compiled), fwd_bwd(model)):
+        assert torch.equal(got, want)
+
+
+def test_opcheck():
+    hidden, weight, bias, labels = make_head(9, 8, 200, torch.float32, ignore_frac=0.3, seed=14)
+    chunk = block_bytes(9, 64, torch.float32)
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    torch.library.opcheck(linear_fwd, (h, w, b, labels.view(9, 1), 1.0, -100, True, chunk, 0, 200, ""))
+    torch.library.opcheck(linear_fwd, (h, w, None, labels.view(9, 1), 0.5, -100, False, chunk, 0, 200, ""))
+    _logp, ent, shift, log_sum = linear_fwd(hidden, weight, bias, labels.view(9, 1), 1.0, -100, True, chunk, 0,
+                                            200, "")
+    torch.library.opcheck(linear_bwd, (torch.randn(9, 1), torch.randn(9), hidden, weight, bias, labels.view(9, 1),
+                                       shift, log_sum, ent, 1.0, -100, chunk, 0, True, True, True))
+
+
+def test_composite_backend():
+    # The same path where no native kernel exists: torch.ops.twinkle_mem routed to the composite.
+    hidden, weight, bias, labels = make_head(16, 16, 700, torch.bfloat16, ignore_frac=0.25, seed=15)
+    with composite.forced(("cpu",), budget_bytes=64 << 10):
+        check_against_float64(hidden, weight, bias, labels, ignore_index=-100,
+                              chunk_bytes=block_bytes(16, 200, torch.bfloat16))

@@ -1,0 +1,271 @@
+"""linear_selective_log_softmax under tensor parallelism: gloo worlds of 2 and 4 CPU processes.
+
+Every rank holds the same hidden states and labels and its vocab shard of the
+LM head (Megatron's split). Checked against the single-process call on the
+whole weight and against float64:
+- logp and entropy: the full-vocab values, identical on every rank;
+- grad_weight / grad_bias: this rank's shard of the single-process gradient;
+- grad_hidden: this rank's partial sum; the sum over ranks (the all-reduce of
+  Megatron's copy_to_tensor_model_parallel_region) is the single-process gradient,
+  also through Megatron's own mapping and parallel_state groups.
+Each world is started once (spawn) and runs every case; each case does its
+collectives first and asserts after, so a failing rank cannot leave the others
+waiting.
+"""
+import datetime
+import json
+import os
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+WORLD_TIMEOUT_S = 180
+CASES = {}
+
+
+def case(*worlds):
+    def register(fn):
+        CASES[fn.__name__] = (fn, worlds or (2, 4))
+        return fn
+    return register
+
+
+def _shard(t, rank, world):
+    s = t.shape[0] // world
+    return t[rank * s:(rank + 1) * s]
+
+
+def run_and_check(rank, world, *, n=24, h=32, shard=250, dtype=torch.float32, bias=True, k=None,
+                  ignore_frac=0.0, temperature=1.0, chunk_cols=None, seed=0, group=None, through_megatron=False):
+    import twinkle_mem
+    from test_linear_selective_log_softmax import (_op_bound, _through_matmul, block_bytes, make_head, reference,
+                                                   ulp)
+    group = group if group is not None else dist.group.WORLD
+    v = world * shard
+    hidden, weight, b, labels = make_head(n, h, v, dtype, bias=bias, k=k, ignore_frac=ignore_frac, seed=seed)
+    ignore = -100 if ignore_frac else None
+    chunk = None if chunk_cols is None else block_bytes(n, chunk_cols, dtype, h)
+    gen = torch.Generator().manual_seed(seed + 7)  # replicated upstream gradients (Megatron's convention)
+    g_logp = torch.randn(labels.shape, generator=gen)
+    g_ent = torch.randn(n, generator=gen)
+
+    hp = hidden.clone().requires_grad_()
+    w = _shard(weight, rank, world).clone().requires_grad_()
+    bb = _shard(b, rank, world).clone().requires_grad_() if bias else None
+    x = hp
+    if through_megatron:
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+        x = copy_to_tensor_model_parallel_region(hp)  # identity; its backward all-reduces over the TP group
+    logp, ent = twinkle_mem.linear_selective_log_softmax(x, w, labels, True, bias=bb, temperature=temperature,
+                                                         ignore_index=ignore, chunk_bytes=chunk, process_group=group)
+    grads = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), [t for t in (hp, w, bb) if t is not None])
+    grad_h = grads[0]
+    summed = grad_h.clone()
+    if not through_megatron:
+        dist.all_reduce(summed, group=group)  # what the caller's all-reduce makes of the partial sums
+    outs = [torch.empty_like(t) for _ in range(world) for t in (logp, ent)]
+    dist.all_gather(outs[0::2], logp.contiguous(), group=group)
+    dist.all_gather(outs[1::2], ent.contiguous(), group=group)
+    # Collectives done; everything below is local.
+
+    for o in outs[2::2]:
+        assert torch.equal(o, outs[0]), "logp differs across ranks"
+    for o in outs[3::2]:
+        assert torch.equal(o, outs[1]), "entropy differs across ranks"
+    hs, ws = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    bs = b.clone().requires_grad_() if bias else None
+    one_logp, one_ent = twinkle_mem.linear_selective_log_softmax(hs, ws, labels, True, bias=bs,
+                                                                 temperature=temperature, ignore_index=ignore,
+                                                                 chunk_bytes=chunk)
+    one = torch.autograd.grad((one_logp * g_logp).sum() + (one_ent * g_ent).sum(),
+                              [t for t in (hs, ws, bs) if t is not None])
+    ref = reference(hidden, weight, b, labels, g_logp, g_ent, temperature, ignore)
+    scale = 1 + ref["lse"].abs() + ref["mean"].abs()
+    tol = 16 * 2.0**-23 * scale
+    for name, got, single, r in (("logp", logp, one_logp, ref["logp"]), ("entropy", ent, one_ent, ref["entropy"])):
+        t = tol.unsqueeze(-1) if got.dim() == 2 else tol
+        assert ((got.double() - r).abs() <= t).all(), f"{name} vs float64"
+        assert ((got.double() - single.double()).abs() <= 2 * t).all(), f"{name} vs single process"
+
+    d = ref["d"]
+    e = _op_bound(d, dtype)
+    d_shard, e_shard = _shard(d.t(), rank, world), _shard(e.t(), rank, world)
+    checks = [("grad_hidden summed over ranks", summed, one[0], d @ weight.double(),
+               _through_matmul(e, d, weight.double().abs())),
+              ("grad_weight shard", grads[1], _shard(one[1], rank, world), d_shard @ hidden.double(),
+               _through_matmul(e_shard, d_shard, hidden.double().abs()))]
+    if bias:
+        ones = torch.ones(n, 1, dtype=torch.float64)
+        checks.append(("grad_bias shard", grads[2], _shard(one[2], rank, world), d_shard.sum(1),
+                       _through_matmul(e_shard, d_shard, ones)[:, 0]))
+    for name, got, single, r, bound in checks:
+        assert got.shape == single.shape and got.dtype == dtype, name
+        allowed = ulp(r, dtype) + bound
+        err = (got.double() - r).abs()
+        assert (err <= allowed).all(), f"{name} vs float64: max err/allowed {(err / allowed).max().item():.3g}"
+        err = (got.double() - single.double()).abs()
+        assert (err <= 2 * allowed).all(), f"{name} vs single process: max err/allowed {(err / allowed).max():.3g}"
+    if not through_megatron:
+        partial_is_partial = not torch.allclose(grad_h, summed)
+        assert partial_is_partial, "grad_hidden is already the all-reduced sum (documented: this rank's partial sum)"
+    return logp, grads
+
+
+# ----------------------------------------------------------------- cases
+@case()
+def fp32_bias_entropy_temperature(rank, world):
+    run_and_check(rank, world, temperature=0.8, seed=1)
+
+
+@case()
+def fp32_ignored_rows_several_blocks_per_shard(rank, world):
+    run_and_check(rank, world, ignore_frac=0.75, chunk_cols=64, seed=2)
+
+
+@case()
+def bf16_no_bias_k2_labels(rank, world):
+    run_and_check(rank, world, dtype=torch.bfloat16, bias=False, k=2, ignore_frac=0.3, chunk_cols=100, seed=3)
+
+
+@case()
+def fp16_one_column_blocks(rank, world):
+    run_and_check(rank, world, dtype=torch.float16, shard=9, chunk_cols=1, temperature=2.0, seed=4)
+
+
+@case()
+def tp_subgroups_use_group_rank(rank, world):
+    # Pairs of ranks as TP groups (DP x TP): each group its own data; the group rank picks the shard.
+    groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    group = groups[rank // 2]
+    run_and_check(dist.get_rank(group), 2, group=group, seed=5 + rank // 2, chunk_cols=70)
+    dist.destroy_process_group(group)
+
+
+@case()
+def megatron_copy_to_tp_region_gives_the_full_gradient(rank, world):
+    from megatron.core import parallel_state as mpu
+    mpu.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        run_and_check(rank, world, group=mpu.get_tensor_model_parallel_group(), through_megatron=True, seed=6,
+                      chunk_cols=90)
+    finally:
+        mpu.destroy_model_parallel()
+
+
+@case()
+def saves_only_inputs_and_row_statistics(rank, world):
+    import twinkle_mem
+    from test_linear_selective_log_softmax import make_head
+    n = 20
+    hidden, weight, b, labels = make_head(n, 16, world * 100, torch.float32, ignore_frac=0.3, seed=7)
+    h = hidden.clone().requires_grad_()
+    w = _shard(weight, rank, world).clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        logp, ent = twinkle_mem.linear_selective_log_softmax(h, w, labels, True, ignore_index=-100,
+                                                             process_group=dist.group.WORLD)
+    (logp.sum() + ent.sum()).backward()
+    inputs = {t.untyped_storage().data_ptr() for t in (h, w, labels)}
+    assert saved
+    for t in saved:
+        assert t.untyped_storage().data_ptr() in inputs or t.numel() <= n, f"saved {tuple(t.shape)}"
+
+
+@case()
+def compile_fullgraph_with_process_group(rank, world):
+    import twinkle_mem
+    from test_linear_selective_log_softmax import make_head
+    hidden, weight, b, labels = make_head(10, 16, world * 64, torch.float32, seed=8)
+    w = _shard(weight, rank, world)
+    group = dist.group.WORLD
+
+    def f(h, w):
+        return twinkle_mem.linear_selective_log_softmax(h, w, labels, True, temperature=0.9, process_group=group)
+
+    def run(fn):
+        h, ws = hidden.clone().requires_grad_(), w.clone().requires_grad_()
+        logp, ent = fn(h, ws)
+        return [logp.detach(), ent.detach(), *torch.autograd.grad(logp.sum() + ent.sum(), (h, ws))]
+    torch._dynamo.reset()
+    got = run(torch.compile(f, fullgraph=True, backend="aot_eager"))
+    want = run(f)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@case(2)
+def bad_labels_raise_on_every_rank_before_communicating(rank, world):
+    import twinkle_mem
+    from test_linear_selective_log_softmax import make_head
+    hidden, weight, b, labels = make_head(6, 8, 80, torch.float32, seed=9)
+    labels[2] = 80  # global vocab is 80: out of range on every rank
+    with pytest.raises(RuntimeError, match="out of range"):
+        twinkle_mem.linear_selective_log_softmax(hidden, _shard(weight, rank, world), labels,
+                                                 process_group=dist.group.WORLD)
+
+
+# ----------------------------------------------------------------- worlds
+def _worker(rank, world, init_file, out_dir):
+    torch.set_num_threads(1)
+    if os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    results = {}
+    try:
+        for name, (fn, worlds) in CASES.items():
+            if world not in worlds:
+                continue
+            try:
+                fn(rank, world)
+                results[name] = None
+            except Exception:  # noqa: BLE001  (reported to the parent, per case)
+                results[name] = traceback.format_exc()
+            dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _run_world(world):
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + WORLD_TIMEOUT_S
+        try:
+            while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gloo world of {world} did not finish within {WORLD_TIMEOUT_S} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
+
+
+_worlds = {}
+
+
+def _world_results(world):
+    if world not in _worlds:
+        try:
+            _worlds[world] = _run_world(world)
+        except Exception as e:  # noqa: BLE001  (every test of this world reports it)
+            _worlds[world] = e
+    if isinstance(_worlds[world], Exception):
+        raise _worlds[world]
+    return _worlds[world]
+
+
+@pytest.mark.parametrize("world,name", [(w, n) for n, (_fn, ws) in CASES.items() for w in ws],
+                         ids=lambda v: f"tp{v}" if isinstance(v, int) else v)
+def test_linear_vocab_parallel(world, name):
+    per_rank = _world_results(world)
+    failures = [f"rank {r}:\n{res[name]}" for r, res in enumerate(per_rank) if res.get(name, "missing")]
+    assert not failures, "\n".join(failures)
