@@ -65,6 +65,7 @@ from torch import Tensor
 
 from . import ops
 from .functional import NO_IGNORE_INDEX
+from .row_stats import output_shift
 from .vocab_parallel import combine_shard_stats, gather_combine_shard_stats
 
 DEFAULT_CHUNK_BYTES = 256 << 20
@@ -145,16 +146,6 @@ def _resolve_group(group_name: str):
 
 
 # ------------------------------------------------------------------ forward op
-def _rounded_pair(shift: Tensor, log_sum: Tensor, inv_temperature: float, dtype: torch.dtype):
-    """The float64 (shift, log_sum) in ``dtype``, the rounding of shift carried into log_sum: the
-    normalizer shift / T + log_sum the backward sees stays as exact as the float64 pair, whichever
-    reference logit the shift is (the row's max, exact already, or a rebased log-normalizer)."""
-    shift_r = shift.to(dtype)
-    rest = (shift - shift_r.double()) * inv_temperature + log_sum
-    ok = torch.isfinite(shift) & torch.isfinite(shift_r)
-    return shift_r, torch.where(ok, rest, log_sum).to(dtype)
-
-
 def _shard_stats(hidden, weight, bias, labels, inv_temperature, ignore_index, with_entropy, vocab_start,
                  vocab_size, chunk_bytes):
     """This weight's (shard's) statistics for the kept rows, in float64: (logp [m, k] against the
@@ -214,7 +205,7 @@ def linear_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: T
         stats = gather_combine_shard_stats(*stats, y.long(), weight.shape[0], inv_temperature, ignore_index, group,
                                            dist.get_world_size(group))
     logp_k, entropy_k, shift_k, log_sum_k = stats
-    shift_k, log_sum_k = _rounded_pair(shift_k, log_sum_k, inv_temperature, acc)
+    shift_k, log_sum_k = output_shift(shift_k, log_sum_k, inv_temperature, acc)
     outs = (logp, entropy, shift, log_sum) if with_entropy else (logp, None, shift, log_sum)
     for out, val in zip(outs, (logp_k, entropy_k, shift_k, log_sum_k)):
         if out is None:
