@@ -58,8 +58,8 @@ def _run_twinkle(tp, fused, *, tied, entropy, forward_only=False, spy=None):
                 out = model.forward_backward(advantages=ADVANTAGES, **kwargs)
         status = model.optimizer_group[""].eval_status if forward_only else model.optimizer_group[""].train_status
         labels = torch.cat([inp["labels"] for inp in status.inputs])
-        grads = {n: (p.grad.detach().clone(), getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", 0))
-                 for n, p in chunk.named_parameters() if p.grad is not None}
+        grads = {n: (p.grad.detach().clone(), getattr(p, "tensor_model_parallel", False),
+                     getattr(p, "partition_dim", 0)) for n, p in chunk.named_parameters() if p.grad is not None}
         return dict(out=out, grads=grads, seen=loss.seen, labels=labels)
     finally:
         integration.uninstall()

@@ -13,11 +13,13 @@ that runs a model; call it before training starts):
   the logits guard (covers ``forward_only``, which twinkle runs through
   ``forward_backward`` and which then also runs without autograd, and
   ``MultiLoraMegatronModel``, whose ``forward_backward`` calls this one);
+  with it, megatron-core's ``get_forward_backward_func`` hands twinkle's
+  scheduler a forward step that reports failed micro-batches
+  (:class:`FailedMicroBatchWarning`, NaN rows in the returned log-probs) instead
+  of letting the collected log-probs shift onto other samples;
 - with ``fused_lm_head=True``: ``TransformersModel.forward`` / ``forward_only``
-  too, and megatron-core's ``get_forward_backward_func`` (it hands twinkle's
-  scheduler a forward step with the hooks); in every eligible call the output
-  layer computes log-probs and entropy from its input without the logits
-  (``twinkle_lm_head.py``).
+  too, and in every eligible call the output layer computes log-probs and
+  entropy from its input without the logits (``twinkle_lm_head.py``).
 
 ``uninstall()`` puts every original object back.
 """
@@ -25,6 +27,7 @@ import contextlib
 import functools
 import logging
 import sys
+import warnings
 from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Any, Dict, List, Optional, Tuple
@@ -104,7 +107,7 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
             _patch(MegatronModel, "forward_backward",
                    _megatron_forward_backward(MegatronModel.forward_backward, logits_guard, fused_lm_head,
                                               fused_chunk_bytes))
-            if pipeline_parallel is not None and fused_lm_head:
+            if pipeline_parallel is not None:
                 _patch(pipeline_parallel, "get_forward_backward_func",
                        _scheduler_with_step_hooks(pipeline_parallel.get_forward_backward_func))
         if logits_guard:
@@ -256,8 +259,22 @@ def _drop_skipped(outputs):
     return outputs
 
 
-# --- Megatron: logits guard, fused LM head --------------------------------------
+# --- Megatron: logits guard, fused LM head, failed micro-batches -----------------
 
+
+class FailedMicroBatchWarning(UserWarning):
+    """Micro-batches failed inside twinkle's Megatron forward step (``TWINKLE_FAIL_FAST=0``
+    caught the error). ``micro_batches``: their indices in the call; ``rows``: their rows in
+    the returned ``logps``, which hold NaN (or ``None`` where the log-probs could not be
+    placed: then ``logps`` is ``None``)."""
+
+    def __init__(self, message: str, micro_batches: List[int], rows: Optional[List[range]]):
+        super().__init__(message)
+        self.micro_batches = micro_batches
+        self.rows = rows
+
+
+warnings.filterwarnings("always", category=FailedMicroBatchWarning)  # every failure, not only the first
 
 _STEPS: ContextVar[Optional["_MegatronSteps"]] = ContextVar("twinkle_mem_megatron_steps", default=None)
 
@@ -288,6 +305,8 @@ def _megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: 
             token = _STEPS.set(steps)
             stack.callback(_STEPS.reset, token)
             out = original(self, *args, **kwargs)
+        if guard and steps.failed:
+            _report_failed_micro_batches(self, kwargs, out, steps.failed)
         return out
 
     return forward_backward
@@ -352,13 +371,16 @@ class _LabelsOfNextBatch:
 
 class _MegatronSteps:
     """Hooks around twinkle's forward step for one forward_backward call: the fused output
-    layer's micro-batch labels and its checks."""
+    layer's micro-batch labels and its checks, and the failed micro-batches."""
 
     def __init__(self, model, kwargs, loss):
         self.model = model
+        self.expects_logps = (kwargs.get("task", "causal_lm") != "embedding" and loss is not None
+                              and getattr(loss, "require_logps", True))
         self.fused: Optional[lm_head.FusedCall] = None
         self.labels = None
         self.loss_steps = 0  # micro-batches seen by the last pipeline stage
+        self.failed: List[int] = []
 
     def wrap(self, forward_step_func):
 
@@ -386,6 +408,9 @@ class _MegatronSteps:
                                        "twinkle's forward step (see twinkle's '[nccl_safe]' warning above); "
                                        "refusing to compute a loss without them. install(fused_lm_head=False) runs "
                                        "twinkle-kit unchanged.")
+            elif self.expects_logps and self.labels is not None and "logps" in keywords \
+                    and keywords["logps"] is None:
+                self.failed.append(index)
             return output, loss_func
 
         return forward_step
@@ -394,6 +419,54 @@ class _MegatronSteps:
         from megatron.core import parallel_state as mpu
         unwrapped = self.model.strategy.unwrap_model([chunk])[0]
         return mpu.is_pipeline_last_stage(False, getattr(unwrapped, "vp_stage", None))
+
+
+def _report_failed_micro_batches(model, kwargs, out, failed: List[int]) -> None:
+    """Put NaN rows where the failed micro-batches' log-probs belong (in the returned output and in
+    twinkle's train/eval status), and warn, naming them."""
+    name = kwargs["adapter_name"] if "adapter_name" in kwargs else model._get_default_group()
+    group = model.optimizer_group[name]
+    status = group.eval_status if kwargs.get("forward_only", False) else group.train_status
+    logps, rows = _align_failed(out.get("logps"), status.inputs, failed)
+    out["logps"] = logps
+    if isinstance(getattr(status, "outputs", None), Mapping):
+        status.outputs["logps"] = logps
+    n = len(status.inputs)
+    where = ", ".join(f"{i} (rows {r.start}-{r.stop - 1})" for i, r in zip(failed, rows)) if rows else \
+        ", ".join(map(str, failed))
+    what = ("their rows of `logps` are NaN (`torch.isnan(logps).all(-1)` marks them); every other row stays with "
+            "its sample" if rows else "the log-probs of the other micro-batches could not be placed: `logps` is None")
+    warnings.warn(FailedMicroBatchWarning(
+        f"twinkle-mem: {len(failed)} of {n} micro-batches failed in twinkle's forward step (TWINKLE_FAIL_FAST=0 "
+        f"caught the error, see twinkle's '[nccl_safe]' warning): micro-batch {where}; {what}.", failed, rows),
+        stacklevel=3)
+
+
+def _align_failed(logps, inputs, failed: List[int]):
+    """(log-probs with a NaN block for each failed micro-batch, the blocks' row ranges), or
+    (None, None) where the rows cannot be placed. ``inputs``: twinkle's per-micro-batch inputs
+    (unpacked, as returned); a micro-batch's log-probs have its labels' rows."""
+    import torch
+    shapes = [tuple(inp["labels"].shape) if isinstance(inp, Mapping) and inp.get("labels") is not None else None
+              for inp in inputs]
+    kept = [i for i in range(len(inputs)) if i not in failed]
+    if logps is None or any(shapes[i] is None for i in range(len(inputs))):
+        return None, None
+    if isinstance(logps, torch.Tensor):  # micro-batches concatenated along the rows
+        if logps.dim() < 1 or sum(shapes[i][0] for i in kept) != logps.shape[0]:
+            return None, None
+        mine = iter(logps.split([shapes[i][0] for i in kept]))
+        blocks = [logps.new_full((shapes[i][0], *logps.shape[1:]), float("nan")) if i in failed else next(mine)
+                  for i in range(len(inputs))]
+        aligned = torch.cat(blocks)
+    else:  # variable_seq_lengths: one tensor per micro-batch
+        if len(logps) != len(kept):
+            return None, None
+        mine = iter(logps)
+        aligned = [torch.full(shapes[i], float("nan"), dtype=logps[0].dtype, device=logps[0].device)
+                   if i in failed else next(mine) for i in range(len(inputs))]
+    starts = [sum(shapes[j][0] for j in range(i)) for i in failed]
+    return aligned, [range(s, s + shapes[i][0]) for s, i in zip(starts, failed)]
 
 
 def _loss_instance(model, kwargs):
