@@ -60,7 +60,7 @@ def fused_calls(monkeypatch):
 
     @functools.wraps(real)
     def counting(*args, **kwargs):
-        calls.append(tuple(args[0].shape))
+        calls.append((tuple(args[0].shape), args[0].dtype))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(twinkle_mem, "linear_selective_log_softmax", counting)
@@ -110,7 +110,7 @@ def megatron_run(*, tied=False, temperature=1.0, entropy=False, dtype=torch.floa
 
 
 def transformers_run(*, tied=False, temperature=1.0, entropy=False, dtype=torch.float32, forward_only=False,
-                     loss=None, edit=None, config=None, **kwargs):
+                     loss=None, edit=None, config=None, mixed_precision="no", **kwargs):
     """twinkle's TransformersModel.forward_backward (forward, calculate_loss, backward) or forward_only."""
     loss = loss if loss is not None else grpo(entropy)
     if config == "gemma2":  # soft-capped logits
@@ -118,7 +118,8 @@ def transformers_run(*, tied=False, temperature=1.0, entropy=False, dtype=torch.
         config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                            max_position_embeddings=128, final_logit_softcapping=30.0)
-    model = th.twinkle_transformers_model(VOCAB, tied=tied, dtype=dtype, loss=loss, config=config)
+    model = th.twinkle_transformers_model(VOCAB, tied=tied, dtype=dtype, loss=loss, config=config,
+                                          mixed_precision=mixed_precision)
     if edit is not None:
         edit(model)
     samples = th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT)
@@ -193,6 +194,15 @@ def test_same_training_as_unfused(path, dtype, tied, temperature, entropy, fused
     mask = want["labels"] != -100
     assert_close(got["out"]["logps"][mask], want["out"]["logps"][mask], dtype, "forward_only logps")
     assert got["grads"] == {} and want["grads"] == {}
+
+
+def test_transformers_autocast_same_training(fused_calls):
+    """twinkle's mixed_precision="bf16": fp32 weights, the forward under CPU autocast (lm_head in bf16)."""
+    case = dict(temperature=0.7, entropy=True, mixed_precision="bf16")
+    want = run("transformers", False, **case)
+    got = run("transformers", True, **case)
+    assert [dtype for _, dtype in fused_calls] == [torch.bfloat16]  # as autocast would run nn.Linear
+    assert_same_training(want, got, torch.bfloat16, entropy=True)
 
 
 def _per_call(result):

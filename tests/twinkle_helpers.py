@@ -255,22 +255,25 @@ def gpt_model(vocab: int, hidden: int = 32, heads: int = 4, layers: int = 1, max
 
 
 def twinkle_transformers_model(vocab: int, hidden: int = 32, tied: bool = False, dtype: torch.dtype = torch.float32,
-                               loss=None, seed: int = 0, config=None):
+                               loss=None, seed: int = 0, config=None, mixed_precision: str = "no"):
     """twinkle's real ``TransformersModel`` around a one-layer Qwen2 causal LM built from a config
     (no download; twinkle's default template, which needs a tokenizer, left out). ``config``: a
-    transformers config to use instead, or a dict of Qwen2Config settings to add."""
+    transformers config to use instead, or a dict of Qwen2Config settings to add. ``mixed_precision``:
+    twinkle's setting ("bf16": accelerate runs the forward under CPU autocast)."""
     import transformers
     import twinkle.model.transformers.transformers as twinkle_transformers
     if config is None or isinstance(config, dict):
         config = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                           max_position_embeddings=128, tie_word_embeddings=tied, **(config or {}))
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(True)  # process-wide; twinkle's strategy creates an Accelerator per model
     template = twinkle_transformers.Template
     twinkle_transformers.Template = lambda *args, **kwargs: None
     torch.manual_seed(seed)
     try:
         model = twinkle_transformers.TransformersModel(model_cls=transformers.AutoModelForCausalLM, config=config,
-                                                       mixed_precision="no")
+                                                       mixed_precision=mixed_precision)
     finally:
         twinkle_transformers.Template = template
     model.model.to(dtype)
