@@ -14,7 +14,6 @@ layer's input (python/twinkle_mem/integrations/twinkle_lm_head.py), on the CPU:
 """
 import functools
 import logging
-import sys
 
 import pytest
 import torch

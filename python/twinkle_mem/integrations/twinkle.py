@@ -291,7 +291,7 @@ def _megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: 
 
     @functools.wraps(original)
     def forward_backward(self, *args, **kwargs):
-        if _STEPS.get() is not None:  # MultiLoraMegatronModel calling MegatronModel's: the outer call hooks it
+        if _STEPS.get() is not None:  # nested (a subclass's forward_backward through this one): hooked outside
             return original(self, *args, **kwargs)
         loss = _loss_instance(self, kwargs)
         forward_only = kwargs.get("forward_only", False)
@@ -315,10 +315,10 @@ def _megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: 
 @contextlib.contextmanager
 def _fused_megatron(model, kwargs, loss, chunk_bytes):
     """The fused call for one MegatronModel.forward_backward, or None where it does not apply."""
-    model._lazy_wrap_model()  # twinkle's first step anyway: decide on the model as it will run
     reason = lm_head.call_ineligible(kwargs, loss)
     layers = []
     if reason is None:
+        model._lazy_wrap_model()  # twinkle's first step anyway: decide on the model as it will run
         layers, reason = lm_head.megatron_output_layers(model.model)
     if reason is not None or not layers:  # (no output layer: not the last pipeline stage)
         if reason is not None:

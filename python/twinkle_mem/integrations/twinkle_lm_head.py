@@ -29,7 +29,6 @@ from ``outputs['logits']``), or labels that do not match, raise RuntimeError.
 Zero-width logits cannot yield a loss silently.
 """
 import contextlib
-import logging
 import sys
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -39,11 +38,11 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 
 IGNORE_INDEX = -100  # twinkle's forward steps mask labels with this value, whatever the loss says
-logger = logging.getLogger("twinkle_mem")
 
 # Config attributes that mean the logits are transformed after the output layer.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "attn_logit_softcapping_final", "logit_scale",
-                     "logits_scaling", "output_multiplier", "output_multiplier_scale")
+# (Gemma 2/3/4 soft-capping, Cohere's logit_scale, Granite's logits_scaling, MuseGlimmer's output_multiplier)
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
+                     "output_multiplier")
 
 
 @dataclass
