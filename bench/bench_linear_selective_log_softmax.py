@@ -65,16 +65,20 @@ def _make_step(kind, hidden, weight, labels, chunk_bytes, elem):
         loss = logp.sum() + (entropy.sum() if entropy is not None else 0)
         return torch.autograd.grad(loss, (hidden, weight))
 
-    if kind in ("fused", "fused_ignored"):
+    if kind in ("fused", "fused_ignored", "unfused"):
         import twinkle_mem
+        # A source tree without built libraries would run the composite: measure the native kernels.
+        status = twinkle_mem.backends()
+        if status.get(hidden.device.type if hidden.device.type != "cpu" else "cpu") not in ("loaded", None):
+            raise RuntimeError(f"twinkle_mem's native kernels are not loaded here: {status}")
+
+    if kind in ("fused", "fused_ignored"):
 
         def step():
             logp, ent = twinkle_mem.linear_selective_log_softmax(hidden, weight, labels, True, ignore_index=IGNORE,
                                                                  chunk_bytes=chunk_bytes)
             return (logp, ent, *grads(logp, ent))
     elif kind == "unfused":
-        import twinkle_mem
-
         def step():
             logp, ent = twinkle_mem.selective_log_softmax(hidden @ weight.t(), labels, True, ignore_index=IGNORE)
             return (logp, ent, *grads(logp, ent))

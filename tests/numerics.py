@@ -293,4 +293,6 @@ def make_cases(n: int, v: int, dtype: torch.dtype, seed: int = 0) -> list[Case]:
     xk[torch.arange(n), yk[:, 2]] += 40  # one label confident
     cases.append(Case("k=4 labels, repeated and ignored", cast(xk), yk, temperature=0.9, ignore_index=-100))
     cases.append(Case("k=1 trailing dim", cast(randn()), y.unsqueeze(-1)))
+    cases.append(Case("k=0 labels (entropy only)", cast(randn()), y[:, :0] if y.dim() == 2 else y.unsqueeze(-1)[:, :0],
+                      temperature=0.8))
     return cases

@@ -31,6 +31,7 @@ def measure(n, h, v, dtype="float32", chunk_bytes=64 << 20, ignore_frac=0.0, pat
 
     import twinkle_mem
     from twinkle_mem.measure import peak_rss
+    assert twinkle_mem.backends()["cpu"] == "loaded", f"native CPU kernels not loaded: {twinkle_mem.backends()}"
     if threads:
         torch.set_num_threads(threads)
     dt = getattr(torch, dtype)
@@ -71,7 +72,9 @@ def measure(n, h, v, dtype="float32", chunk_bytes=64 << 20, ignore_frac=0.0, pat
 
 
 def run_child(**cfg):
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), MALLOC_MMAP_THRESHOLD_="65536")
+    # The environment as it is (the installed package, or PYTHONPATH of a source build): a source
+    # tree without built libraries would fall back to the composite and measure that instead.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     out = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(cfg)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

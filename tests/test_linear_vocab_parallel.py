@@ -12,26 +12,15 @@ Each world is started once (spawn) and runs every case; each case does its
 collectives first and asserts after, so a failing rank cannot leave the others
 waiting.
 """
-import datetime
-import json
-import os
-import tempfile
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
-WORLD_TIMEOUT_S = 180
-CASES = {}
+from gloo_worlds import Cases
 
-
-def case(*worlds):
-    def register(fn):
-        CASES[fn.__name__] = (fn, worlds or (2, 4))
-        return fn
-    return register
+cases = Cases(__name__, timeout_s=180)
+case = cases.register
 
 
 def _shard(t, rank, world):
@@ -208,64 +197,7 @@ def bad_labels_raise_on_every_rank_before_communicating(rank, world):
 
 
 # ----------------------------------------------------------------- worlds
-def _worker(rank, world, init_file, out_dir):
-    torch.set_num_threads(1)
-    if os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    results = {}
-    try:
-        for name, (fn, worlds) in CASES.items():
-            if world not in worlds:
-                continue
-            try:
-                fn(rank, world)
-                results[name] = None
-            except Exception:  # noqa: BLE001  (reported to the parent, per case)
-                results[name] = traceback.format_exc()
-            dist.barrier()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
-
-
-def _run_world(world):
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp), nprocs=world,
-                                 join=False, start_method="spawn")
-        deadline = time.monotonic() + WORLD_TIMEOUT_S
-        try:
-            while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"gloo world of {world} did not finish within {WORLD_TIMEOUT_S} s")
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        return [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(world)]
-
-
-_worlds = {}
-
-
-def _world_results(world):
-    if world not in _worlds:
-        try:
-            _worlds[world] = _run_world(world)
-        except Exception as e:  # noqa: BLE001  (every test of this world reports it)
-            _worlds[world] = e
-    if isinstance(_worlds[world], Exception):
-        raise _worlds[world]
-    return _worlds[world]
-
-
-@pytest.mark.parametrize("world,name", [(w, n) for n, (_fn, ws) in CASES.items() for w in ws],
-                         ids=lambda v: f"tp{v}" if isinstance(v, int) else v)
+@pytest.mark.parametrize("world,name", cases.params(), ids=lambda v: f"tp{v}" if isinstance(v, int) else v)
 def test_linear_vocab_parallel(world, name):
-    per_rank = _world_results(world)
-    failures = [f"rank {r}:\n{res[name]}" for r, res in enumerate(per_rank) if res.get(name, "missing")]
+    failures = cases.failures(world, name)
     assert not failures, "\n".join(failures)

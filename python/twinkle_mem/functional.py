@@ -26,15 +26,22 @@ def check_args(logits, index, temperature, ignore_index) -> bool:
         raise ValueError(f"logits dtype {logits.dtype} is not supported (bf16, fp16, fp32, fp64)")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have a vocab dim of size >= 1, got shape {tuple(logits.shape)}")
+    return check_index_and_options(index, logits, "logits", temperature, ignore_index)
+
+
+def check_index_and_options(index, rows, rows_name, temperature, ignore_index) -> bool:
+    """The checks shared by every public function whose rows are ``rows [..., X]`` (the logits, or the
+    hidden states of linear_selective_log_softmax): index of the leading shape (+ [k]) on the same device,
+    temperature, ignore_index. Returns whether ``index`` is ``[..., k]``."""
     if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"index must be an int64 or int32 tensor, got {getattr(index, 'dtype', type(index))}")
-    lead = tuple(logits.shape[:-1])
-    multi = index.dim() == logits.dim()
+    lead = tuple(rows.shape[:-1])
+    multi = index.dim() == rows.dim()
     if not (tuple(index.shape) == lead or (multi and tuple(index.shape[:-1]) == lead)):
-        raise ValueError(f"index shape {tuple(index.shape)} must be logits.shape[:-1] = {lead}, or that plus a "
+        raise ValueError(f"index shape {tuple(index.shape)} must be {rows_name}.shape[:-1] = {lead}, or that plus a "
                          "trailing dim of k indices per row")
-    if index.device != logits.device:
-        raise ValueError(f"index is on {index.device} but logits are on {logits.device}")
+    if index.device != rows.device:
+        raise ValueError(f"index is on {index.device} but {rows_name} are on {rows.device}")
     if isinstance(temperature, torch.Tensor):
         raise ValueError("temperature must be a Python number, not a tensor")
     if not (math.isfinite(temperature) and temperature > 0):

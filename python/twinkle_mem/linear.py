@@ -64,7 +64,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
-from .functional import NO_IGNORE_INDEX
+from .functional import NO_IGNORE_INDEX, check_index_and_options
 from .row_stats import output_shift
 from .vocab_parallel import combine_shard_stats, gather_combine_shard_stats
 
@@ -338,21 +338,7 @@ def _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_by
         if bias.dtype != hidden.dtype or bias.device != hidden.device:
             raise ValueError(f"bias must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), got "
                              f"{bias.dtype}, {bias.device}")
-    if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"index must be an int64 or int32 tensor, got {getattr(index, 'dtype', type(index))}")
-    lead = tuple(hidden.shape[:-1])
-    multi = index.dim() == hidden.dim()
-    if not (tuple(index.shape) == lead or (multi and tuple(index.shape[:-1]) == lead)):
-        raise ValueError(f"index shape {tuple(index.shape)} must be hidden.shape[:-1] = {lead}, or that plus a "
-                         "trailing dim of k indices per row")
-    if index.device != hidden.device:
-        raise ValueError(f"index is on {index.device} but hidden is on {hidden.device}")
-    if isinstance(temperature, torch.Tensor):
-        raise ValueError("temperature must be a Python number, not a tensor")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-    if ignore_index is not None and not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int or None, got {type(ignore_index).__name__}")
+    multi = check_index_and_options(index, hidden, "hidden", temperature, ignore_index)
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
     return multi
