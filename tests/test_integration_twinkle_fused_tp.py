@@ -16,25 +16,27 @@
 The world is started once (spawn) and runs every case; a rank reports its tracebacks per case.
 """
 import contextlib
-import datetime
-import json
-import os
-import tempfile
-import time
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
+from gloo_worlds import Cases
 
-WORLD, WORLD_TIMEOUT_S = 2, 240
+WORLD = 2
 VOCAB, SEQ = 1018, 40
-CASES = {}
 
 
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
+@contextlib.contextmanager
+def _megatron_on_cpu():
+    """What every rank needs for megatron-core's GPTModel and scheduler and twinkle's Platform on the CPU."""
+    import twinkle_helpers as th
+    from megatron.core.pipeline_parallel import schedules
+    schedules.torch = th._CpuZerosTorch(schedules.torch)
+    with th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
+        yield
+
+
+cases = Cases(__name__, timeout_s=240, setup=_megatron_on_cpu)
+case = cases.register(WORLD)
 
 
 def _run_twinkle(tp, fused, *, tied, entropy, forward_only=False, spy=None):
@@ -104,17 +106,17 @@ def _tp2_matches_tp1(rank, tied, entropy):
 
 
 @case
-def gpt_tp2_untied_entropy(rank):
+def gpt_tp2_untied_entropy(rank, world):
     _tp2_matches_tp1(rank, tied=False, entropy=True)
 
 
 @case
-def gpt_tp2_tied_logp(rank):
+def gpt_tp2_tied_logp(rank, world):
     _tp2_matches_tp1(rank, tied=True, entropy=False)
 
 
 @case
-def sequence_parallel_output_layer(rank):
+def sequence_parallel_output_layer(rank, world):
     """The deferred forward of a ColumnParallelLinear with sequence_parallel=True against the layer's own."""
     import twinkle_mem
     from megatron.core import parallel_state as mpu
@@ -170,59 +172,7 @@ def sequence_parallel_output_layer(rank):
 # ----------------------------------------------------------------- the world
 
 
-def _worker(rank, init_file, out_dir):
-    import sys
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    torch.set_num_threads(1)
-    if os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=90))
-    import twinkle_helpers as th
-    from megatron.core.pipeline_parallel import schedules
-    schedules.torch = th._CpuZerosTorch(schedules.torch)
-    results = {}
-    try:
-        with th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
-            for name, fn in CASES.items():
-                try:
-                    fn(rank)
-                    results[name] = None
-                except Exception:  # noqa: BLE001  (reported to the parent, per case)
-                    results[name] = traceback.format_exc()
-                dist.barrier()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.destroy_process_group()
-
-
-_results = []
-
-
-def _world_results():
-    if not _results:
-        import torch.multiprocessing as mp
-        with tempfile.TemporaryDirectory() as tmp:
-            ctx = mp.start_processes(_worker, args=(os.path.join(tmp, "store"), tmp), nprocs=WORLD, join=False,
-                                     start_method="spawn")
-            deadline = time.monotonic() + WORLD_TIMEOUT_S
-            try:
-                while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"gloo world of {WORLD} did not finish within {WORLD_TIMEOUT_S} s")
-            finally:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                        p.join(5)
-            for r in range(WORLD):
-                with open(os.path.join(tmp, f"rank{r}.json")) as f:
-                    _results.append(json.load(f))
-    return _results
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_fused_lm_head_tp2(name):
-    failures = [f"rank {r}:\n{res[name]}" for r, res in enumerate(_world_results()) if res.get(name, "missing")]
+@pytest.mark.parametrize("world,name", cases.params(), ids=lambda v: f"tp{v}" if isinstance(v, int) else v)
+def test_fused_lm_head_tp2(world, name):
+    failures = cases.failures(world, name)
     assert not failures, "\n".join(failures)
