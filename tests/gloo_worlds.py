@@ -2,7 +2,9 @@
 
 A module registers cases with ``cases = Cases()`` and ``@cases.register()``
 (``@cases.register(2)`` for one world size), then has one pytest item per
-(world, case) check ``cases.failures(world, name)``. Each world is started once
+(world, case) check ``cases.failures(world, name)``. ``setup``: a context manager
+factory the workers enter around all cases (process-wide patches a module needs,
+e.g. megatron-core on the CPU). Each world is started once
 (torch.multiprocessing, spawn), imports the module by name and runs every case in
 turn; each case does its collectives first and asserts after, so a failing rank
 cannot leave the others waiting. Per-rank tracebacks come back to the parent. A
@@ -10,6 +12,7 @@ world that does not finish within its timeout is killed and its items fail.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import json
@@ -23,9 +26,10 @@ import torch.distributed as dist
 
 
 class Cases:
-    def __init__(self, module_name: str, timeout_s: float):
+    def __init__(self, module_name: str, timeout_s: float, setup=contextlib.nullcontext):
         self.module_name = module_name
         self.timeout_s = timeout_s
+        self.setup = setup
         self.cases = {}  # name -> (fn, world sizes)
         self._worlds = {}
 
@@ -60,15 +64,16 @@ def _worker(rank, world, init_file, out_dir, module_name):
     cases = importlib.import_module(module_name).cases
     results = {}
     try:
-        for name, (fn, worlds) in cases.cases.items():
-            if world not in worlds:
-                continue
-            try:
-                fn(rank, world)
-                results[name] = None
-            except Exception:  # noqa: BLE001  (reported to the parent, per case)
-                results[name] = traceback.format_exc()
-            dist.barrier()
+        with cases.setup():
+            for name, (fn, worlds) in cases.cases.items():
+                if world not in worlds:
+                    continue
+                try:
+                    fn(rank, world)
+                    results[name] = None
+                except Exception:  # noqa: BLE001  (reported to the parent, per case)
+                    results[name] = traceback.format_exc()
+                dist.barrier()
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)

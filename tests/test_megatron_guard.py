@@ -218,29 +218,90 @@ def test_twinkle_guarded_reports_logits_a_loss_requires(cpu, guard):
     assert live == 2 * LOGITS_BYTES
 
 
-def test_twinkle_guarded_survives_a_failed_micro_batch(cpu, guard, monkeypatch):
-    """Under TWINKLE_FAIL_FAST=0 a micro-batch whose processing fails reports no logps;
-    unguarded, twinkle hands that None to torch.cat."""
+@pytest.fixture
+def fail_micro_batch(monkeypatch):
+    """TWINKLE_FAIL_FAST=0, and twinkle's per-micro-batch unpacking failing on the given
+    micro-batch: twinkle's forward step catches the error and reports no log-probs for it."""
     monkeypatch.setenv("TWINKLE_FAIL_FAST", "0")
     # pytest's log capture keeps twinkle's warning record, whose args hold the exception,
     # its traceback and so the failed micro-batch's frame and logits: make no record.
     monkeypatch.setattr(logging.getLogger("twinkle"), "disabled", True)
+
+    def arm(model, failing):
+        processor = model.optimizer_group[""].processor
+        real_unpack = processor.unpack_packed_sequences
+        calls = []
+
+        def unpack(*args, **kwargs):  # called once per micro-batch in the forward step, then per input
+            calls.append(1)
+            if len(calls) - 1 in failing:
+                raise ValueError("simulated data-processing error")
+            return real_unpack(*args, **kwargs)
+
+        monkeypatch.setattr(processor, "unpack_packed_sequences", unpack)
+
+    return arm
+
+
+LENGTHS3 = [SEQ, SEQ - 3, SEQ - 5]
+
+
+def run_three(model, forward_only):
+    samples = th.lm_samples(LENGTHS3, VOCAB)
+    if forward_only:
+        return model.forward_only(inputs=samples, micro_batch_size=1)
+    return model.forward_backward(inputs=samples, micro_batch_size=1)
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_twinkle_guarded_failed_micro_batch_keeps_rows_aligned(cpu, guard, fail_micro_batch, forward_only):
+    """A failed micro-batch gets NaN rows where its log-probs belong, and a warning naming it;
+    the other rows stay with their samples (unguarded, twinkle hands None to torch.cat)."""
+    from twinkle_mem.integrations.twinkle import FailedMicroBatchWarning
+    want = run_three(th.twinkle_megatron_model(th.ToyLM(VOCAB)), forward_only)["logps"]
     model = th.twinkle_megatron_model(th.ToyLM(VOCAB))
-    processor = model.optimizer_group[""].processor
-    real_unpack = processor.unpack_packed_sequences
-    calls = []
+    fail_micro_batch(model, failing={1})
+    with pytest.warns(FailedMicroBatchWarning, match=r"1 of 3 micro-batches failed.*micro-batch 1 \(rows 1-1\)") as w:
+        out = run_three(model, forward_only)
+    assert w[0].message.micro_batches == [1] and w[0].message.rows == [range(1, 2)]
+    logps = out["logps"]
+    assert logps.shape == want.shape == (3, SEQ)
+    assert torch.isnan(logps).all(-1).tolist() == [False, True, False]
+    torch.testing.assert_close(logps[[0, 2]], want[[0, 2]], rtol=0, atol=0)
+    group = model.optimizer_group[""]
+    status = group.eval_status if forward_only else group.train_status
+    assert status.outputs["logps"] is logps  # what twinkle keeps for the loss/metrics, aligned too
+    assert [inp["labels"].shape[0] for inp in status.inputs] == [1, 1, 1]
 
-    def unpack_fails_second_time(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise ValueError("simulated data-processing error")
-        return real_unpack(*args, **kwargs)
 
-    monkeypatch.setattr(processor, "unpack_packed_sequences", unpack_fails_second_time)
-    out, live = run_twinkle(model)
-    assert len(calls) >= 2  # twinkle calls it again to unpack the returned inputs
-    assert out["logps"].shape == (1, SEQ)  # the failed micro-batch contributes nothing
-    assert live == 0
+def test_twinkle_guarded_failed_micro_batches_variable_lengths(cpu, guard, fail_micro_batch):
+    from twinkle_mem.integrations.twinkle import FailedMicroBatchWarning
+    model = th.twinkle_megatron_model(th.ToyLM(VOCAB), variable_seq_lengths=True)
+    fail_micro_batch(model, failing={0, 2})
+    with pytest.warns(FailedMicroBatchWarning, match="2 of 3 micro-batches failed") as w:
+        out = run_three(model, False)
+    assert w[0].message.micro_batches == [0, 2]
+    logps = out["logps"]
+    assert isinstance(logps, list) and [tuple(t.shape) for t in logps] == [(1, n) for n in LENGTHS3]
+    assert [bool(torch.isnan(t).all()) for t in logps] == [True, False, True]
+
+
+def test_twinkle_guarded_every_micro_batch_failed(cpu, guard, fail_micro_batch):
+    from twinkle_mem.integrations.twinkle import FailedMicroBatchWarning
+    model = th.twinkle_megatron_model(th.ToyLM(VOCAB))
+    fail_micro_batch(model, failing={0, 1, 2})
+    with pytest.warns(FailedMicroBatchWarning, match="3 of 3 micro-batches failed"):
+        out = run_three(model, False)
+    assert out["logps"] is None
+
+
+def test_align_failed_refuses_what_it_cannot_place():
+    from twinkle_mem.integrations.twinkle import _align_failed
+    inputs = [{"labels": torch.zeros(2, 5)}, {"labels": torch.zeros(1, 5)}, {"labels": torch.zeros(2, 5)}]
+    aligned, rows = _align_failed(torch.ones(4, 5), inputs, [1])
+    assert torch.isnan(aligned).all(-1).tolist() == [False, False, True, False, False] and rows == [range(2, 3)]
+    assert _align_failed(torch.ones(3, 5), inputs, [1]) == (None, None)  # rows do not add up
+    assert _align_failed([torch.ones(2, 5)], inputs, [1]) == (None, None)  # one tensor per micro-batch missing
 
 
 def test_reduce_loss_outside_forward_backward_is_twinkles(guard):

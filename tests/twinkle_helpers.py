@@ -6,7 +6,10 @@
   reference to the storage of every logits tensor it produces (``LogitsTracker``),
   so a test can tell how many bytes of logits are still alive at any point.
 - ``twinkle_megatron_model()``: twinkle's real ``MegatronModel`` around a
-  ``ToyLM``, built without downloading a checkpoint.
+  ``ToyLM`` or a real megatron-core ``GPTModel`` (``gpt_model()``, run on the CPU
+  under ``megatron_gpt_cpu()``), built without downloading a checkpoint.
+- ``twinkle_transformers_model()``: twinkle's real ``TransformersModel`` around a
+  tiny transformers causal LM built from a config.
 - ``measure_in_subprocess()`` / ``peak_rss_delta()``: peak resident memory (and time)
   of a statement, in a fresh process.
 """
@@ -159,8 +162,10 @@ def cpu_platform(device_prefix: str = "cpu"):
             setattr(Platform, name, raw)
 
 
-def twinkle_megatron_model(toy: ToyLM, loss=None, variable_seq_lengths: bool = False):
-    """twinkle's ``MegatronModel`` with the state its ``forward_backward`` reads, around ``toy``.
+def twinkle_megatron_model(toy: nn.Module, loss=None, variable_seq_lengths: bool = False, tp_size: int = 1,
+                           sequence_parallel: bool = False):
+    """twinkle's ``MegatronModel`` with the state its ``forward_backward`` reads, around ``toy``
+    (a ``ToyLM``, or a megatron-core model chunk).
 
     ``MegatronModel.__init__`` downloads a checkpoint and builds the model through
     mcore_bridge; everything ``forward_backward`` uses is set here instead.
@@ -171,7 +176,8 @@ def twinkle_megatron_model(toy: ToyLM, loss=None, variable_seq_lengths: bool = F
     from twinkle.model.megatron.strategy.megatron import MegatronStrategy
     from twinkle.processor import InputProcessor
 
-    mesh = DeviceMesh.from_sizes(dp_size=1)
+    mesh = DeviceMesh.from_sizes(world_size=tp_size, dp_size=1, tp_size=tp_size,
+                                 sequence_parallel=sequence_parallel)
     strategy = MegatronStrategy.__new__(MegatronStrategy)
     strategy.device_mesh = mesh
     processor = InputProcessor(framework="megatron")
@@ -200,14 +206,92 @@ def twinkle_megatron_model(toy: ToyLM, loss=None, variable_seq_lengths: bool = F
     return model
 
 
-def lm_samples(lengths, vocab: int, seed: int = 0):
-    """Encoded samples (input_ids, labels, attention_mask, position_ids) as twinkle's templates produce them."""
+@contextlib.contextmanager
+def megatron_gpt_cpu():
+    """What megatron-core 0.16.1's GPTModel needs to run on the CPU: its attention's scratch
+    buffer allocated on the CPU, and no CUDA RNG state forks (no dropout is used). Undone on exit."""
+    from megatron.core import utils
+    from megatron.core.tensor_parallel import random
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(tensor_shape, dtype=dtype)
+
+    saved = [(utils.GlobalMemoryBuffer, "get_tensor"), (random.CudaRNGStatesTracker, "fork")]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name in saved]
+    utils.GlobalMemoryBuffer.get_tensor = get_tensor
+    random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        for owner, name, raw in saved:
+            setattr(owner, name, raw)
+
+
+def gpt_model(vocab: int, hidden: int = 32, heads: int = 4, layers: int = 1, max_seq: int = 128, tied: bool = False,
+              dtype: torch.dtype = torch.float32, sequence_parallel: bool = False, seed: int = 0) -> nn.Module:
+    """A small megatron-core ``GPTModel`` (local layer spec, learned positions: RoPE needs CUDA)
+    for the current model-parallel state; ``dtype=torch.bfloat16`` wraps it in ``Float16Module``,
+    as Megatron trains in bf16. The same seed gives the same full weights whatever the TP size
+    (``use_cpu_initialization`` initialises the full matrix, then takes this rank's part)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron.core import parallel_state
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                               use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                               calculate_per_token_loss=True, tensor_model_parallel_size=tp,
+                               sequence_parallel=sequence_parallel, bf16=dtype == torch.bfloat16)
+    torch.manual_seed(seed)
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=max_seq,
+                     position_embedding_type="learned_absolute", share_embeddings_and_output_weights=tied)
+    # twinkle pads position_ids with -1; a learned position table needs an index there.
+    model.embedding.position_embeddings.register_forward_pre_hook(lambda _, args: (args[0].clamp(min=0), ))
+    if dtype == torch.bfloat16:
+        model = Float16Module(config, model)
+    return model
+
+
+def twinkle_transformers_model(vocab: int, hidden: int = 32, tied: bool = False, dtype: torch.dtype = torch.float32,
+                               loss=None, seed: int = 0, config=None, mixed_precision: str = "no"):
+    """twinkle's real ``TransformersModel`` around a one-layer Qwen2 causal LM built from a config
+    (no download; twinkle's default template, which needs a tokenizer, left out). ``config``: a
+    transformers config to use instead, or a dict of Qwen2Config settings to add. ``mixed_precision``:
+    twinkle's setting ("bf16": accelerate runs the forward under CPU autocast)."""
+    import transformers
+    import twinkle.model.transformers.transformers as twinkle_transformers
+    if config is None or isinstance(config, dict):
+        config = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=128, tie_word_embeddings=tied, **(config or {}))
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(True)  # process-wide; twinkle's strategy creates an Accelerator per model
+    template = twinkle_transformers.Template
+    twinkle_transformers.Template = lambda *args, **kwargs: None
+    torch.manual_seed(seed)
+    try:
+        model = twinkle_transformers.TransformersModel(model_cls=transformers.AutoModelForCausalLM, config=config,
+                                                       mixed_precision=mixed_precision)
+    finally:
+        twinkle_transformers.Template = template
+    model.model.to(dtype)
+    if loss is not None:
+        model.set_loss(loss)
+    return model
+
+
+def lm_samples(lengths, vocab: int, seed: int = 0, prompt: int = 0):
+    """Encoded samples (input_ids, labels, attention_mask, position_ids) as twinkle's templates produce
+    them; the labels of the first ``prompt`` tokens (the prompt, in RL) are -100."""
     gen = torch.Generator().manual_seed(seed)
     samples = []
     for n in lengths:
         ids = torch.randint(0, vocab, (n, ), generator=gen)
         labels = torch.roll(ids, -1)
         labels[-1] = -100
+        labels[:prompt] = -100
         samples.append({
             "input_ids": ids,
             "labels": labels,

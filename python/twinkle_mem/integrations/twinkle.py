@@ -12,18 +12,32 @@ that runs a model; call it before training starts):
 - ``MegatronModel.forward_backward`` and ``MegatronStrategy.reduce_loss`` ->
   the logits guard (covers ``forward_only``, which twinkle runs through
   ``forward_backward`` and which then also runs without autograd, and
-  ``MultiLoraMegatronModel``, whose ``forward_backward`` calls this one).
+  ``MultiLoraMegatronModel``, whose ``forward_backward`` calls this one);
+  with it, megatron-core's ``get_forward_backward_func`` hands twinkle's
+  scheduler a forward step that reports failed micro-batches
+  (:class:`FailedMicroBatchWarning`, NaN rows in the returned log-probs) instead
+  of letting the collected log-probs shift onto other samples;
+- with ``fused_lm_head=True``: ``TransformersModel.forward`` / ``forward_only``
+  too, and in every eligible call the output layer computes log-probs and
+  entropy from its input without the logits (``twinkle_lm_head.py``).
 
 ``uninstall()`` puts every original object back.
 """
+import contextlib
 import functools
+import logging
 import sys
+import warnings
+from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import Any, Dict, List, Optional, Tuple
 
+from twinkle_mem.integrations import twinkle_lm_head as lm_head
 from twinkle_mem.megatron import current_logits_reporting, guard_report
 from twinkle_mem.megatron import logits_guard as _logits_guard  # install() has a flag of that name
 from twinkle_mem.processor import MASK_SKIP_MODES, dense_causal_mask, resolve_mask_type, skip_dense_mask
+
+logger = logging.getLogger("twinkle_mem")
 
 SUPPORTED_TWINKLE_VERSIONS = ("0.5.1", )
 
@@ -38,16 +52,28 @@ def is_installed() -> bool:
     return _settings is not None
 
 
-def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: bool = True) -> None:
+def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: bool = True,
+            fused_lm_head: bool = False, fused_chunk_bytes: Optional[int] = None) -> None:
     """Register twinkle-mem into twinkle-kit; idempotent, undone by :func:`uninstall`.
 
     ``mask_skip`` is one of ``twinkle_mem.processor.MASK_SKIP_MODES``
-    (``"npu"`` by default). Calling again with other settings reinstalls.
+    (``"npu"`` by default). ``fused_lm_head``: compute log-probs and entropy
+    from the output layer's input where that is the same computation (see
+    ``twinkle_lm_head.py`` and docs/twinkle_integration.md); needs
+    ``log_softmax``. ``fused_chunk_bytes``: the fused op's ``chunk_bytes``
+    (its block working memory, 256 MiB by default). Calling again with other
+    settings reinstalls.
     """
     global _settings, _log_softmax_pair
     if mask_skip not in MASK_SKIP_MODES:
         raise ValueError(f"mask_skip must be one of {MASK_SKIP_MODES}, got {mask_skip!r}")
-    settings = dict(log_softmax=log_softmax, mask_skip=mask_skip, logits_guard=logits_guard)
+    if fused_lm_head and not log_softmax:
+        raise ValueError("fused_lm_head=True needs log_softmax=True: twinkle's selective_log_softmax call sites are "
+                         "where the fused results are handed over")
+    if fused_chunk_bytes is not None and not (isinstance(fused_chunk_bytes, int) and fused_chunk_bytes > 0):
+        raise ValueError(f"fused_chunk_bytes must be a positive int or None, got {fused_chunk_bytes!r}")
+    settings = dict(log_softmax=log_softmax, mask_skip=mask_skip, logits_guard=logits_guard,
+                    fused_lm_head=fused_lm_head, fused_chunk_bytes=fused_chunk_bytes)
     if _settings == settings:
         return
     if _settings is not None:
@@ -58,13 +84,17 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
     import twinkle.utils.torch_utils as torch_utils
     from twinkle import Platform
     from twinkle.processor.base import InputProcessor
-    if logits_guard:
+    megatron_steps = logits_guard or fused_lm_head
+    if megatron_steps:
         from twinkle.model.megatron.megatron import MegatronModel
         from twinkle.model.megatron.strategy.megatron import MegatronStrategy
+        pipeline_parallel = _megatron_pipeline_parallel()  # None without megatron-core: no Megatron runs then
+    if fused_lm_head:
+        from twinkle.model.transformers.transformers import TransformersModel
     if log_softmax:
         from twinkle_mem import selective_log_softmax as op  # the native op, loaded only now
         original = torch_utils.selective_log_softmax
-        adapter = _log_softmax_adapter(op)
+        adapter = _log_softmax_adapter(op, fused_lm_head)
 
     try:
         if log_softmax:
@@ -73,9 +103,19 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
             _log_softmax_pair = (original, adapter)
         _patch(InputProcessor, "__call__", _processor_call(InputProcessor.__call__, Platform, mask_skip))
         _patch(InputProcessor, "_create_4d_attention_mask", staticmethod(_create_4d_attention_mask))
+        if megatron_steps:
+            _patch(MegatronModel, "forward_backward",
+                   _megatron_forward_backward(MegatronModel.forward_backward, logits_guard, fused_lm_head,
+                                              fused_chunk_bytes))
+            if pipeline_parallel is not None:
+                _patch(pipeline_parallel, "get_forward_backward_func",
+                       _scheduler_with_step_hooks(pipeline_parallel.get_forward_backward_func))
         if logits_guard:
-            _patch(MegatronModel, "forward_backward", _guarded_forward_backward(MegatronModel.forward_backward))
             _patch(MegatronStrategy, "reduce_loss", _guarded_reduce_loss(MegatronStrategy.reduce_loss))
+        if fused_lm_head:
+            for name in ("forward", "forward_only"):
+                _patch(TransformersModel, name, _transformers_forward(getattr(TransformersModel, name),
+                                                                      fused_chunk_bytes))
     except BaseException:
         _restore()
         raise
@@ -130,10 +170,13 @@ def _twinkle_modules_binding(obj: Any) -> List[Any]:
 # --- selective_log_softmax ---------------------------------------------------
 
 
-def _log_softmax_adapter(op):
+def _log_softmax_adapter(op, fused_lm_head=False):
 
     def selective_log_softmax(logits, index, return_entropy=False):
         """twinkle-kit's ``selective_log_softmax`` signature, computed by twinkle-mem's op."""
+        if fused_lm_head and logits.shape[-1] == 0:
+            # A fused output layer's placeholder: its log-probs were computed from the layer's input.
+            return lm_head.take(logits, index, return_entropy)
         # Under vocab tensor parallelism (TP > 1) the logits are this rank's vocab
         # shard, as for twinkle's own function (Megatron's vocab-parallel CE there):
         # the op combines the shards over the TP group, entropy included.
@@ -199,6 +242,9 @@ def _processor_call(original, platform, mode):
             outputs = original(self, inputs, **kwargs)
         finally:
             _skip_mask.reset(token)
+        call = lm_head.current()
+        if call is not None and call.labels_from_processor and isinstance(outputs, Mapping):
+            call.labels = outputs.get("labels")  # what TransformersModel pops before the model call
         return _drop_skipped(outputs)
 
     return __call__
@@ -213,18 +259,214 @@ def _drop_skipped(outputs):
     return outputs
 
 
-# --- logits guard -------------------------------------------------------------
+# --- Megatron: logits guard, fused LM head, failed micro-batches -----------------
 
 
-def _guarded_forward_backward(original):
+class FailedMicroBatchWarning(UserWarning):
+    """Micro-batches failed inside twinkle's Megatron forward step (``TWINKLE_FAIL_FAST=0``
+    caught the error). ``micro_batches``: their indices in the call; ``rows``: their rows in
+    the returned ``logps``, which hold NaN (or ``None`` where the log-probs could not be
+    placed: then ``logps`` is ``None``)."""
+
+    def __init__(self, message: str, micro_batches: List[int], rows: Optional[List[range]]):
+        super().__init__(message)
+        self.micro_batches = micro_batches
+        self.rows = rows
+
+
+warnings.filterwarnings("always", category=FailedMicroBatchWarning)  # every failure, not only the first
+
+_STEPS: ContextVar[Optional["_MegatronSteps"]] = ContextVar("twinkle_mem_megatron_steps", default=None)
+
+
+def _megatron_pipeline_parallel():
+    try:
+        import megatron.core.pipeline_parallel as pipeline_parallel
+    except ImportError:
+        return None
+    return pipeline_parallel
+
+
+def _megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: Optional[int]):
 
     @functools.wraps(original)
     def forward_backward(self, *args, **kwargs):
-        with _logits_guard(return_logits=kwargs.get("return_logits", False), loss=_loss_instance(self, kwargs),
-                           forward_only=kwargs.get("forward_only", False)):
+        if _STEPS.get() is not None:  # nested (a subclass's forward_backward through this one): hooked outside
             return original(self, *args, **kwargs)
+        loss = _loss_instance(self, kwargs)
+        forward_only = kwargs.get("forward_only", False)
+        steps = _MegatronSteps(self, kwargs, loss)
+        with contextlib.ExitStack() as stack:
+            if guard:
+                stack.enter_context(_logits_guard(return_logits=kwargs.get("return_logits", False), loss=loss,
+                                                  forward_only=forward_only))
+            if fused:
+                steps.fused = stack.enter_context(_fused_megatron(self, kwargs, loss, chunk_bytes))
+            token = _STEPS.set(steps)
+            stack.callback(_STEPS.reset, token)
+            out = original(self, *args, **kwargs)
+        if guard and steps.failed:
+            _report_failed_micro_batches(self, kwargs, out, steps.failed)
+        return out
 
     return forward_backward
+
+
+@contextlib.contextmanager
+def _fused_megatron(model, kwargs, loss, chunk_bytes):
+    """The fused call for one MegatronModel.forward_backward, or None where it does not apply."""
+    reason = lm_head.call_ineligible(kwargs, loss)
+    layers = []
+    if reason is None:
+        model._lazy_wrap_model()  # twinkle's first step anyway: decide on the model as it will run
+        layers, reason = lm_head.megatron_output_layers(model.model)
+    if reason is not None or not layers:  # (no output layer: not the last pipeline stage)
+        if reason is not None:
+            logger.debug("twinkle-mem fused LM head not used: %s", reason)
+        yield None
+        return
+    call = lm_head.FusedCall(float(kwargs.get("temperature", 1.0)), bool(getattr(loss, "require_entropy", False)),
+                             chunk_bytes)
+    with lm_head.deferred(layers, lm_head.megatron_forward, call):
+        yield call
+
+
+def _scheduler_with_step_hooks(original):
+    """megatron-core's get_forward_backward_func; inside a hooked forward_backward, its schedule
+    runs twinkle's forward step through _MegatronSteps."""
+
+    @functools.wraps(original)
+    def get_forward_backward_func(*args, **kwargs):
+        schedule = original(*args, **kwargs)
+        steps = _STEPS.get()
+        if steps is None:
+            return schedule
+
+        @functools.wraps(schedule)
+        def run(*a, forward_step_func, **kw):
+            return schedule(*a, forward_step_func=steps.wrap(forward_step_func), **kw)
+
+        return run
+
+    return get_forward_backward_func
+
+
+class _LabelsOfNextBatch:
+    """The data iterator twinkle's forward step draws its micro-batch from; notes the batch's labels."""
+
+    def __init__(self, iterator, steps):
+        self.iterator, self.steps = iterator, steps
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.iterator)
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        self.steps.labels = labels
+        if self.steps.fused is not None:
+            self.steps.fused.labels = labels
+        return batch
+
+
+class _MegatronSteps:
+    """Hooks around twinkle's forward step for one forward_backward call: the fused output
+    layer's micro-batch labels and its checks, and the failed micro-batches."""
+
+    def __init__(self, model, kwargs, loss):
+        self.model = model
+        self.expects_logps = (kwargs.get("task", "causal_lm") != "embedding" and loss is not None
+                              and getattr(loss, "require_logps", True))
+        self.fused: Optional[lm_head.FusedCall] = None
+        self.labels = None
+        self.loss_steps = 0  # micro-batches seen by the last pipeline stage
+        self.failed: List[int] = []
+
+    def wrap(self, forward_step_func):
+
+        @functools.wraps(forward_step_func)
+        def forward_step(data_iterator, model):
+            call = self.fused
+            deferred = call.deferred if call is not None else 0
+            self.labels = None
+            try:
+                output, loss_func = forward_step_func(_LabelsOfNextBatch(data_iterator, self), model)
+            finally:
+                if call is not None:
+                    call.labels = None
+            if not self._last_stage(model):
+                return output, loss_func
+            index = self.loss_steps
+            self.loss_steps += 1
+            keywords = getattr(loss_func, "keywords", {})  # twinkle's partial(post_loss_function, ...)
+            if call is not None and call.deferred != deferred:
+                if call.pending is not None or keywords.get("logps") is None:
+                    call.pending = None
+                    # twinkle caught an error (TWINKLE_FAIL_FAST=0) and would compute the loss from its
+                    # "logits": the placeholder. Nothing sound can follow.
+                    raise RuntimeError(f"twinkle-mem fused LM head: micro-batch {index} lost its log-probs in "
+                                       "twinkle's forward step (see twinkle's '[nccl_safe]' warning above); "
+                                       "refusing to compute a loss without them. install(fused_lm_head=False) runs "
+                                       "twinkle-kit unchanged.")
+            elif self.expects_logps and self.labels is not None and "logps" in keywords \
+                    and keywords["logps"] is None:
+                self.failed.append(index)
+            return output, loss_func
+
+        return forward_step
+
+    def _last_stage(self, chunk) -> bool:
+        from megatron.core import parallel_state as mpu
+        unwrapped = self.model.strategy.unwrap_model([chunk])[0]
+        return mpu.is_pipeline_last_stage(False, getattr(unwrapped, "vp_stage", None))
+
+
+def _report_failed_micro_batches(model, kwargs, out, failed: List[int]) -> None:
+    """Put NaN rows where the failed micro-batches' log-probs belong (in the returned output and in
+    twinkle's train/eval status), and warn, naming them."""
+    name = kwargs["adapter_name"] if "adapter_name" in kwargs else model._get_default_group()
+    group = model.optimizer_group[name]
+    status = group.eval_status if kwargs.get("forward_only", False) else group.train_status
+    logps, rows = _align_failed(out.get("logps"), status.inputs, failed)
+    out["logps"] = logps
+    if isinstance(getattr(status, "outputs", None), Mapping):
+        status.outputs["logps"] = logps
+    n = len(status.inputs)
+    where = ", ".join(f"{i} (rows {r.start}-{r.stop - 1})" for i, r in zip(failed, rows)) if rows else \
+        ", ".join(map(str, failed))
+    what = ("their rows of `logps` are NaN (`torch.isnan(logps).all(-1)` marks them); every other row stays with "
+            "its sample" if rows else "the log-probs of the other micro-batches could not be placed: `logps` is None")
+    warnings.warn(FailedMicroBatchWarning(
+        f"twinkle-mem: {len(failed)} of {n} micro-batches failed in twinkle's forward step (TWINKLE_FAIL_FAST=0 "
+        f"caught the error, see twinkle's '[nccl_safe]' warning): micro-batch {where}; {what}.", failed, rows),
+        stacklevel=3)
+
+
+def _align_failed(logps, inputs, failed: List[int]):
+    """(log-probs with a NaN block for each failed micro-batch, the blocks' row ranges), or
+    (None, None) where the rows cannot be placed. ``inputs``: twinkle's per-micro-batch inputs
+    (unpacked, as returned); a micro-batch's log-probs have its labels' rows."""
+    import torch
+    shapes = [tuple(inp["labels"].shape) if isinstance(inp, Mapping) and inp.get("labels") is not None else None
+              for inp in inputs]
+    kept = [i for i in range(len(inputs)) if i not in failed]
+    if logps is None or any(shapes[i] is None for i in range(len(inputs))):
+        return None, None
+    if isinstance(logps, torch.Tensor):  # micro-batches concatenated along the rows
+        if logps.dim() < 1 or sum(shapes[i][0] for i in kept) != logps.shape[0]:
+            return None, None
+        mine = iter(logps.split([shapes[i][0] for i in kept]))
+        blocks = [logps.new_full((shapes[i][0], *logps.shape[1:]), float("nan")) if i in failed else next(mine)
+                  for i in range(len(inputs))]
+        aligned = torch.cat(blocks)
+    else:  # variable_seq_lengths: one tensor per micro-batch
+        if len(logps) != len(kept):
+            return None, None
+        mine = iter(logps)
+        aligned = [torch.full(shapes[i], float("nan"), dtype=logps[0].dtype, device=logps[0].device)
+                   if i in failed else next(mine) for i in range(len(inputs))]
+    starts = [sum(shapes[j][0] for j in range(i)) for i in failed]
+    return aligned, [range(s, s + shapes[i][0]) for s, i in zip(starts, failed)]
 
 
 def _loss_instance(model, kwargs):
@@ -247,3 +489,39 @@ def _guarded_reduce_loss(original):
         return loss, count, guard_report(report, keep_logits)
 
     return reduce_loss
+
+
+# --- transformers: fused LM head ------------------------------------------------
+
+
+def _transformers_forward(original, chunk_bytes: Optional[int]):
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        if lm_head.current() is not None:  # forward called from within a fused call
+            return original(self, *args, **kwargs)
+        with _fused_transformers(self, kwargs, chunk_bytes) as call:
+            out = original(self, *args, **kwargs)
+            if call is not None:
+                call.check_taken(f"TransformersModel.{original.__name__}")
+        return out
+
+    return forward
+
+
+@contextlib.contextmanager
+def _fused_transformers(model, kwargs, chunk_bytes):
+    """The fused call for one TransformersModel.forward / forward_only, or None where it does not apply."""
+    loss = _loss_instance(model, kwargs)
+    reason = lm_head.call_ineligible(kwargs, loss)
+    if reason is None:
+        model._lazy_wrap_model()  # twinkle's first step anyway: decide on the model as it will run
+        head, reason = lm_head.transformers_lm_head(model.model, model.strategy.unwrap_model(model.model))
+    if reason is not None:
+        logger.debug("twinkle-mem fused LM head not used: %s", reason)
+        yield None
+        return
+    call = lm_head.FusedCall(float(kwargs.get("temperature", 1.0)), bool(getattr(loss, "require_entropy", False)),
+                             chunk_bytes, labels_from_processor=True)
+    with lm_head.deferred([head], lm_head.transformers_forward, call):
+        yield call

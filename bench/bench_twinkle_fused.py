@@ -1,0 +1,164 @@
+"""twinkle-kit's Megatron forward_backward / forward_only with and without the fused LM head, each
+case in a fresh process: peak RSS rise and time.
+
+    PYTHONPATH=python python bench/bench_twinkle_fused.py [--vocab 151936] [--seq 4096] [--hidden 64] [--reps 1]
+
+twinkle-kit 0.5.1's real ``MegatronModel.forward_backward`` on megatron-core 0.16.1's real
+no-pipelining scheduler (gloo, world size 1, CPU, 1 thread) around a one-layer megatron-core
+``GPTModel`` (``tests/twinkle_helpers.gpt_model``: local spec, learned positions), fp32 (bf16
+matmuls are ~10x slower than fp32 on this CPU), GRPOLoss with an entropy bonus, 2 micro-batches
+of one ``--seq`` sample each (``--prompt`` tokens of each with label -100), ``return_logits=False``.
+Cases: twinkle-kit as shipped, ``install()`` (logits guard + twinkle-mem's op on the logits) and
+``install(fused_lm_head=True)``. Per case: the rise of the resident-set high-water mark over one
+call after a warm-up call, the median time of ``--reps`` calls, the loss, and the sum of the
+returned log-probs under the loss mask (the cases must agree).
+Writes bench/results/twinkle_fused.json, .md and .png.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+import twinkle_helpers as th  # noqa: E402
+
+CASES = [
+    ("twinkle-kit 0.5.1", None),
+    ("install()", "integration.install(mask_skip='never')"),
+    ("install(fused_lm_head=True)", "integration.install(mask_skip='never', fused_lm_head=True)"),
+]
+
+SETUP = """
+import torch
+import twinkle_helpers as th
+from twinkle.loss import GRPOLoss
+from twinkle_mem.integrations import twinkle as integration
+contexts = [th.megatron_cpu(), th.megatron_gpt_cpu(), th.cpu_platform("cpu")]  # kept referenced
+for context in contexts:
+    context.__enter__()  # left when the process ends
+{install}
+chunk = th.gpt_model({vocab}, hidden={hidden}, heads=2, max_seq={seq})
+model = th.twinkle_megatron_model(chunk, loss=GRPOLoss(entropy_coef=0.01))
+samples = th.lm_samples([{seq}, {seq}], {vocab}, prompt={prompt})  # a [1, 1, S, S] bool mask each: S^2 bytes
+"""
+
+STMT = """
+for p in chunk.parameters():
+    p.grad = None
+if {forward_only}:
+    out = model.forward_only(inputs=samples, micro_batch_size=1, temperature=0.7)
+else:
+    out = model.forward_backward(inputs=samples, micro_batch_size=1, temperature=0.7,
+                                 advantages=torch.tensor([1.0, -0.5]))
+labels = torch.stack([s["labels"].reshape(-1) for s in samples])
+EXTRA.update(loss=out["loss"], logps_sum=float(out["logps"][labels != -100].double().sum()))
+return out
+"""
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=0)
+    parser.add_argument("--reps", type=int, default=1)
+    parser.add_argument("--cases", type=int, nargs="+", default=list(range(len(CASES))),
+                        help="indices into CASES (the shipped case needs ~6x a micro-batch's logits)")
+    parser.add_argument("--out", default="twinkle_fused", help="results file stem under bench/results/")
+    parser.add_argument("--replot", action="store_true", help="redraw the table and PNG from the JSON only")
+    args = parser.parse_args()
+    out_dir = os.path.join(HERE, "results")
+    if args.replot:
+        with open(os.path.join(out_dir, f"{args.out}.json")) as f:
+            saved = json.load(f)
+        _write(saved["rows"], saved["meta"], out_dir, args.out)
+        return
+
+    import megatron.core
+    import torch
+    import twinkle.version
+    logits_bytes = args.seq * args.vocab * 4  # one micro-batch's fp32 logits
+    rows = []
+    started = time.perf_counter()
+    for forward_only in (False, True):
+        for name, install in [CASES[i] for i in args.cases]:
+            t0 = time.perf_counter()
+            print(f"{'forward_only' if forward_only else 'forward_backward':16} {name:28} ...", end=" ", flush=True)
+            got = th.measure_in_subprocess(
+                SETUP.format(install=install or "", vocab=args.vocab, hidden=args.hidden, seq=args.seq,
+                             prompt=args.prompt),
+                STMT.format(forward_only=forward_only), reps=args.reps)
+            rows.append(dict(mode="forward_only" if forward_only else "forward_backward", case=name,
+                             peak_rss_bytes=got["peak"], s_median=statistics.median(got["times"]),
+                             times=got["times"], loss=got["extra"]["loss"], logps_sum=got["extra"]["logps_sum"]))
+            r = rows[-1]
+            print(f"peak RSS rise {r['peak_rss_bytes'] / 2**20:8.1f} MiB  {r['s_median']:7.2f} s  loss {r['loss']:.6f}"
+                  f"  sum(logps) {r['logps_sum']:.4f}   ({time.perf_counter() - t0:.0f} s with setup and warm-up)",
+                  flush=True)
+
+    meta = dict(vocab=args.vocab, seq=args.seq, hidden=args.hidden, layers=1, heads=2, prompt=args.prompt,
+                micro_batches=2, micro_batch_size=1, dtype="float32", temperature=0.7,
+                loss="GRPOLoss(entropy_coef=0.01)", logits_bytes_per_micro_batch=logits_bytes, reps=args.reps,
+                threads=1, wall_s=round(time.perf_counter() - started, 1), load_average=os.getloadavg(),
+                torch=torch.__version__, twinkle_kit=twinkle.version.__version__,
+                megatron_core=megatron.core.__version__, python=platform.python_version(), cores=os.cpu_count())
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{args.out}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=2)
+    _write(rows, meta, out_dir, args.out)
+
+
+def _write(rows, meta, out_dir, stem):
+    table = _table(rows, meta)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(table)
+    print(table)
+    _plot(rows, meta, os.path.join(out_dir, f"{stem}.png"))
+
+
+def _table(rows, meta):
+    lines = [f"twinkle-kit Megatron, 2 micro-batches of [1, {meta['seq']}], V = {meta['vocab']}, H = {meta['hidden']}, "
+             f"fp32, one micro-batch's logits = {meta['logits_bytes_per_micro_batch'] / 2**20:.0f} MiB, 1 thread, "
+             f"load average at the end {meta['load_average'][0]:.2f}",
+             "", "| mode | case | peak RSS rise | vs first | time | vs first | loss | sum of logps under the mask |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        base = next(b for b in rows if b["mode"] == r["mode"])  # the first case run
+        lines.append(f"| {r['mode']} | {r['case']} | {r['peak_rss_bytes'] / 2**20:,.0f} MiB | "
+                     f"{r['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}x | {r['s_median']:.2f} s | "
+                     f"{r['s_median'] / base['s_median']:.2f}x | {r['loss']:.6f} | {r['logps_sum']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows, meta, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    modes = ["forward_backward", "forward_only"]
+    width = 0.27
+    for ax, key, unit, scale in ((axes[0], "peak_rss_bytes", "peak RSS rise (MiB)", 2**20),
+                                 (axes[1], "s_median", "time (s)", 1)):
+        names = list(dict.fromkeys(r["case"] for r in rows))
+        for i, name in enumerate(names):
+            vals = [next(r[key] for r in rows if r["mode"] == m and r["case"] == name) / scale for m in modes]
+            ax.bar([x + (i - (len(names) - 1) / 2) * width for x in range(len(modes))], vals, width, label=name)
+        ax.set_xticks(range(len(modes)))
+        ax.set_xticklabels(modes)
+        ax.set_ylabel(unit)
+    axes[0].axhline(meta["logits_bytes_per_micro_batch"] / 2**20, color="k", ls="--", lw=1,
+                    label="one micro-batch's logits")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"twinkle-kit Megatron forward_backward / forward_only, 2 micro-batches of [1, {meta['seq']}], "
+                 f"V = {meta['vocab']}, H = {meta['hidden']}, fp32, CPU, 1 thread")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""The fused LM head for twinkle-kit 0.5.1: log-probs and entropy from the output layer's input.
+
+For one eligible model call (``MegatronModel.forward_backward`` / ``forward_only``,
+``TransformersModel.forward`` / ``forward_only``), the model's output layer
+(Megatron's ``output_layer``, transformers' ``lm_head``) is given a deferred
+``forward`` for that call only. Where it would return the logits ``[..., V]``
+of a micro-batch, it computes the log-probs (and entropy) of that micro-batch's
+labels with ``twinkle_mem.linear_selective_log_softmax`` from its own input and
+weight, and returns a zero-width placeholder ``[..., 0]`` instead. twinkle then
+calls ``selective_log_softmax(placeholder, masked_labels)``; the installed
+adapter (``integrations/twinkle.py``) calls :func:`take` there, which hands back
+the results computed for that placeholder. The logits never exist.
+
+What makes this the same computation as twinkle's:
+- the layer is the plain bias-free linear (exact class), so its input and
+  weight define the logits; the temperature is passed to the op, which divides
+  the logits in-register, as twinkle's ``logits.div_(T)`` did;
+- :func:`take` accepts only the placeholder itself or a view of it (so nothing
+  was applied between the layer and twinkle's call: no soft-capping or scaling
+  slipped through), and only with twinkle's masked labels of the very labels
+  the op used;
+- labels equal to -100 are ignored by the op: prompt rows cost no matmul and
+  get logp 0 and entropy 0, where twinkle gave the values at token 0; GRPOLoss
+  and its metrics read them only under the loss mask (labels != -100).
+
+Failures are loud: a deferred result that twinkle does not take, a placeholder
+reaching anything but :func:`take` (e.g. a loss that falls back to computing
+from ``outputs['logits']``), or labels that do not match, raise RuntimeError.
+Zero-width logits cannot yield a loss silently.
+"""
+import contextlib
+import sys
+from contextvars import ContextVar
+from dataclasses import dataclass
+from types import MethodType
+from typing import Any, Iterator, List, Optional, Tuple
+
+import torch
+
+IGNORE_INDEX = -100  # twinkle's forward steps mask labels with this value, whatever the loss says
+
+# Config attributes that mean the logits are transformed after the output layer.
+# (Gemma 2/3/4 soft-capping, Cohere's logit_scale, Granite's logits_scaling, MuseGlimmer's output_multiplier)
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling",
+                     "output_multiplier")
+
+
+@dataclass
+class _Deferred:
+    placeholder: torch.Tensor
+    logp: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    labels: torch.Tensor
+
+
+class FusedCall:
+    """State of one eligible model call: what the deferred heads compute with, and the
+    result waiting for twinkle's ``selective_log_softmax``."""
+
+    def __init__(self, temperature: float, with_entropy: bool, chunk_bytes: Optional[int],
+                 labels_from_processor: bool = False):
+        self.temperature = temperature
+        self.with_entropy = with_entropy
+        self.chunk_bytes = chunk_bytes
+        self.labels_from_processor = labels_from_processor  # else set per micro-batch by the step hooks
+        self.labels: Optional[torch.Tensor] = None  # the micro-batch's labels, IGNORE_INDEX where ignored
+        self.pending: Optional[_Deferred] = None
+        self.deferred = 0  # results computed by deferred heads
+        self.taken = 0  # results handed to twinkle
+
+    def compute(self, hidden, weight, labels, process_group=None):
+        from twinkle_mem import linear_selective_log_softmax
+        out = linear_selective_log_softmax(hidden, weight, labels, self.with_entropy, temperature=self.temperature,
+                                           ignore_index=IGNORE_INDEX, chunk_bytes=self.chunk_bytes,
+                                           process_group=process_group)
+        return out if self.with_entropy else (out, None)
+
+    def defer(self, logp, entropy, hidden) -> torch.Tensor:
+        """Keep (logp, entropy) for twinkle's call; return the placeholder standing for the logits."""
+        if self.pending is not None:
+            self.pending = None
+            raise RuntimeError("twinkle-mem fused LM head: the output layer ran twice before twinkle computed the "
+                               "log-probs of the first call (multi-token prediction or a second head?); refusing "
+                               "to go on. install(fused_lm_head=False) runs twinkle-kit unchanged.")
+        # fp32, so that Float16Module's upcast and a model's own `.float()` return it unchanged.
+        placeholder = hidden.new_empty((*hidden.shape[:-1], 0), dtype=torch.float32)
+        self.pending = _Deferred(placeholder, logp, entropy, self.labels)
+        self.deferred += 1
+        return placeholder
+
+    def check_taken(self, where: str) -> None:
+        """Raise if a deferred result was not taken by twinkle's ``selective_log_softmax``."""
+        if self.pending is not None:
+            self.pending = None
+            raise RuntimeError(f"twinkle-mem fused LM head: {where}: the output layer's log-probs were computed but "
+                               "twinkle did not ask for them; its logits (a zero-width placeholder) must not reach "
+                               "a loss. install(fused_lm_head=False) runs twinkle-kit unchanged.")
+
+
+_CALL: ContextVar[Optional[FusedCall]] = ContextVar("twinkle_mem_fused_call", default=None)
+
+
+def current() -> Optional[FusedCall]:
+    """The fused model call in progress, if any."""
+    return _CALL.get()
+
+
+def take(logits: torch.Tensor, index: torch.Tensor, return_entropy: bool):
+    """twinkle's ``selective_log_softmax(logits, index, return_entropy)`` on a deferred head's
+    placeholder: the log-probs (and entropy) computed for it. Raises for anything else."""
+    call = _CALL.get()
+    pending = call.pending if call is not None else None
+    if pending is None or not (logits is pending.placeholder or logits._base is pending.placeholder):
+        raise RuntimeError(
+            f"twinkle-mem fused LM head: selective_log_softmax got logits of shape {tuple(logits.shape)} (zero "
+            "width) that are not the output layer's pending placeholder: something transformed the output layer's "
+            "result, or a loss is computing from outputs['logits'] after the log-probs were lost. The logits do not "
+            "exist on the fused path. install(fused_lm_head=False) runs twinkle-kit unchanged.")
+    masked = pending.labels.masked_fill(pending.labels == IGNORE_INDEX, 0)
+    if index.shape != masked.shape or not torch.equal(index.to(masked.dtype), masked):
+        call.pending = None
+        raise RuntimeError(f"twinkle-mem fused LM head: twinkle asked for the log-probs of labels {tuple(index.shape)} "
+                           f"that are not the micro-batch's labels {tuple(masked.shape)} with -100 masked to 0")
+    if bool(return_entropy) != (pending.entropy is not None):
+        call.pending = None
+        raise RuntimeError(f"twinkle-mem fused LM head: entropy {'asked for' if return_entropy else 'not asked for'} "
+                           "but the loss's require_entropy said otherwise")
+    call.pending = None
+    call.taken += 1
+    return (pending.logp, pending.entropy) if return_entropy else pending.logp
+
+
+# --- when the fused path applies -------------------------------------------------
+
+
+def call_ineligible(kwargs, loss) -> Optional[str]:
+    """Why a twinkle call cannot take the fused path (its kwargs and loss), or None."""
+    if kwargs.get("return_logits", False):
+        return "the caller asked for logits (return_logits=True)"
+    if kwargs.get("task", "causal_lm") not in (None, "causal_lm"):
+        return f"task={kwargs.get('task')!r} is not causal_lm"
+    if loss is None:
+        return "no loss instance"
+    if getattr(loss, "require_logits", False):
+        return f"the loss {type(loss).__name__} needs logits (require_logits)"
+    if getattr(loss, "require_values", False):
+        return f"the loss {type(loss).__name__} needs values (require_values)"
+    if not getattr(loss, "require_logps", True):
+        return f"the loss {type(loss).__name__} does not use log-probs (require_logps=False)"
+    inner = getattr(loss, "_loss_instance", loss)  # twinkle's SafeLossWrapper
+    if getattr(inner, "ignore_index", IGNORE_INDEX) != IGNORE_INDEX:
+        return f"the loss ignores label {inner.ignore_index}, twinkle's forward step ignores {IGNORE_INDEX}"
+    return None
+
+
+def _logit_transform(*configs) -> Optional[str]:
+    for config in configs:
+        for cfg in (config, getattr(config, "text_config", None)):
+            for name in _LOGIT_TRANSFORMS:
+                if cfg is not None and getattr(cfg, name, None) is not None:
+                    return f"the model transforms its logits ({name}={getattr(cfg, name)!r})"
+    return None
+
+
+def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
+    """The output layers of a MegatronModel's chunks (none on other pipeline stages), or a reason
+    why the fused path cannot apply."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from twinkle.patch.megatron_emb import _find_post_process_owner
+    known_postprocess = {GPTModel._postprocess}
+    known_output_layer = set()
+    bridge = sys.modules.get("mcore_bridge.model.gpt_model")  # twinkle builds real models with mcore_bridge
+    if bridge is not None and hasattr(bridge, "GPTModel"):
+        known_postprocess.add(bridge.GPTModel._postprocess)
+        known_output_layer.add(getattr(bridge.GPTModel, "_forward_output_layer", None))
+    layers = []
+    for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
+        owner = _find_post_process_owner(chunk)
+        if owner is None:
+            continue  # not the last pipeline stage
+        layer, config, cls = owner.output_layer, owner.config, type(owner)
+        if type(layer) is not ColumnParallelLinear:
+            return [], f"the output layer is a {type(layer).__name__}, not a plain ColumnParallelLinear (LoRA?)"
+        if layer.bias is not None:
+            return [], "the output layer has a bias"
+        if layer.gather_output or layer.explicit_expert_comm:
+            return [], "the output layer gathers its output"
+        if getattr(config, "mtp_num_layers", None):
+            return [], "multi-token prediction"
+        if getattr(config, "defer_embedding_wgrad_compute", False):
+            return [], "defer_embedding_wgrad_compute"
+        if getattr(config, "task_type", "causal_lm") != "causal_lm":
+            return [], f"task_type={config.task_type!r}"
+        if getattr(cls, "_postprocess", None) not in known_postprocess or \
+                getattr(cls, "_forward_output_layer", None) not in known_output_layer | {None}:
+            return [], f"{cls.__name__} post-processes the output layer its own way"
+        reason = _logit_transform(config, getattr(config, "hf_config", None), owner)
+        if reason:
+            return [], reason
+        layers.append(layer)
+    return layers, None
+
+
+def transformers_lm_head(wrapped_model, unwrapped) -> Tuple[Optional[torch.nn.Module], Optional[str]]:
+    """The ``lm_head`` of a TransformersModel's model, or a reason why the fused path cannot apply."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    get = getattr(unwrapped, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if head is None:
+        return None, "the model has no output embeddings (not a causal LM)"
+    if type(head) is not torch.nn.Linear:
+        return None, f"lm_head is a {type(head).__name__}, not a plain nn.Linear (LoRA or another wrapper?)"
+    if head.bias is not None:
+        return None, "lm_head has a bias"
+    if any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in wrapped_model.modules()):
+        return None, "FSDP shards the model (lm_head's weight lives only during its own forward)"
+    reason = _logit_transform(getattr(unwrapped, "config", None))
+    return (None, reason) if reason else (head, None)
+
+
+# --- deferred output layers -------------------------------------------------------
+
+
+@contextlib.contextmanager
+def deferred(layers, make_forward, call: FusedCall) -> Iterator[FusedCall]:
+    """Give each layer the deferred forward for the enclosed call; restore them after."""
+    saved = []
+    try:
+        for layer in layers:
+            saved.append((layer, layer.__dict__.get("forward")))
+            layer.forward = MethodType(make_forward(layer.forward), layer)
+        token = _CALL.set(call)
+        try:
+            yield call
+        finally:
+            _CALL.reset(token)
+    finally:
+        for layer, previous in reversed(saved):
+            if previous is None:
+                del layer.forward
+            else:
+                layer.forward = previous
+
+
+def megatron_forward(original):
+    """ColumnParallelLinear.forward, deferred: (placeholder [s, b, 0], None) for a micro-batch with labels."""
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        call = _CALL.get()
+        if call is None or call.labels is None or runtime_gather_output:
+            return original(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                            gather_from_sequence_parallel_region)
+        weight = self.weight if weight is None else weight
+        # ColumnParallelLinear's input mapping: its backward sums the ranks' partial grad_hidden.
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=self.tp_group)
+        elif self.disable_grad_reduce:
+            hidden = input_
+        else:
+            hidden = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        labels = call.labels  # [b, s]; the hidden states are [s, b, H]
+        if tuple(hidden.shape[:2]) != tuple(labels.shape[::-1]):
+            raise RuntimeError(f"twinkle-mem fused LM head: output layer input {tuple(hidden.shape)} does not match "
+                               f"the micro-batch's labels {tuple(labels.shape)}")
+        group = self.tp_group if self.tp_group is not None and self.tp_group.size() > 1 else None
+        logp, entropy = call.compute(hidden, weight, labels.t(), group)
+        logp = logp.t().contiguous()
+        entropy = entropy.t().contiguous() if entropy is not None else None
+        return call.defer(logp, entropy, hidden), None
+
+    return forward
+
+
+def transformers_forward(original):
+    """nn.Linear.forward of a transformers lm_head, deferred: a placeholder [b, s, 0] for labelled inputs."""
+
+    def forward(self, input):  # noqa: A002  (nn.Linear's name)
+        call = _CALL.get()
+        if call is None or call.labels is None or tuple(input.shape[:-1]) != tuple(call.labels.shape):
+            return original(input)
+        weight = self.weight
+        device_type = input.device.type
+        with contextlib.ExitStack() as stack:
+            if torch.is_autocast_enabled(device_type):  # as autocast runs nn.Linear: both in its dtype
+                dtype = torch.get_autocast_dtype(device_type)
+                input, weight = input.to(dtype), weight.to(dtype)
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            logp, entropy = call.compute(input, weight, call.labels)
+        return call.defer(logp, entropy, input)
+
+    return forward

@@ -1,0 +1,488 @@
+"""install(fused_lm_head=True): twinkle-kit 0.5.1 computes log-probs and entropy from the output
+layer's input (python/twinkle_mem/integrations/twinkle_lm_head.py), on the CPU:
+
+- twinkle's real MegatronModel around a real megatron-core GPTModel (TP = 1; TP = 2:
+  tests/test_integration_twinkle_fused_tp.py), and twinkle's real TransformersModel around a
+  one-layer Qwen2 built from a config;
+- the same training as the unfused run (install() without the fused head): loss, log-probs and
+  entropy under the loss mask, every parameter gradient; fp32 and bf16 (Megatron: Float16Module),
+  tied and untied head, T = 1.0 and 0.7, entropy on and off, GRPOLoss;
+- no tensor whose last dim is the vocab (1018, no other dim of these models) is created, seen
+  by a dispatch mode that also runs inside twinkle-mem's Python custom ops; the unfused run,
+  and every ineligible call under install(fused_lm_head=True), do create the logits;
+- failures after the switch raise, also under TWINKLE_FAIL_FAST=0.
+"""
+import functools
+import logging
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import twinkle_mem
+from twinkle_mem.integrations import twinkle as integration
+from twinkle_mem.integrations import twinkle_lm_head as lm_head
+from twinkle_mem.linear import linear_bwd, linear_fwd
+
+try:  # tests/ as a package, or as a plain directory on sys.path
+    from . import twinkle_helpers as th
+except ImportError:
+    import twinkle_helpers as th
+
+VOCAB = 1018  # hidden 32, ffn 64/128, 4 heads, sequences <= 40, 128 positions: no other dim is 1018
+SEQ, PROMPT = 40, 12
+LENGTHS = [SEQ, SEQ - 7, SEQ - 3, SEQ - 11]  # micro-batches of 2 on Megatron: 80 rows each
+CHUNK = 64 << 10  # the fused op's block memory: several vocab blocks per micro-batch
+ADVANTAGES = torch.tensor([1.0, -0.5, 0.25, 2.0])
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2**-6}  # fp32: 1e-4 relative; bf16: 2 eps of the tensor's scale
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu():
+    with th.megatron_cpu(), th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def uninstalled():
+    integration.uninstall()
+    yield
+    integration.uninstall()
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """How often the fused op ran (the deferred heads call it through twinkle_mem)."""
+    calls = []
+    real = twinkle_mem.linear_selective_log_softmax
+
+    @functools.wraps(real)
+    def counting(*args, **kwargs):
+        calls.append((tuple(args[0].shape), args[0].dtype))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(twinkle_mem, "linear_selective_log_softmax", counting)
+    return calls
+
+
+def grpo(entropy: bool, **attrs):
+    """A GRPOLoss that records the log-probs and entropies twinkle hands it."""
+    from twinkle.loss import GRPOLoss
+
+    class Recording(GRPOLoss):
+        seen = []
+
+        def __call__(self, inputs, outputs, **kwargs):
+            self.seen.append((outputs.get("logps"), outputs.get("entropies")))
+            return super().__call__(inputs, outputs, **kwargs)
+
+    loss = Recording(entropy_coef=0.1 if entropy else 0.0)
+    loss.seen = []
+    for name, value in attrs.items():
+        setattr(loss, name, value)
+    return loss
+
+
+# --- runs ---------------------------------------------------------------------
+
+
+def megatron_run(*, tied=False, temperature=1.0, entropy=False, dtype=torch.float32, forward_only=False, loss=None,
+                 edit=None, **kwargs):
+    """twinkle's MegatronModel.forward_backward (or forward_only) on a fresh GPTModel (same seed:
+    same weights): output, parameter gradients, the recorded loss inputs, the labels."""
+    chunk = th.gpt_model(VOCAB, tied=tied, dtype=dtype)
+    if edit is not None:
+        edit(chunk)
+    loss = loss if loss is not None else grpo(entropy)
+    model = th.twinkle_megatron_model(chunk, loss=loss)
+    samples = th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT)
+    if forward_only:
+        out = model.forward_only(inputs=samples, micro_batch_size=2, temperature=temperature, **kwargs)
+    else:
+        out = model.forward_backward(inputs=samples, micro_batch_size=2, temperature=temperature,
+                                     advantages=ADVANTAGES, **kwargs)
+    status = model.optimizer_group[""].eval_status if forward_only else model.optimizer_group[""].train_status
+    labels = torch.cat([inp["labels"] for inp in status.inputs])
+    grads = {n: p.grad.detach().clone() for n, p in chunk.named_parameters() if p.grad is not None}
+    return dict(out=out, grads=grads, seen=getattr(loss, "seen", []), labels=labels)
+
+
+def transformers_run(*, tied=False, temperature=1.0, entropy=False, dtype=torch.float32, forward_only=False,
+                     loss=None, edit=None, config=None, mixed_precision="no", **kwargs):
+    """twinkle's TransformersModel.forward_backward (forward, calculate_loss, backward) or forward_only."""
+    loss = loss if loss is not None else grpo(entropy)
+    if config == "gemma2":  # soft-capped logits
+        import transformers
+        config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           max_position_embeddings=128, final_logit_softcapping=30.0)
+    model = th.twinkle_transformers_model(VOCAB, tied=tied, dtype=dtype, loss=loss, config=config,
+                                          mixed_precision=mixed_precision)
+    if edit is not None:
+        edit(model)
+    samples = th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT)
+    if forward_only:
+        out = model.forward_only(inputs=samples, temperature=temperature, **kwargs)
+    else:
+        out = model.forward_backward(inputs=samples, temperature=temperature, advantages=ADVANTAGES, **kwargs)
+    status = model.optimizer_group[""].eval_status if forward_only else model.optimizer_group[""].train_status
+    grads = {n: p.grad.detach().clone() for n, p in model.model.named_parameters() if p.grad is not None}
+    return dict(out=out, grads=grads, seen=getattr(loss, "seen", []), labels=status.inputs["labels"])
+
+
+RUNS = {"megatron": megatron_run, "transformers": transformers_run}
+
+
+def run(path, fused, **kwargs):
+    integration.install(mask_skip="never", fused_lm_head=fused, fused_chunk_bytes=CHUNK if fused else None)
+    try:
+        return RUNS[path](**kwargs)
+    finally:
+        integration.uninstall()
+
+
+def assert_close(got, want, dtype, what):
+    tol = TOL[dtype]
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}")
+
+
+def assert_same_training(want, got, dtype, entropy):
+    mask = want["labels"] != -100
+    assert torch.equal(got["labels"], want["labels"])
+    assert got["out"]["loss"] == pytest.approx(want["out"]["loss"], rel=TOL[dtype], abs=1e-6)
+    logps, ref_logps = got["out"]["logps"], want["out"]["logps"]
+    assert logps.shape == ref_logps.shape and logps.dtype == ref_logps.dtype == torch.float32
+    assert_close(logps[mask], ref_logps[mask], dtype, "logps")
+    assert torch.all(logps[~mask] == 0)  # ignored rows: no matmul, logp 0 (twinkle gave the value at token 0)
+    assert len(got["seen"]) == len(want["seen"]) > 0
+    for (logps, ent), (ref_logps, ref_ent), labels in zip(got["seen"], want["seen"], _per_call(want)):
+        loss_mask = labels != -100  # what the loss reads
+        assert_close(logps[loss_mask], ref_logps[loss_mask], dtype, "logps seen by the loss")
+        assert (ent is None) == (ref_ent is None) == (not entropy)
+        if entropy:
+            assert_close(ent[loss_mask], ref_ent[loss_mask], dtype, "entropy")
+            assert torch.all(ent[~loss_mask] == 0)
+    assert got["grads"].keys() == want["grads"].keys() and want["grads"]
+    for name, ref in want["grads"].items():
+        assert_close(got["grads"][name], ref, dtype, f"grad of {name}")
+
+
+# --- same training ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7], ids=["T1", "T0.7"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path", list(RUNS))
+def test_same_training_as_unfused(path, dtype, tied, temperature, entropy, fused_calls):
+    case = dict(tied=tied, temperature=temperature, entropy=entropy, dtype=dtype)
+    want = run(path, False, **case)
+    assert fused_calls == []
+    got = run(path, True, **case)
+    assert len(fused_calls) == (2 if path == "megatron" else 1)  # one per micro-batch
+    assert_same_training(want, got, dtype, entropy)
+
+    # forward_only (the reference model's pass): the same log-probs.
+    fused_calls.clear()
+    want = run(path, False, forward_only=True, **case)
+    got = run(path, True, forward_only=True, **case)
+    assert len(fused_calls) == (2 if path == "megatron" else 1)
+    mask = want["labels"] != -100
+    assert_close(got["out"]["logps"][mask], want["out"]["logps"][mask], dtype, "forward_only logps")
+    assert got["grads"] == {} and want["grads"] == {}
+
+
+def test_transformers_autocast_same_training(fused_calls):
+    """twinkle's mixed_precision="bf16": fp32 weights, the forward under CPU autocast (lm_head in bf16)."""
+    case = dict(temperature=0.7, entropy=True, mixed_precision="bf16")
+    want = run("transformers", False, **case)
+    got = run("transformers", True, **case)
+    assert [dtype for _, dtype in fused_calls] == [torch.bfloat16]  # as autocast would run nn.Linear
+    assert_same_training(want, got, torch.bfloat16, entropy=True)
+
+
+def _per_call(result):
+    """The labels of each loss call: one per micro-batch of 2 rows on Megatron, all rows on transformers."""
+    labels = result["labels"]
+    n = len(result["seen"])
+    return labels.split(labels.shape[0] // n)
+
+
+# --- no tensor with the vocab as its last dim -----------------------------------
+
+_PYTHON_OPS = {linear_fwd._opoverload: linear_fwd._init_fn, linear_bwd._opoverload: linear_bwd._init_fn}
+
+
+class VocabTensors(TorchDispatchMode):
+    """Every tensor any op returns while active, also inside twinkle-mem's Python custom ops
+    (run with the mode on): those with a last dim in ``vocab_dims``, and those of at least
+    ``numel`` elements."""
+
+    def __init__(self, vocab_dims, numel):
+        super().__init__()
+        self.vocab_dims, self.numel = tuple(vocab_dims), numel
+        self.last_dim, self.large, self.ops = [], [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _PYTHON_OPS:
+            with self:
+                out = _PYTHON_OPS[func](*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        self.ops += 1
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                if t.shape[-1] in self.vocab_dims:
+                    self.last_dim.append((str(func), tuple(t.shape)))
+                if t.numel() >= self.numel:
+                    self.large.append((str(func), tuple(t.shape)))
+        return out
+
+
+def rows_per_call(path):
+    return 2 * SEQ if path == "megatron" else len(LENGTHS) * SEQ
+
+
+def spy(path):
+    # Half of one model call's logits: more than any weight (V x 32) or attention score buffer here.
+    return VocabTensors((VOCAB, ), rows_per_call(path) * VOCAB // 2)
+
+
+@pytest.mark.parametrize("forward_only", [False, True], ids=["forward_backward", "forward_only"])
+@pytest.mark.parametrize("path", list(RUNS))
+def test_no_vocab_sized_tensor_exists(path, forward_only):
+    with spy(path) as unfused:
+        run(path, False, entropy=True, temperature=0.7, forward_only=forward_only)
+    assert unfused.last_dim and unfused.large  # control: the check sees the logits where they exist
+    with spy(path) as fused:
+        got = run(path, True, entropy=True, temperature=0.7, forward_only=forward_only)
+    assert fused.ops > 300  # the whole call ran under the mode
+    assert fused.last_dim == [] and fused.large == []
+    assert got["out"]["logps"].shape == got["labels"].shape
+
+
+# --- where it does not apply, twinkle runs unchanged (with its logits) ---------
+
+
+def _lora_head(model):
+    from peft import LoraConfig, get_peft_model
+    model.model = get_peft_model(model.model, LoraConfig(r=2, target_modules=["lm_head"]))
+
+
+def _head_bias(model):
+    head = model.model.get_output_embeddings()
+    head.bias = torch.nn.Parameter(torch.zeros(VOCAB, dtype=head.weight.dtype))
+
+
+def _head_subclass(model):  # e.g. a wrapper that adds something to the projection
+    head = model.model.get_output_embeddings()
+    head.__class__ = type("LinearSubclass", (torch.nn.Linear, ), {})
+
+
+def _megatron_head_bias(chunk):
+    chunk.output_layer.bias = torch.nn.Parameter(torch.zeros(VOCAB))
+
+
+def _megatron_wrapped_head(chunk):
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    chunk.output_layer.__class__ = type("WrappedColumnParallelLinear", (ColumnParallelLinear, ), {})
+
+
+INELIGIBLE = {
+    "return_logits": dict(return_logits=True),
+    "loss needs logits": dict(loss_attrs=dict(require_logits=True)),
+    "loss needs values": dict(loss_attrs=dict(require_values=True), paths=["transformers"]),
+    "loss ignores another label": dict(loss_attrs=dict(ignore_index=-1)),
+    "lora on lm_head": dict(edit=_lora_head, paths=["transformers"]),
+    "lm_head with bias": dict(edit=_head_bias, paths=["transformers"]),
+    "lm_head subclass": dict(edit=_head_subclass, paths=["transformers"]),
+    "softcapping": dict(config="gemma2", paths=["transformers"]),
+    "output layer with bias": dict(edit=_megatron_head_bias, paths=["megatron"]),
+    "wrapped output layer": dict(edit=_megatron_wrapped_head, paths=["megatron"]),
+}
+
+
+@pytest.mark.parametrize("path,name", [(p, n) for n, c in INELIGIBLE.items() for p in c.get("paths", RUNS)])
+def test_ineligible_calls_run_unchanged_with_logits(path, name, fused_calls):
+    case = dict(INELIGIBLE[name])
+    case.pop("paths", None)
+    attrs = case.pop("loss_attrs", {})
+    with spy(path) as unfused:
+        want = run(path, False, loss=grpo(True, **attrs), **case)
+    with spy(path) as fused:
+        got = run(path, True, loss=grpo(True, **attrs), **case)
+    assert fused_calls == []
+    assert fused.last_dim and len(fused.last_dim) == len(unfused.last_dim)  # the logits, as before
+    assert got["out"]["loss"] == want["out"]["loss"]
+    torch.testing.assert_close(got["out"]["logps"], want["out"]["logps"], rtol=0, atol=0)
+    for name_, ref in want["grads"].items():
+        torch.testing.assert_close(got["grads"][name_], ref, rtol=0, atol=0)
+    if case.get("return_logits"):
+        assert got["out"]["logits"].shape[-1] == VOCAB
+        torch.testing.assert_close(got["out"]["logits"], want["out"]["logits"], rtol=0, atol=0)
+
+
+def test_megatron_eligibility_reasons():
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    chunk = th.gpt_model(VOCAB)
+    assert lm_head.megatron_output_layers([chunk]) == ([chunk.output_layer], None)
+    chunk.config.mtp_num_layers = 1
+    assert lm_head.megatron_output_layers([chunk])[1] == "multi-token prediction"
+    chunk.config.mtp_num_layers = None
+    chunk.config.final_logit_softcapping = 30.0
+    assert "final_logit_softcapping" in lm_head.megatron_output_layers([chunk])[1]
+    del chunk.config.final_logit_softcapping
+
+    class OwnPostprocess(type(chunk)):
+        def _postprocess(self, *args, **kwargs):
+            return super()._postprocess(*args, **kwargs)
+
+    chunk.__class__ = OwnPostprocess
+    assert "post-processes" in lm_head.megatron_output_layers([chunk])[1]
+    assert isinstance(chunk.output_layer, ColumnParallelLinear)
+
+
+def test_call_eligibility_reasons():
+    from twinkle.loss import CrossEntropyLoss, GRPOLoss
+    from twinkle.utils.nccl_safe import SafeLossWrapper
+    assert lm_head.call_ineligible({}, GRPOLoss()) is None
+    assert lm_head.call_ineligible({}, CrossEntropyLoss()) is None  # SFT on log-probs
+    assert lm_head.call_ineligible({}, SafeLossWrapper(GRPOLoss())) is None
+    assert "task" in lm_head.call_ineligible({"task": "embedding"}, GRPOLoss())
+    assert "return_logits" in lm_head.call_ineligible({"return_logits": True}, GRPOLoss())
+    assert "ignores label -1" in lm_head.call_ineligible({}, SafeLossWrapper(GRPOLoss(ignore_index=-1)))
+    from twinkle.loss.infonce import InfonceLoss
+    from twinkle.loss.value import PPOValueLoss
+    assert "logits" in lm_head.call_ineligible({}, InfonceLoss.__new__(InfonceLoss))
+    assert "values" in lm_head.call_ineligible({}, PPOValueLoss.__new__(PPOValueLoss))
+
+
+# --- failures after the switch are loud ----------------------------------------
+
+
+@pytest.fixture
+def twinkle_catches(monkeypatch):
+    """TWINKLE_FAIL_FAST=0: twinkle's forward step catches errors and goes on without log-probs."""
+    monkeypatch.setenv("TWINKLE_FAIL_FAST", "0")
+    monkeypatch.setattr(logging.getLogger("twinkle"), "disabled", True)
+
+
+def test_megatron_lost_log_probs_raise_under_fail_fast_0(twinkle_catches, monkeypatch):
+    from twinkle.processor.base import InputProcessor
+    from twinkle.utils.nccl_safe import SafeLossWrapper
+    real_unpack = InputProcessor.unpack_packed_sequences
+    calls = []
+
+    def unpack_fails_second_time(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("simulated data-processing error")
+        return real_unpack(self, *args, **kwargs)
+
+    monkeypatch.setattr(InputProcessor, "unpack_packed_sequences", unpack_fails_second_time)
+    # twinkle's SafeLossWrapper would turn a loss's error (e.g. GRPOLoss computing from the placeholder) into 0
+    with pytest.raises(RuntimeError, match="micro-batch 1 lost its log-probs"):
+        run("megatron", True, loss=SafeLossWrapper(grpo(True)))
+    monkeypatch.setattr(InputProcessor, "unpack_packed_sequences", real_unpack)
+    assert run("megatron", True)["out"]["logps"].shape == (len(LENGTHS), SEQ)  # nothing left behind
+
+
+def _scale_output(chunk):  # a post-processing the static checks do not know about
+    chunk.register_forward_hook(lambda module, args, output: output * 1.0)
+
+
+@pytest.mark.parametrize("fail_fast", ["1", "0"])
+def test_megatron_transformed_output_raises(fail_fast, monkeypatch):
+    monkeypatch.setenv("TWINKLE_FAIL_FAST", fail_fast)
+    monkeypatch.setattr(logging.getLogger("twinkle"), "disabled", True)
+    # fail fast: the adapter's error itself; caught by twinkle: the forward step's check
+    with pytest.raises(RuntimeError, match="not the output layer's pending placeholder|lost its log-probs"):
+        run("megatron", True, edit=_scale_output)
+
+
+def test_transformers_softcapping_missed_by_the_static_check_raises(monkeypatch):
+    monkeypatch.setattr(lm_head, "_LOGIT_TRANSFORMS", ())
+    with pytest.raises(RuntimeError, match="not the output layer's pending placeholder"):
+        run("transformers", True, config="gemma2")
+
+
+def test_placeholder_never_reaches_a_loss_as_logits():
+    import twinkle.loss.grpo as grpo_module
+    integration.install(fused_lm_head=True)
+    labels = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="logits do not exist on the fused path"):
+        grpo_module.selective_log_softmax(torch.empty(1, 3, 0), labels)  # GRPOLoss's fallback on outputs['logits']
+    integration.uninstall()
+    integration.install()  # without the fused head, zero-width logits are the op's business, as before
+    with pytest.raises((RuntimeError, ValueError)):
+        grpo_module.selective_log_softmax(torch.empty(1, 3, 0), labels)
+
+
+def test_take_checks_the_labels_and_the_entropy_request():
+    call = lm_head.FusedCall(1.0, False, None)
+    call.labels = torch.tensor([[-100, 3, 5]])
+    logp = torch.tensor([[0.0, -1.0, -2.0]])
+
+    def pending():
+        call.pending = None
+        return call.defer(logp, None, torch.zeros(1, 3, 4))
+
+    token = lm_head._CALL.set(call)
+    try:
+        assert lm_head.take(pending(), torch.tensor([[0, 3, 5]]), False) is logp
+        with pytest.raises(RuntimeError, match="not the micro-batch's labels"):
+            lm_head.take(pending(), torch.tensor([[0, 3, 6]]), False)
+        with pytest.raises(RuntimeError, match="entropy asked for"):
+            lm_head.take(pending(), torch.tensor([[0, 3, 5]]), True)
+        with pytest.raises(RuntimeError, match="ran twice"):
+            pending()
+            call.defer(logp, None, torch.zeros(1, 3, 4))
+    finally:
+        lm_head._CALL.reset(token)
+
+
+def test_output_layer_restored_after_each_call(monkeypatch):
+    from twinkle.processor.base import InputProcessor
+    chunks = []
+
+    def keep(chunk):
+        chunks.append(chunk)
+
+    run("megatron", True, edit=keep)
+    assert "forward" not in vars(chunks[0].output_layer)
+    monkeypatch.setattr(InputProcessor, "unpack_packed_sequences", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        run("megatron", True, edit=keep)
+    assert "forward" not in vars(chunks[1].output_layer) and lm_head.current() is None
+
+
+# --- install / uninstall -------------------------------------------------------
+
+
+def test_install_patches_and_uninstall_restores():
+    import megatron.core.pipeline_parallel as pipeline_parallel
+    from twinkle.model.transformers.transformers import TransformersModel
+    points = [(TransformersModel, "forward"), (TransformersModel, "forward_only"),
+              (pipeline_parallel, "get_forward_backward_func")]
+    before = [vars(owner).get(name) for owner, name in points]
+    integration.install(fused_lm_head=True)
+    installed = [vars(owner).get(name) for owner, name in points]
+    assert all(a is not b for a, b in zip(installed, before))
+    integration.install(fused_lm_head=True)  # idempotent
+    assert [vars(owner).get(name) for owner, name in points] == installed
+    integration.install()  # other settings: reinstalled without the transformers patches
+    assert [vars(owner).get(name) for owner, name in points][:2] == before[:2]
+    integration.uninstall()
+    assert [vars(owner).get(name) for owner, name in points] == before
+
+
+def test_install_argument_errors():
+    with pytest.raises(ValueError, match="needs log_softmax"):
+        integration.install(fused_lm_head=True, log_softmax=False)
+    with pytest.raises(ValueError, match="fused_chunk_bytes"):
+        integration.install(fused_lm_head=True, fused_chunk_bytes=0)
+    assert not integration.is_installed()
