@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import twinkle_mem
-from helpers import assert_stats_close, check_against_reference, check_inplace_backward_matches, make_case
+from helpers import (assert_stats_close, check_against_reference, check_inplace_backward_matches, make_case,
+                     opcheck_op_schemas)
 from numerics import check_outputs
 from twinkle_mem import composite
 from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
@@ -223,22 +224,7 @@ def test_inplace_backward(forced):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck(forced, dtype):
-    logits = torch.randn(6, 300).to(dtype)
-    labels = torch.tensor([1, 299, -100, 5, 0, 77])
-    padded = torch.randn(2, 4, 310).to(dtype)[:, :3, :300]  # [B, S, V] view, padded rows
-    multi = torch.tensor([[[1, 2], [3, -100], [-100, -100]], [[0, 0], [299, 5], [7, 8]]])
-    for x, y in ((logits, labels), (padded, multi)):
-        for with_entropy in (False, True):
-            torch.library.opcheck(ops.selective_log_softmax_fwd.default,
-                                  (x.clone().requires_grad_(), y, 1.25, -100, 0, 300, with_entropy, False))
-        _logp, entropy, shift, log_sum = ops.selective_log_softmax_fwd(x, y, 1.25, -100, 0, 300, True, False)
-        g, g_h = torch.randn(y.shape), torch.randn(x.shape[:-1])
-        torch.library.opcheck(ops.selective_log_softmax_bwd.default,
-                              (g, g_h, x, y, shift, log_sum, entropy, 1.25, -100, 0))
-        torch.library.opcheck(ops.selective_log_softmax_bwd.default,
-                              (g, None, x, y, shift, log_sum, None, 1.25, -100, 0))
-        torch.library.opcheck(ops.selective_log_softmax_bwd_.default,
-                              (g, g_h, x.clone(), y, shift, log_sum, entropy, 1.25, -100, 0))
+    opcheck_op_schemas(dtype)
 
 
 def test_bad_input_raises(forced):

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import twinkle_mem
-from helpers import assert_stats_close, check_against_reference, check_inplace_backward_matches, make_case
+from helpers import (assert_stats_close, check_against_reference, check_inplace_backward_matches, make_case,
+                     opcheck_op_schemas)
 from twinkle_mem.reference import selective_log_softmax_ref
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -217,23 +218,7 @@ def test_gradcheck_float64(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck(device, dtype):
-    logits = torch.randn(6, 300, device=device).to(dtype)
-    labels = torch.tensor([1, 299, -100, 5, 0, 77], device=device)
-    padded = torch.randn(2, 4, 310, device=device).to(dtype)[:, :3, :300]  # [B, S, V] view, padded rows
-    multi = torch.tensor([[[1, 2], [3, -100], [-100, -100]], [[0, 0], [299, 5], [7, 8]]], device=device)
-    for x, y in ((logits, labels), (padded, multi)):
-        for with_entropy in (False, True):
-            torch.library.opcheck(ops.selective_log_softmax_fwd.default,
-                                  (x.clone().requires_grad_(), y, 1.25, -100, 0, 300, with_entropy, False))
-        _logp, entropy, shift, log_sum = ops.selective_log_softmax_fwd(x, y, 1.25, -100, 0, 300, True, False)
-        g = torch.randn(y.shape, device=device)
-        g_h = torch.randn(x.shape[:-1], device=device)
-        torch.library.opcheck(ops.selective_log_softmax_bwd.default,
-                              (g, g_h, x, y, shift, log_sum, entropy, 1.25, -100, 0))
-        torch.library.opcheck(ops.selective_log_softmax_bwd.default,
-                              (g, None, x, y, shift, log_sum, None, 1.25, -100, 0))
-        torch.library.opcheck(ops.selective_log_softmax_bwd_.default,
-                              (g, g_h, x.clone(), y, shift, log_sum, entropy, 1.25, -100, 0))
+    opcheck_op_schemas(dtype, device)
 
 
 def test_torch_compile_fullgraph(device):

@@ -39,6 +39,38 @@ int report(const std::exception& e, char* err, int64_t err_len) {
 
 tn::RowIndexNpu rows_of(const int64_t* r) { return tn::RowIndexNpu{r[0], r[1], r[2]}; }
 
+// The host's TilingRequest from the flat words Python passes (req: see the layout below).
+tn::TilingRequest request_of(const int64_t* req, tn::Mode mode, const int64_t* x_rows, const int64_t* y_rows,
+                             const int64_t* g_rows) {
+  tn::TilingRequest r;
+  r.n_rows = req[0];
+  r.vocab = req[1];
+  r.vocab_start = req[2];
+  r.vocab_size = req[3];
+  r.ignore_index = req[4];
+  r.label_k = req[5];
+  r.label_k_stride = req[6];
+  r.elem_bytes = req[7];
+  r.label_bytes = req[8];
+  r.with_entropy = req[9] != 0;
+  r.core_count = req[10];
+  r.ub_bytes = req[11];
+  r.max_tile_len = req[12];
+  r.mode = mode;
+  r.x_rows = rows_of(x_rows);
+  r.y_rows = rows_of(y_rows);
+  if (g_rows != nullptr) r.g_rows = rows_of(g_rows);
+  return r;
+}
+
+// make_tiling's plan, copied to plan_out for the tests; throws its error.
+tn::Tiling plan_of(const tn::TilingRequest& r, int64_t* plan_out) {
+  const tn::TilingResult plan = tn::make_tiling(r);
+  if (plan.error) throw std::runtime_error(plan.error);
+  std::memcpy(plan_out, &plan.tiling, sizeof(tn::Tiling));
+  return plan.tiling;
+}
+
 }  // namespace
 
 extern "C" {
@@ -52,27 +84,8 @@ int tm_npu_emu_forward(const int64_t* req, const int64_t* x_rows, const int64_t*
                        void* labels, int64_t labels_span, void* logp, void* entropy, void* shift, void* log_sum,
                        float inv_t, int64_t* plan_out, char* err, int64_t err_len) {
   try {
-    tn::TilingRequest r;
-    r.n_rows = req[0];
-    r.vocab = req[1];
-    r.vocab_start = req[2];
-    r.vocab_size = req[3];
-    r.ignore_index = req[4];
-    r.label_k = req[5];
-    r.label_k_stride = req[6];
-    r.elem_bytes = req[7];
-    r.label_bytes = req[8];
-    r.with_entropy = req[9] != 0;
-    r.core_count = req[10];
-    r.ub_bytes = req[11];
-    r.max_tile_len = req[12];
-    r.mode = tn::kForward;
-    r.x_rows = rows_of(x_rows);
-    r.y_rows = rows_of(y_rows);
-    const tn::TilingResult plan = tn::make_tiling(r);
-    if (plan.error) throw std::runtime_error(plan.error);
-    std::memcpy(plan_out, &plan.tiling, sizeof(tn::Tiling));
-    const tn::Tiling& t = plan.tiling;
+    const tn::TilingRequest r = request_of(req, tn::kForward, x_rows, y_rows, nullptr);
+    const tn::Tiling t = plan_of(r, plan_out);
     std::vector<int64_t> tiling_gm(tn::kTilingWords);
     std::memcpy(tiling_gm.data(), &t, sizeof(tn::Tiling));
 
@@ -110,28 +123,8 @@ int tm_npu_emu_backward(const int64_t* req, const int64_t* x_rows, const int64_t
                         void* shift, void* log_sum, void* entropy, void* grad, float inv_t, int64_t* plan_out,
                         char* err, int64_t err_len) {
   try {
-    tn::TilingRequest r;
-    r.n_rows = req[0];
-    r.vocab = req[1];
-    r.vocab_start = req[2];
-    r.vocab_size = req[3];
-    r.ignore_index = req[4];
-    r.label_k = req[5];
-    r.label_k_stride = req[6];
-    r.elem_bytes = req[7];
-    r.label_bytes = req[8];
-    r.with_entropy = req[9] != 0;
-    r.core_count = req[10];
-    r.ub_bytes = req[11];
-    r.max_tile_len = req[12];
-    r.mode = tn::kBackward;
-    r.x_rows = rows_of(x_rows);
-    r.y_rows = rows_of(y_rows);
-    r.g_rows = rows_of(g_rows);
-    const tn::TilingResult plan = tn::make_tiling(r);
-    if (plan.error) throw std::runtime_error(plan.error);
-    std::memcpy(plan_out, &plan.tiling, sizeof(tn::Tiling));
-    const tn::Tiling& t = plan.tiling;
+    const tn::TilingRequest r = request_of(req, tn::kBackward, x_rows, y_rows, g_rows);
+    const tn::Tiling t = plan_of(r, plan_out);
     std::vector<int64_t> tiling_gm(tn::kTilingWords);
     std::memcpy(tiling_gm.data(), &t, sizeof(tn::Tiling));
 
