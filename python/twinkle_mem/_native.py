@@ -24,7 +24,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 SCHEMAS_FILE = os.path.join(_HERE, "schemas.def")
 FALLBACK = "the composite runs on this device"
 
-# backend -> "loaded" | "not built" | "built, not loaded: <why>" | "failed to load: <error>; <FALLBACK>"
+# backend -> "loaded" | "not built" | "built, not loaded: <why>" | "failed to load (<file>: <error>); <FALLBACK>"
 status: dict[str, str] = {}
 _python_schemas = None  # the torch.library.Library holding schemas defined from Python, kept alive
 

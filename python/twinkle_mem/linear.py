@@ -5,7 +5,7 @@
 through one reused buffer of logits for a block of vocab columns at a time.
 This module only orchestrates matmuls and the op (csrc/ops.cpp); the math is
 the op's own, and the merge of per-block statistics is
-``vocab_parallel.combine_shard_stats``.
+``row_stats.combine_shard_stats``.
 
 Rows: the rows whose labels are all ``ignore_index`` (prompt tokens in RL) are
 dropped before any matmul; they give logp 0, entropy 0 and zero gradient. The
@@ -15,7 +15,7 @@ none when every row is kept).
 Forward, for each vocab block ``[v0, v1)`` of this rank's weight:
     buf = hidden_kept @ weight[v0:v1].T (+ bias[v0:v1])          # [m, v1 - v0]
     op forward with vocab_start = shard start + v0 -> the block's (shift, log_sum, logp, entropy)
-then ``combine_shard_stats`` merges the blocks in order (exact: the same merge
+then ``row_stats.combine_shard_stats`` merges the blocks in order (exact: the same merge
 as across tensor-parallel ranks), and under tensor parallelism one all_gather
 of O(N) statistics merges the ranks (``vocab_parallel.gather_combine_shard_stats``).
 
@@ -65,8 +65,8 @@ from torch import Tensor
 
 from . import ops
 from .functional import NO_IGNORE_INDEX, check_index_and_options
-from .row_stats import output_shift
-from .vocab_parallel import combine_shard_stats, gather_combine_shard_stats
+from .row_stats import combine_shard_stats, output_shift
+from .vocab_parallel import gather_combine_shard_stats, rank_and_world
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -120,18 +120,23 @@ def _logits_block(buf: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Te
     return x
 
 
+_addmm_out_dtype_works: dict = {}  # device type -> False once torch.addmm(out_dtype=) failed there
+
+
 def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """acc += a @ b with the products in acc's dtype: for bf16/fp16 a and b into an fp32 acc, no
     block's term is rounded to the input dtype before the sum over blocks."""
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
         return
-    if acc.device.type == "cuda":
+    if acc.device.type == "cuda" and _addmm_out_dtype_works.get(acc.device.type, True):
         try:  # cuBLAS: bf16/fp16 inputs, fp32 output, no fp32 copies (not exercised on CPU-only CI)
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
             return
+        except torch.OutOfMemoryError:
+            raise  # the fallback below needs more memory, not less
         except (RuntimeError, TypeError):
-            pass
+            _addmm_out_dtype_works[acc.device.type] = False  # not in this build: ask once, not once per block
     acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))  # fp32 copies of the block: counted in chunk_bytes
 
 
@@ -169,7 +174,7 @@ def _shard_stats(hidden, weight, bias, labels, inv_temperature, ignore_index, wi
     logp_b, entropy_b, shift_b, log_sum_b = (torch.stack(t).double() for t in zip(*per_block))
     entropy_b = entropy_b if with_entropy else None
     if len(per_block) == 1:  # the op's own statistics: nothing to merge
-        return logp_b[0], (entropy_b[0] if with_entropy else None), shift_b[0], log_sum_b[0]
+        return logp_b[0], (None if entropy_b is None else entropy_b[0]), shift_b[0], log_sum_b[0]
     y = labels.long()
     local = y - vocab_start
     on_shard = (local >= 0) & (local < shard) & (y != ignore_index)
@@ -249,11 +254,11 @@ def linear_bwd(grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor
         grad_hidden = acc = none()
     elif kept is None and acc_dtype == hidden.dtype:
         grad_hidden = acc = hidden.new_zeros((n, h_size))  # accumulate into the gradient itself
-    else:
-        grad_hidden = hidden.new_zeros((n, h_size))
+    else:  # grad_hidden is made from acc after the blocks, so that it is not alive beside them
+        grad_hidden = None
         acc = hidden.new_zeros((m, h_size), dtype=acc_dtype)
     if m == 0:
-        return grad_hidden, grad_weight, grad_bias
+        return (hidden.new_zeros((n, h_size)) if grad_hidden is None else grad_hidden), grad_weight, grad_bias
 
     y = _select(labels, kept)
     g_logp = _select(grad_logp, kept).contiguous()
@@ -276,11 +281,9 @@ def linear_bwd(grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor
         if need_hidden:
             _add_matmul(acc, d, weight[v0:v1])
     del buf
-    if need_hidden and acc is not grad_hidden:
-        if kept is None:
-            grad_hidden.copy_(acc)
-        else:
-            grad_hidden.index_copy_(0, kept, acc.to(hidden.dtype))
+    if grad_hidden is None:
+        grad_hidden = acc.to(hidden.dtype) if kept is None else \
+            hidden.new_zeros((n, h_size)).index_copy_(0, kept, acc.to(hidden.dtype))
     return grad_hidden, grad_weight, grad_bias
 
 
@@ -364,7 +367,8 @@ def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *,
     multi = _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_bytes)
     h_size = hidden.shape[-1]
     n = math.prod(hidden.shape[:-1])
-    # Every block holds all kept rows: refuse a chunk_bytes the backward cannot meet, before any work.
+    # Every block holds all kept rows. Refuse, before any work, a chunk_bytes below one block column of
+    # all N rows: the kept rows are known only inside the op (finding them here would sync the device).
     block_columns(n, h_size, weight.shape[0], hidden.dtype, chunk_bytes, backward=True)
     rows = hidden.reshape(n, h_size)  # a view unless the leading dims cannot be merged
     labels = index.reshape(n, index.shape[-1] if multi else 1)
@@ -372,9 +376,7 @@ def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *,
     shard = weight.shape[0]
     rank, world, group_name = 0, 1, ""
     if process_group is not None and dist.get_world_size(process_group) > 1:
-        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
-        if rank < 0:
-            raise ValueError("process_group: this process is not a member of the group")
+        rank, world = rank_and_world(process_group, shard, "weight")
         group_name = process_group.group_name
     logp, entropy, _shift, _log_sum = linear_fwd(rows, weight, bias, labels, 1.0 / float(temperature), ignore,
                                                  bool(return_entropy), int(chunk_bytes), rank * shard, world * shard,

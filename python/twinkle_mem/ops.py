@@ -1,6 +1,6 @@
 """Fake (meta) kernels and autograd for the native ops torch.ops.twinkle_mem.*.
 
-The schemas live in csrc/ops.cpp. The forward saves only the logits
+The schemas live in schemas.def (registered by csrc/ops.cpp). The forward saves only the logits
 reference, the labels and O(N) statistics (shift, log_sum, and entropy when
 computed); the backward is one native call, out of place or written over the
 logits (inplace_backward).

@@ -5,8 +5,8 @@ rank r the vocab ``[r * Vs, (r + 1) * Vs)`` of a vocab of ``tp * Vs``; labels ar
 global ids, identical on every rank.
 
 Forward: the native kernel runs on the local shard (``vocab_start = r * Vs``)
-and gives per-row, per-shard statistics (csrc/ops.cpp): ``shift_r`` (the shard's
-max logit), ``log_sum_r``, ``H_r`` (the entropy of the shard's own softmax) and
+and gives per-row, per-shard statistics (schemas.def): ``shift_r`` (a reference
+logit; the kernels return the shard's log-normalizer), ``log_sum_r``, ``H_r`` (the entropy of the shard's own softmax) and
 ``logp_r`` (against the shard's own normalizer, on the rank that holds the
 label, else 0). One ``all_gather`` of these (fp32, 3 + k values per row with
 entropy, plus a 3-value header) gives every rank all of them; each rank then
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from . import ops
-from .row_stats import combine_shard_stats, label_matrix  # noqa: F401  (combine_shard_stats: also public here)
+from .row_stats import combine_shard_stats, label_matrix
 
 # The all_gather without the FutureWarning of newer torch; the same collective.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -69,17 +69,23 @@ def vocab_parallel_selective_log_softmax(logits_shard, labels, return_entropy, i
     Called by ``twinkle_mem.selective_log_softmax(..., process_group=...)``,
     which checks the arguments.
     """
-    world = dist.get_world_size(process_group)
-    rank = dist.get_rank(process_group)
-    if rank < 0:
-        raise ValueError("process_group: this process is not a member of the group")
-    shard = logits_shard.shape[-1]
-    if world * shard >= 2**63:
-        raise ValueError(f"logits: shard size {shard} x {world} ranks overflows the vocab index")
+    rank, world = rank_and_world(process_group, logits_shard.shape[-1], "logits")
     logp, entropy = _VocabParallelSelectiveLogSoftmax.apply(logits_shard, labels, inv_temperature, ignore_index,
                                                             bool(return_entropy), bool(inplace_backward),
                                                             process_group, rank, world)
     return logp, (entropy if return_entropy else None)
+
+
+def rank_and_world(process_group, shard: int, what: str) -> tuple[int, int]:
+    """This process's rank in ``process_group`` and the group's size, checked: a member, and
+    ``world x shard`` (the full vocab) within the int64 vocab index."""
+    world = dist.get_world_size(process_group)
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError("process_group: this process is not a member of the group")
+    if world * shard >= 2**63:
+        raise ValueError(f"{what}: shard size {shard} x {world} ranks overflows the vocab index")
+    return rank, world
 
 
 def gather_combine_shard_stats(logp_r, entropy_r, shift_r, log_sum_r, y, shard, inv_temperature, ignore_index,
