@@ -6,18 +6,14 @@ allowed tokens, whole rows), -1e9 masks, -inf masks, peaked rows (gaps of 30 to
 near its maximum), temperatures 0.05 and 1e4, all-equal rows, ignored labels,
 several labels per row (repeated ones included).
 
-Bound (``check_case``), each value against the float64 reference
+Bound (``check_outputs``), each value against the float64 reference
 (twinkle_mem.reference):
 - logp and entropy: 1e-6 absolute + 1e-6 relative;
 - gradient: 2 ulp of its dtype at the reference value + 2^-22 of the row's
-  largest reference gradient + the dtype's subnormal step + 2^-22 of the
-  magnitude of the terms the gradient is the difference of,
-  |g_here (1 - p)| + |g_other p| + |g_H p| (|log p| + H), over T (where they
-  cancel, to 1/26 of their size say, no fp32 evaluation resolves the result
-  below their rounding; the terms are the natural ones, u + H = z - E_p[z], so
-  a kernel that cancels x / T against a large mean at low T still fails);
+  largest reference gradient + the dtype's subnormal step;
 or, where a value misses that, an error at most 2x that of torch's own fp32
-path, ``(x.float() / T).log_softmax(-1)`` and its autograd, on the same value.
+path, ``(x.float() / T).log_softmax(-1)`` and its autograd, on the same input
+(per row for the gradient: the row's worst ratio against torch's worst there).
 Where the float64 answer is finite the result must be finite; NaN inputs give
 NaN outputs.
 
@@ -33,7 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
-from twinkle_mem.reference import log_probs_ref, selective_log_softmax_grad_ref, selective_log_softmax_ref
+from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
 
 NO_IGNORE = -(2**63)
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
@@ -113,7 +109,6 @@ def _compare(what, got, ref, bound, err_torch, case, per_row):
     ratio_torch = torch.where(finite, err_torch.double().cpu() / bound, zero).nan_to_num(0.0, 0.0, 0.0)
     if per_row:  # one ratio per row: the worst; torch's typical row too
         ratio, ratio_torch = ratio.flatten(0, -2).amax(-1), ratio_torch.flatten(0, -2).amax(-1)
-        ratio_torch = torch.clamp(ratio_torch, min=ratio_torch.median().item())
     else:  # one value per row: the worst over the case
         ratio, ratio_torch = ratio.amax().view(1), ratio_torch.amax().view(1)
     allowed = torch.clamp(2 * ratio_torch, min=1.0)
@@ -153,22 +148,6 @@ def upstream(case: Case, seed: int = 0):
     return g_logp, (g_entropy if case.with_entropy else None)
 
 
-def gradient_terms(logits, labels, temperature, ignore_index, g_logp, g_entropy):
-    """float64 |g_here (1 - p)| + |g_other p| + |g_H p| (|log p| + H), over T, per logit."""
-    log_p, entropy, _ = log_probs_ref(logits, temperature)
-    multi = labels.dim() == logits.dim()
-    idx = labels if multi else labels.unsqueeze(-1)
-    ignored = torch.zeros_like(idx, dtype=torch.bool) if ignore_index is None else idx == ignore_index
-    g = (g_logp.double() if multi else g_logp.double().unsqueeze(-1)).masked_fill(ignored, 0.0)
-    here = torch.zeros_like(log_p).scatter_add(-1, torch.where(ignored, 0, idx).long(), g)
-    p = torch.exp(log_p)
-    terms = here.abs() * -torch.expm1(log_p) + (g.sum(-1, keepdim=True) - here).abs() * p
-    if g_entropy is not None:
-        t_h = p * (log_p.abs() + entropy.unsqueeze(-1).abs())
-        terms = terms + g_entropy.double().abs().unsqueeze(-1) * torch.where(p == 0, torch.zeros_like(p), t_h)
-    return terms.nan_to_num(0.0, 0.0, 0.0) / temperature
-
-
 def check_outputs(what, logits, labels, temperature, ignore_index, g_logp, g_entropy, logp, entropy, grad,
                   vocab_slice=slice(None)):
     """logp, entropy (or None) and the gradient of sum(g_logp logp + g_entropy entropy) against float64,
@@ -194,8 +173,7 @@ def check_outputs(what, logits, labels, temperature, ignore_index, g_logp, g_ent
     row_max = (ref_grad.abs().nan_to_num(0.0, 0.0, 0.0).amax(-1, keepdim=True) if ref_grad.numel()
                else ref_grad.new_zeros(*ref_grad.shape[:-1], 1))
     ref_grad, t_grad = ref_grad[..., vocab_slice], t_grad[..., vocab_slice]
-    terms = gradient_terms(x, labels, temperature, ignore_index, g_logp, g_entropy)[..., vocab_slice]
-    grad_bound = 2 * ulp(ref_grad, dtype) + 2.0**-22 * (row_max + terms) + SUBNORMAL_STEP[dtype]
+    grad_bound = 2 * ulp(ref_grad, dtype) + 2.0**-22 * row_max + SUBNORMAL_STEP[dtype]
     assert grad.dtype == dtype and grad.shape == ref_grad.shape, (grad.dtype, tuple(grad.shape))
     _compare("grad", grad, ref_grad, grad_bound, (t_grad.double() - ref_grad).abs(), case, True)
 
