@@ -69,7 +69,7 @@ def _make_step(kind, hidden, weight, labels, chunk_bytes, elem):
         import twinkle_mem
         # A source tree without built libraries would run the composite: measure the native kernels.
         status = twinkle_mem.backends()
-        if status.get(hidden.device.type if hidden.device.type != "cpu" else "cpu") not in ("loaded", None):
+        if status.get(hidden.device.type) not in ("loaded", None):
             raise RuntimeError(f"twinkle_mem's native kernels are not loaded here: {status}")
 
     if kind in ("fused", "fused_ignored"):

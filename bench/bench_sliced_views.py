@@ -81,17 +81,17 @@ def main():
     rows = []
     for layout in ("trl", "verl"):
         for inplace in (False, True):
-            med = {}
+            best = {}
             for dense in (False, True):
                 spec = dict(b=b, s=s, vocab=v, layout=layout, inplace=inplace, dense=dense, reps=args.reps)
                 print(f"  {names[layout]:24s} {'in place' if inplace else 'out of place':12s} "
                       f"{'contiguous' if dense else 'view'}", file=sys.stderr, flush=True)
                 out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
                                      text=True, check=True).stdout
-                med["contiguous" if dense else "view"] = json.loads(out.strip().splitlines()[-1])["s"]
+                best["contiguous" if dense else "view"] = json.loads(out.strip().splitlines()[-1])["s"]
             rows_n = b * (s if layout == "trl" else s // 4)
-            rows.append({"layout": names[layout], "inplace": inplace, "rows": rows_n, "view_s": med["view"],
-                         "contiguous_s": med["contiguous"], "ratio": med["view"] / med["contiguous"],
+            rows.append({"layout": names[layout], "inplace": inplace, "rows": rows_n, "view_s": best["view"],
+                         "contiguous_s": best["contiguous"], "ratio": best["view"] / best["contiguous"],
                          "bitwise_equal": bitwise_equal(b, min(s, 64), v, layout, inplace)})
 
     title = (f"sliced logits vs contiguous, fwd+bwd with entropy, B={b}, V={v}, bf16, torch {torch.__version__}, "

@@ -8,8 +8,8 @@ grad_hidden accumulator for bf16/fp16 or dropped rows) are allowed on top, by th
 Controls: the same measurement sees the [N, V] logits of the unfused path, and of the fused path
 given a chunk_bytes that holds all of them.
 
-Run as a script, this file measures one configuration and prints JSON (the benchmark uses it for
-N = 4096 and 16384, H = 1024, V = 151936):
+Run as a script, this file measures one configuration and prints JSON (docs/linear.md's memory table
+came from it, at N = 4096 and 16384, H = 1024, V = 151936):
     python tests/test_linear_memory.py '{"n": 4096, "h": 1024, "v": 151936}'
 """
 import json

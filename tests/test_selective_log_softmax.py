@@ -100,11 +100,10 @@ def test_sliced_sequences_are_views_bitwise_equal_to_contiguous(device, dtype):
         for inplace in (False, True):
             outs = []
             for x0, y in ((view, lab), (dense, lab.contiguous())):
-                x = (x0.clone() if inplace else x0).detach().requires_grad_()
                 if inplace:  # keep the view's layout: write into a strided copy of the batch
-                    base = full.clone()
-                    x = base[:, sl] if x0.data_ptr() == view.data_ptr() else x0.clone()
-                    x.requires_grad_()
+                    x = (full.clone()[:, sl] if x0 is view else x0.clone()).requires_grad_()
+                else:
+                    x = x0.detach().requires_grad_()
                 logp, ent = _no_warning(lambda: twinkle_mem.selective_log_softmax(
                     x, y, True, temperature=0.9, inplace_backward=inplace))
                 (g,) = torch.autograd.grad(logp.sum() + 0.3 * ent.sum(), x)

@@ -1,10 +1,6 @@
 """Vocab-parallel selective_log_softmax (process_group=...) on gloo worlds of 2 and 4 CPU processes.
 
-Each world is started once (torch.multiprocessing, spawn) and runs every case
-below in turn; each case does all its collectives first and asserts after, so
-a failing rank cannot leave the others waiting. The parent collects per-rank
-tracebacks and reports one pytest item per (world, case). A world that does
-not finish within WORLD_TIMEOUT_S is killed and its tests fail.
+The worlds and the per-(world, case) pytest items come from tests/gloo_worlds.py.
 
 The reference is the float64 result on the concatenated vocab (twinkle_mem.reference),
 with the bound of tests/numerics.py (check_outputs); the single-process native op on
