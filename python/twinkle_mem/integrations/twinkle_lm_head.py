@@ -66,7 +66,12 @@ class FusedCall:
         self.labels: Optional[torch.Tensor] = None  # the micro-batch's labels, IGNORE_INDEX where ignored
         self.pending: Optional[_Deferred] = None
         self.deferred = 0  # results computed by deferred heads
-        self.taken = 0  # results handed to twinkle
+
+    @classmethod
+    def for_call(cls, kwargs, loss, chunk_bytes: Optional[int], labels_from_processor: bool = False) -> "FusedCall":
+        """The call state for a twinkle call's kwargs (its temperature) and loss (its require_entropy)."""
+        return cls(float(kwargs.get("temperature", 1.0)), bool(getattr(loss, "require_entropy", False)), chunk_bytes,
+                   labels_from_processor=labels_from_processor)
 
     def compute(self, hidden, weight, labels, process_group=None):
         from twinkle_mem import linear_selective_log_softmax
@@ -126,7 +131,6 @@ def take(logits: torch.Tensor, index: torch.Tensor, return_entropy: bool):
         raise RuntimeError(f"twinkle-mem fused LM head: entropy {'asked for' if return_entropy else 'not asked for'} "
                            "but the loss's require_entropy said otherwise")
     call.pending = None
-    call.taken += 1
     return (pending.logp, pending.entropy) if return_entropy else pending.logp
 
 
