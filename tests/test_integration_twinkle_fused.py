@@ -364,26 +364,11 @@ def test_call_eligibility_reasons():
 # --- failures after the switch are loud ----------------------------------------
 
 
-@pytest.fixture
-def twinkle_catches(monkeypatch):
-    """TWINKLE_FAIL_FAST=0: twinkle's forward step catches errors and goes on without log-probs."""
-    monkeypatch.setenv("TWINKLE_FAIL_FAST", "0")
-    monkeypatch.setattr(logging.getLogger("twinkle"), "disabled", True)
-
-
-def test_megatron_lost_log_probs_raise_under_fail_fast_0(twinkle_catches, monkeypatch):
+def test_megatron_lost_log_probs_raise_under_fail_fast_0(monkeypatch):
     from twinkle.processor.base import InputProcessor
     from twinkle.utils.nccl_safe import SafeLossWrapper
-    real_unpack = InputProcessor.unpack_packed_sequences
-    calls = []
-
-    def unpack_fails_second_time(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise ValueError("simulated data-processing error")
-        return real_unpack(self, *args, **kwargs)
-
-    monkeypatch.setattr(InputProcessor, "unpack_packed_sequences", unpack_fails_second_time)
+    # TWINKLE_FAIL_FAST=0: twinkle's forward step catches the second micro-batch's error
+    real_unpack = th.fail_unpacking(monkeypatch, InputProcessor, failing={1})
     # twinkle's SafeLossWrapper would turn a loss's error (e.g. GRPOLoss computing from the placeholder) into 0
     with pytest.raises(RuntimeError, match="micro-batch 1 lost its log-probs"):
         run("megatron", True, loss=SafeLossWrapper(grpo(True)))
