@@ -166,6 +166,21 @@ def _logit_transform(*configs) -> Optional[str]:
     return None
 
 
+_FORWARD_REPLACED = "the output layer's forward is replaced on the instance"
+
+
+def _forward_replaced(layer) -> bool:
+    """Whether ``layer.forward`` is an instance attribute other than its own class's forward:
+    the deferred forward would skip whatever it does (a scaling, a soft-capping, twinkle's
+    embedding identity). The class's forward bound to the layer, which twinkle's
+    ``MegatronEmbeddingPatch.unpatch`` leaves on the instance, is not a replacement."""
+    forward = vars(layer).get("forward")
+    if forward is None:
+        return False
+    return not (getattr(forward, "__self__", None) is layer
+                and getattr(forward, "__func__", None) is getattr(type(layer), "forward", None))
+
+
 def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
     """The output layers of a MegatronModel's chunks (none on other pipeline stages), or a reason
     why the fused path cannot apply."""
@@ -186,6 +201,8 @@ def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
         layer, config, cls = owner.output_layer, owner.config, type(owner)
         if type(layer) is not ColumnParallelLinear:
             return [], f"the output layer is a {type(layer).__name__}, not a plain ColumnParallelLinear (LoRA?)"
+        if _forward_replaced(layer):
+            return [], _FORWARD_REPLACED
         if layer.bias is not None:
             return [], "the output layer has a bias"
         if layer.gather_output or layer.explicit_expert_comm:
@@ -215,6 +232,8 @@ def transformers_lm_head(wrapped_model, unwrapped) -> Tuple[Optional[torch.nn.Mo
         return None, "the model has no output embeddings (not a causal LM)"
     if type(head) is not torch.nn.Linear:
         return None, f"lm_head is a {type(head).__name__}, not a plain nn.Linear (LoRA or another wrapper?)"
+    if _forward_replaced(head):
+        return None, _FORWARD_REPLACED
     if head.bias is not None:
         return None, "lm_head has a bias"
     if any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in wrapped_model.modules()):
