@@ -1,8 +1,8 @@
 """gloo worlds of CPU processes that run a test module's registered cases.
 
-A module registers cases with ``cases = Cases()`` and ``@cases.register()``
-(``@cases.register(2)`` for one world size), then has one pytest item per
-(world, case) check ``cases.failures(world, name)``. ``setup``: a context manager
+A module registers cases with ``cases = Cases(__name__, timeout_s[, setup])``
+and ``@cases.register()`` (``@cases.register(2)`` for one world size), then has
+one pytest item per (world, case) check ``cases.failures(world, name)``. ``setup``: a context manager
 factory the workers enter around all cases (process-wide patches a module needs,
 e.g. megatron-core on the CPU). Each world is started once
 (torch.multiprocessing, spawn), imports the module by name and runs every case in

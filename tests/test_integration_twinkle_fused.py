@@ -292,6 +292,25 @@ def _megatron_wrapped_head(chunk):
     chunk.output_layer.__class__ = type("WrappedColumnParallelLinear", (ColumnParallelLinear, ), {})
 
 
+def _scaled_forward(layer):
+    """``layer.forward`` replaced on the instance by one that scales the output (a logit scaling)."""
+    forward = layer.forward
+
+    def scaled(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        return (out[0] * 0.5, *out[1:]) if isinstance(out, tuple) else out * 0.5
+
+    layer.forward = scaled
+
+
+def _head_forward_replaced(model):
+    _scaled_forward(model.model.get_output_embeddings())
+
+
+def _megatron_forward_replaced(chunk):
+    _scaled_forward(chunk.output_layer)
+
+
 INELIGIBLE = {
     "return_logits": dict(return_logits=True),
     "loss needs logits": dict(loss_attrs=dict(require_logits=True)),
@@ -303,6 +322,8 @@ INELIGIBLE = {
     "softcapping": dict(config="gemma2", paths=["transformers"]),
     "output layer with bias": dict(edit=_megatron_head_bias, paths=["megatron"]),
     "wrapped output layer": dict(edit=_megatron_wrapped_head, paths=["megatron"]),
+    "lm_head forward replaced": dict(edit=_head_forward_replaced, paths=["transformers"]),
+    "output layer forward replaced": dict(edit=_megatron_forward_replaced, paths=["megatron"]),
 }
 
 
@@ -333,6 +354,13 @@ def test_megatron_eligibility_reasons():
     chunk.config.mtp_num_layers = 1
     assert lm_head.megatron_output_layers([chunk])[1] == "multi-token prediction"
     chunk.config.mtp_num_layers = None
+    from twinkle.patch.megatron_emb import MegatronEmbeddingPatch
+    patch = MegatronEmbeddingPatch()
+    patch(chunk)  # twinkle's embedding identity on the instance
+    assert lm_head.megatron_output_layers([chunk])[1] == "the output layer's forward is replaced on the instance"
+    patch.unpatch(chunk)  # leaves the class's forward bound on the instance: eligible again
+    assert "forward" in vars(chunk.output_layer)
+    assert lm_head.megatron_output_layers([chunk]) == ([chunk.output_layer], None)
     chunk.config.final_logit_softcapping = 30.0
     assert "final_logit_softcapping" in lm_head.megatron_output_layers([chunk])[1]
     del chunk.config.final_logit_softcapping
@@ -364,26 +392,11 @@ def test_call_eligibility_reasons():
 # --- failures after the switch are loud ----------------------------------------
 
 
-@pytest.fixture
-def twinkle_catches(monkeypatch):
-    """TWINKLE_FAIL_FAST=0: twinkle's forward step catches errors and goes on without log-probs."""
-    monkeypatch.setenv("TWINKLE_FAIL_FAST", "0")
-    monkeypatch.setattr(logging.getLogger("twinkle"), "disabled", True)
-
-
-def test_megatron_lost_log_probs_raise_under_fail_fast_0(twinkle_catches, monkeypatch):
+def test_megatron_lost_log_probs_raise_under_fail_fast_0(monkeypatch):
     from twinkle.processor.base import InputProcessor
     from twinkle.utils.nccl_safe import SafeLossWrapper
-    real_unpack = InputProcessor.unpack_packed_sequences
-    calls = []
-
-    def unpack_fails_second_time(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise ValueError("simulated data-processing error")
-        return real_unpack(self, *args, **kwargs)
-
-    monkeypatch.setattr(InputProcessor, "unpack_packed_sequences", unpack_fails_second_time)
+    # TWINKLE_FAIL_FAST=0: twinkle's forward step catches the second micro-batch's error
+    real_unpack = th.fail_unpacking(monkeypatch, InputProcessor, failing={1})
     # twinkle's SafeLossWrapper would turn a loss's error (e.g. GRPOLoss computing from the placeholder) into 0
     with pytest.raises(RuntimeError, match="micro-batch 1 lost its log-probs"):
         run("megatron", True, loss=SafeLossWrapper(grpo(True)))

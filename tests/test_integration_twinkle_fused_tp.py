@@ -29,9 +29,7 @@ VOCAB, SEQ = 1018, 40
 def _megatron_on_cpu():
     """What every rank needs for megatron-core's GPTModel and scheduler and twinkle's Platform on the CPU."""
     import twinkle_helpers as th
-    from megatron.core.pipeline_parallel import schedules
-    schedules.torch = th._CpuZerosTorch(schedules.torch)
-    with th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
+    with th.cpu_schedules(), th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
         yield
 
 

@@ -5,7 +5,6 @@ CPU: on its own (a hand-written forward step) and inside twinkle-kit 0.5.1's
 Liveness is measured on storages (``twinkle_helpers.LogitsTracker``): a logits
 tensor counts as alive while anything, Python or autograd, still holds its memory.
 """
-import logging
 
 import pytest
 import torch
@@ -221,24 +220,10 @@ def test_twinkle_guarded_reports_logits_a_loss_requires(cpu, guard):
 @pytest.fixture
 def fail_micro_batch(monkeypatch):
     """TWINKLE_FAIL_FAST=0, and twinkle's per-micro-batch unpacking failing on the given
-    micro-batch: twinkle's forward step catches the error and reports no log-probs for it."""
-    monkeypatch.setenv("TWINKLE_FAIL_FAST", "0")
-    # pytest's log capture keeps twinkle's warning record, whose args hold the exception,
-    # its traceback and so the failed micro-batch's frame and logits: make no record.
-    monkeypatch.setattr(logging.getLogger("twinkle"), "disabled", True)
+    micro-batches: twinkle's forward step catches the error and reports no log-probs for them."""
 
     def arm(model, failing):
-        processor = model.optimizer_group[""].processor
-        real_unpack = processor.unpack_packed_sequences
-        calls = []
-
-        def unpack(*args, **kwargs):  # called once per micro-batch in the forward step, then per input
-            calls.append(1)
-            if len(calls) - 1 in failing:
-                raise ValueError("simulated data-processing error")
-            return real_unpack(*args, **kwargs)
-
-        monkeypatch.setattr(processor, "unpack_packed_sequences", unpack)
+        th.fail_unpacking(monkeypatch, model.optimizer_group[""].processor, failing)
 
     return arm
 

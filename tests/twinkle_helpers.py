@@ -1,7 +1,10 @@
 """Shared pieces for the twinkle-kit / megatron-core tests and benchmarks (CPU only).
 
 - ``megatron_cpu()``: a gloo world of size 1 with Megatron's model-parallel
-  state, and its scheduler's one CUDA allocation sent to the CPU; all undone on exit.
+  state, and ``cpu_schedules()``: its scheduler's one CUDA allocation sent to the
+  CPU; all undone on exit.
+- ``fail_unpacking()``: TWINKLE_FAIL_FAST=0 and twinkle's per-micro-batch unpacking
+  failing on chosen calls (twinkle's forward step catches the error).
 - ``ToyLM``: the smallest model Megatron's scheduler accepts, recording a weak
   reference to the storage of every logits tensor it produces (``LogitsTracker``),
   so a test can tell how many bytes of logits are still alive at any point.
@@ -15,6 +18,7 @@
 """
 import contextlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -49,10 +53,22 @@ class _CpuZerosTorch:
 
 
 @contextlib.contextmanager
+def cpu_schedules():
+    """megatron-core's schedules module with its one CUDA allocation (``torch.zeros(device="cuda")``)
+    on the CPU; undone on exit."""
+    from megatron.core.pipeline_parallel import schedules
+    real_torch = schedules.torch
+    schedules.torch = _CpuZerosTorch(real_torch)
+    try:
+        yield
+    finally:
+        schedules.torch = real_torch
+
+
+@contextlib.contextmanager
 def megatron_cpu():
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import schedules
 
     own_group = not dist.is_initialized()
     if own_group:
@@ -60,16 +76,37 @@ def megatron_cpu():
     own_state = not parallel_state.model_parallel_is_initialized()
     if own_state:
         parallel_state.initialize_model_parallel(1, 1)
-    real_torch = schedules.torch
-    schedules.torch = _CpuZerosTorch(real_torch)
     try:
-        yield
+        with cpu_schedules():
+            yield
     finally:
-        schedules.torch = real_torch
         if own_state:
             parallel_state.destroy_model_parallel()
         if own_group:
             dist.destroy_process_group()
+
+
+def fail_unpacking(monkeypatch, target, failing):
+    """TWINKLE_FAIL_FAST=0, and ``target.unpack_packed_sequences`` (a processor's, or
+    ``InputProcessor``'s for every processor) raising on the calls numbered in ``failing``
+    (from 0; twinkle's forward step calls it once per micro-batch, then once per input):
+    twinkle's forward step catches the error and reports no log-probs for that micro-batch.
+    Undone by ``monkeypatch``; returns the real ``unpack_packed_sequences``."""
+    monkeypatch.setenv("TWINKLE_FAIL_FAST", "0")
+    # pytest's log capture keeps twinkle's warning record, whose args hold the exception,
+    # its traceback and so the failed micro-batch's frame and logits: make no record.
+    monkeypatch.setattr(logging.getLogger("twinkle"), "disabled", True)
+    real_unpack = target.unpack_packed_sequences
+    calls = []
+
+    def unpack(*args, **kwargs):
+        calls.append(1)
+        if len(calls) - 1 in failing:
+            raise ValueError("simulated data-processing error")
+        return real_unpack(*args, **kwargs)
+
+    monkeypatch.setattr(target, "unpack_packed_sequences", unpack)
+    return real_unpack
 
 
 class LogitsTracker:

@@ -9,14 +9,19 @@ that runs a model; call it before training starts):
 - ``InputProcessor.__call__`` and ``InputProcessor._create_4d_attention_mask``
   -> the causal-mask skip, decided before collate allocates anything, and a
   one-allocation builder where the dense mask is still built;
-- ``MegatronModel.forward_backward`` and ``MegatronStrategy.reduce_loss`` ->
-  the logits guard (covers ``forward_only``, which twinkle runs through
-  ``forward_backward`` and which then also runs without autograd, and
-  ``MultiLoraMegatronModel``, whose ``forward_backward`` calls this one);
-  with it, megatron-core's ``get_forward_backward_func`` hands twinkle's
-  scheduler a forward step that reports failed micro-batches
-  (:class:`FailedMicroBatchWarning`, NaN rows in the returned log-probs) instead
-  of letting the collected log-probs shift onto other samples;
+- ``MegatronModel.forward_backward`` and megatron-core's
+  ``get_forward_backward_func``, with the logits guard or the fused head (or
+  both; covers ``forward_only``, which twinkle runs through ``forward_backward``
+  and which then also runs without autograd, and ``MultiLoraMegatronModel``,
+  whose ``forward_backward`` calls this one): inside a patched
+  ``forward_backward`` the scheduler runs twinkle's forward step through hooks.
+  With ``logits_guard=True`` the call runs under the logits guard, and the hooks
+  report failed micro-batches (:class:`FailedMicroBatchWarning`, NaN rows in the
+  returned log-probs) instead of letting the collected log-probs shift onto
+  other samples; with ``fused_lm_head=True`` the output layer is deferred for
+  the call where it applies (below);
+- ``MegatronStrategy.reduce_loss`` -> the logits guard's reports (with
+  ``logits_guard=True``);
 - with ``fused_lm_head=True``: ``TransformersModel.forward`` / ``forward_only``
   too, and in every eligible call the output layer computes log-probs and
   entropy from its input without the logits (``twinkle_lm_head.py``).
@@ -274,7 +279,8 @@ class FailedMicroBatchWarning(UserWarning):
         self.rows = rows
 
 
-warnings.filterwarnings("always", category=FailedMicroBatchWarning)  # every failure, not only the first
+# Every failure, not only the first; appended, so a user's filters (-W error, ignore) still win.
+warnings.filterwarnings("always", category=FailedMicroBatchWarning, append=True)
 
 _STEPS: ContextVar[Optional["_MegatronSteps"]] = ContextVar("twinkle_mem_megatron_steps", default=None)
 
@@ -325,8 +331,7 @@ def _fused_megatron(model, kwargs, loss, chunk_bytes):
             logger.debug("twinkle-mem fused LM head not used: %s", reason)
         yield None
         return
-    call = lm_head.FusedCall(float(kwargs.get("temperature", 1.0)), bool(getattr(loss, "require_entropy", False)),
-                             chunk_bytes)
+    call = lm_head.FusedCall.for_call(kwargs, loss, chunk_bytes)
     with lm_head.deferred(layers, lm_head.megatron_forward, call):
         yield call
 
@@ -424,8 +429,7 @@ class _MegatronSteps:
 def _report_failed_micro_batches(model, kwargs, out, failed: List[int]) -> None:
     """Put NaN rows where the failed micro-batches' log-probs belong (in the returned output and in
     twinkle's train/eval status), and warn, naming them."""
-    name = kwargs["adapter_name"] if "adapter_name" in kwargs else model._get_default_group()
-    group = model.optimizer_group[name]
+    group = _optimizer_group(model, kwargs)
     status = group.eval_status if kwargs.get("forward_only", False) else group.train_status
     logps, rows = _align_failed(out.get("logps"), status.inputs, failed)
     out["logps"] = logps
@@ -434,8 +438,13 @@ def _report_failed_micro_batches(model, kwargs, out, failed: List[int]) -> None:
     n = len(status.inputs)
     where = ", ".join(f"{i} (rows {r.start}-{r.stop - 1})" for i, r in zip(failed, rows)) if rows else \
         ", ".join(map(str, failed))
-    what = ("their rows of `logps` are NaN (`torch.isnan(logps).all(-1)` marks them); every other row stays with "
-            "its sample" if rows else "the log-probs of the other micro-batches could not be placed: `logps` is None")
+    if rows:
+        what = ("their rows of `logps` are NaN (`torch.isnan(logps).all(-1)` marks them); every other row stays with "
+                "its sample")
+    elif len(failed) == n:
+        what = "no micro-batch has log-probs: `logps` is None"
+    else:
+        what = "the log-probs of the other micro-batches could not be placed: `logps` is None"
     warnings.warn(FailedMicroBatchWarning(
         f"twinkle-mem: {len(failed)} of {n} micro-batches failed in twinkle's forward step (TWINKLE_FAIL_FAST=0 "
         f"caught the error, see twinkle's '[nccl_safe]' warning): micro-batch {where}; {what}.", failed, rows),
@@ -469,10 +478,15 @@ def _align_failed(logps, inputs, failed: List[int]):
     return aligned, [range(s, s + shapes[i][0]) for s, i in zip(starts, failed)]
 
 
+def _optimizer_group(model, kwargs):
+    """twinkle's optimizer group of the call's adapter (the default group without ``adapter_name``)."""
+    name = kwargs["adapter_name"] if "adapter_name" in kwargs else model._get_default_group()
+    return model.optimizer_group[name]
+
+
 def _loss_instance(model, kwargs):
     try:
-        name = kwargs["adapter_name"] if "adapter_name" in kwargs else model._get_default_group()
-        return model.optimizer_group[name].loss_instance
+        return _optimizer_group(model, kwargs).loss_instance
     except (AttributeError, KeyError):
         return None  # forward_backward itself reports the bad adapter name
 
@@ -521,7 +535,6 @@ def _fused_transformers(model, kwargs, chunk_bytes):
         logger.debug("twinkle-mem fused LM head not used: %s", reason)
         yield None
         return
-    call = lm_head.FusedCall(float(kwargs.get("temperature", 1.0)), bool(getattr(loss, "require_entropy", False)),
-                             chunk_bytes, labels_from_processor=True)
+    call = lm_head.FusedCall.for_call(kwargs, loss, chunk_bytes, labels_from_processor=True)
     with lm_head.deferred([head], lm_head.transformers_forward, call):
         yield call

@@ -66,7 +66,12 @@ class FusedCall:
         self.labels: Optional[torch.Tensor] = None  # the micro-batch's labels, IGNORE_INDEX where ignored
         self.pending: Optional[_Deferred] = None
         self.deferred = 0  # results computed by deferred heads
-        self.taken = 0  # results handed to twinkle
+
+    @classmethod
+    def for_call(cls, kwargs, loss, chunk_bytes: Optional[int], labels_from_processor: bool = False) -> "FusedCall":
+        """The call state for a twinkle call's kwargs (its temperature) and loss (its require_entropy)."""
+        return cls(float(kwargs.get("temperature", 1.0)), bool(getattr(loss, "require_entropy", False)), chunk_bytes,
+                   labels_from_processor=labels_from_processor)
 
     def compute(self, hidden, weight, labels, process_group=None):
         from twinkle_mem import linear_selective_log_softmax
@@ -126,7 +131,6 @@ def take(logits: torch.Tensor, index: torch.Tensor, return_entropy: bool):
         raise RuntimeError(f"twinkle-mem fused LM head: entropy {'asked for' if return_entropy else 'not asked for'} "
                            "but the loss's require_entropy said otherwise")
     call.pending = None
-    call.taken += 1
     return (pending.logp, pending.entropy) if return_entropy else pending.logp
 
 
@@ -162,6 +166,21 @@ def _logit_transform(*configs) -> Optional[str]:
     return None
 
 
+_FORWARD_REPLACED = "the output layer's forward is replaced on the instance"
+
+
+def _forward_replaced(layer) -> bool:
+    """Whether ``layer.forward`` is an instance attribute other than its own class's forward:
+    the deferred forward would skip whatever it does (a scaling, a soft-capping, twinkle's
+    embedding identity). The class's forward bound to the layer, which twinkle's
+    ``MegatronEmbeddingPatch.unpatch`` leaves on the instance, is not a replacement."""
+    forward = vars(layer).get("forward")
+    if forward is None:
+        return False
+    return not (getattr(forward, "__self__", None) is layer
+                and getattr(forward, "__func__", None) is getattr(type(layer), "forward", None))
+
+
 def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
     """The output layers of a MegatronModel's chunks (none on other pipeline stages), or a reason
     why the fused path cannot apply."""
@@ -182,6 +201,8 @@ def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
         layer, config, cls = owner.output_layer, owner.config, type(owner)
         if type(layer) is not ColumnParallelLinear:
             return [], f"the output layer is a {type(layer).__name__}, not a plain ColumnParallelLinear (LoRA?)"
+        if _forward_replaced(layer):
+            return [], _FORWARD_REPLACED
         if layer.bias is not None:
             return [], "the output layer has a bias"
         if layer.gather_output or layer.explicit_expert_comm:
@@ -211,6 +232,8 @@ def transformers_lm_head(wrapped_model, unwrapped) -> Tuple[Optional[torch.nn.Mo
         return None, "the model has no output embeddings (not a causal LM)"
     if type(head) is not torch.nn.Linear:
         return None, f"lm_head is a {type(head).__name__}, not a plain nn.Linear (LoRA or another wrapper?)"
+    if _forward_replaced(head):
+        return None, _FORWARD_REPLACED
     if head.bias is not None:
         return None, "lm_head has a bias"
     if any(isinstance(m, (FSDPModule, FullyShardedDataParallel)) for m in wrapped_model.modules()):
