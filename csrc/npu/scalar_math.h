@@ -70,10 +70,13 @@ TM_NPU_INLINE float expm1_series(float u) {
 //   else:     ln(w) + c / w with c = r - (w - 1), the rounding error of w (exact):
 //             log1p(r) = ln(w) + ln(1 + c / w), |c / w| <= 2^-24, so the result
 //             is as accurate as ln(w) plus one rounding.
+//   r = -1:   -inf (a row of only -inf), without ln: the vector unit is never
+//             asked for Ln(0), whose result on the AI core is not documented.
 // log1p_needs_ln(r) says whether the caller must compute ln(w).
 constexpr float kLog1pSeriesBound = 0.0078125f;  // 2^-7
-TM_NPU_INLINE bool log1p_needs_ln(float r) { return !(r >= 0.0f && r < kLog1pSeriesBound); }
+TM_NPU_INLINE bool log1p_needs_ln(float r) { return !(r >= 0.0f && r < kLog1pSeriesBound) && r != -1.0f; }
 TM_NPU_INLINE float log1p_from_ln(float r, float ln_w) {
+  if (r == -1.0f) return neg_inf();
   if (r >= 0.0f && r < kLog1pSeriesBound) {
     float s = -r * (1.0f / 6.0f);
     s = r * (0.2f + s);
@@ -83,7 +86,7 @@ TM_NPU_INLINE float log1p_from_ln(float r, float ln_w) {
     return r + r * s;
   }
   const float w = 1.0f + r;
-  if (!(w < pos_inf()) || !(r > 0.0f)) return ln_w;  // inf, NaN, or r = -1 (ln(0) = -inf)
+  if (!(w < pos_inf()) || !(r > 0.0f)) return ln_w;  // inf, NaN (or r < 0, never a row's)
   const float c = r - (w - 1.0f);                     // exact: w - 1 and r are within a factor 2
   return ln_w + c / w;
 }

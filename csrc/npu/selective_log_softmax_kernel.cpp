@@ -24,12 +24,13 @@
 //   - per row: shift = max (0 for a row of -inf), log_sum = log1p(rest),
 //     entropy = log_sum - zsum / (1 + rest), logp_j = (x_j - shift) / T - log_sum;
 //   - backward per tile: u = (x - shift) / T - log_sum, p = exp(u),
-//     d = p (a + b max(u_floor, u)) off the labels and
-//     d = p (a_here + b u) - g_here / T expm1(u) at them (row_grad() and
-//     grad_at_label(); a + b u evaluated as b (u + entropy) - G / T, which
-//     rounds less without a fused multiply-add; expm1 as a series for
-//     |u| < 0.5, else p - 1), written over the logits for the in-place variant
-//     (each tile is read before it is written; tiles and rows are disjoint).
+//     d = p (b (max(u_floor, u) + entropy) + a) off the labels and
+//     d = p (b (max(u_floor, u) + entropy) + a_here) - g_here / T expm1(u) at
+//     them (grad_off_label() and grad_at_label(): a = -G / T, b = -g_H / T; the
+//     same grouping, with b w and + a as a multiply then an add, no fused
+//     multiply-add; expm1 as a series for |u| < 0.5, else p - 1), written over
+//     the logits for the in-place variant (each tile is read before it is
+//     written; tiles and rows are disjoint).
 #include "kernel_operator.h"
 #include "scalar_math.h"
 #include "tiling.h"
@@ -43,7 +44,7 @@ namespace {
 constexpr float kLowest = -3.40282347e+38f;  // max(lowest, t) keeps t e = 0 at t = -inf
 constexpr float kFarBelow = -1e30f;          // merge(): exp() of it is 0, times any sum finite
 constexpr float kUFloor = -150.0f;           // exp_underflow<float>(): p = 0 below it
-constexpr int32_t kSlotFloats = 8;           // one 32-byte block per scalar slot
+constexpr int32_t kSlotFloats = static_cast<int32_t>(tm_npu::kUbBlockBytes / sizeof(float));  // one block per slot
 
 // One pipe waits for another (the AscendC flag pair); e.g. Sync<HardEvent::V_S>()
 // before the scalar unit reads a vector result.
@@ -62,7 +63,7 @@ struct State {
 };
 
 // What the forward and the backward share: the plan, the core's rows, the
-// labels, the logits' copy-in queue, fp32 work tiles and scalar slots.
+// labels, the logits' copy-in queue and fp32 work tiles.
 template <typename T>
 class RowStream {
  public:
@@ -86,7 +87,6 @@ class RowStream {
     pipe_->InitBuffer(in_q_, 2, static_cast<uint32_t>(t_.tile_len * sizeof(T)));
     pipe_->InitBuffer(a_buf_, static_cast<uint32_t>(t_.tile_len * sizeof(float)));
     pipe_->InitBuffer(b_buf_, static_cast<uint32_t>(t_.tile_len * sizeof(float)));
-    pipe_->InitBuffer(slot_buf_, static_cast<uint32_t>(tm_npu::kScalarSlots * tm_npu::kUbBlockBytes));
   }
 
  protected:
@@ -160,8 +160,6 @@ class RowStream {
     if constexpr (IsSameType<T, float>::value) in_q_.FreeTensor(held_);
   }
 
-  __aicore__ inline LocalTensor<float> Slot(int32_t i) { return slot_buf_.Get<float>()[i * kSlotFloats]; }
-
   TPipe* pipe_;
   tm_npu::Tiling t_;
   float inv_t_;
@@ -171,7 +169,7 @@ class RowStream {
   GlobalTensor<int64_t> y64_gm_;
   GlobalTensor<int32_t> y32_gm_;
   TQue<TPosition::VECIN, 2> in_q_;
-  TBuf<TPosition::VECCALC> a_buf_, b_buf_, slot_buf_;
+  TBuf<TPosition::VECCALC> a_buf_, b_buf_;
   LocalTensor<T> held_;
 };
 
@@ -182,6 +180,7 @@ class ForwardKernel : public RowStream<T> {
   __aicore__ inline void Init(TPipe* pipe, GM_ADDR logits, GM_ADDR labels, GM_ADDR logp, GM_ADDR entropy,
                               GM_ADDR shift, GM_ADDR log_sum, GM_ADDR tiling, float inv_t) {
     this->InitCommon(pipe, logits, labels, tiling, inv_t);
+    pipe->InitBuffer(slot_buf_, static_cast<uint32_t>(tm_npu::kScalarSlots * tm_npu::kUbBlockBytes));
     logp_gm_.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(logp));
     shift_gm_.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(shift));
     log_sum_gm_.SetGlobalBuffer(reinterpret_cast<__gm__ float*>(log_sum));
@@ -220,6 +219,7 @@ class ForwardKernel : public RowStream<T> {
       state = Merge(state, TileState(static_cast<int32_t>(tm_npu::tile_elems(t, k))));
     }
     // finalize(): shift, log_sum = log1p(rest), entropy = log_sum - E_p[t]
+    // (a row of only -inf, rest = -1: log_sum = -inf without a vector Ln(0))
     const float shift = state.max == tm_npu::neg_inf() ? 0.0f : state.max;
     const float log_sum = tm_npu::log1p_from_ln(
         state.rest, tm_npu::log1p_needs_ln(state.rest) ? ScalarLn(1.0f + state.rest) : 0.0f);
@@ -244,7 +244,7 @@ class ForwardKernel : public RowStream<T> {
     LocalTensor<float> x = this->LoadX(len);
     LocalTensor<float> a = this->a_buf_.template Get<float>(), e = this->b_buf_.template Get<float>();
     LocalTensor<float> work = work_buf_.Get<float>();
-    LocalTensor<float> s_max = this->Slot(0), s_sum = this->Slot(1), s_zsum = this->Slot(2);
+    LocalTensor<float> s_max = Slot(0), s_sum = Slot(1), s_zsum = Slot(2);
 
     ReduceMax(s_max, x, work, len, true);
     Sync<HardEvent::V_S>();
@@ -260,8 +260,10 @@ class ForwardKernel : public RowStream<T> {
     Adds(a, x, -m, len);  // (in place for bf16 / fp16)
     PipeBarrier<PIPE_V>();
     this->ReleaseX();
-    Muls(a, a, this->inv_t_, len);
-    PipeBarrier<PIPE_V>();
+    if (this->inv_t_ != 1.0f) {  // x * 1 = x: nothing to do at T = 1
+      Muls(a, a, this->inv_t_, len);
+      PipeBarrier<PIPE_V>();
+    }
     Exp(e, a, len);
     PipeBarrier<PIPE_V>();
     if (this->t_.with_entropy) {
@@ -310,7 +312,7 @@ class ForwardKernel : public RowStream<T> {
 
   // exp / ln of one scalar, as 1-element vector instructions.
   __aicore__ inline float ScalarExp(float v) {
-    LocalTensor<float> s = this->Slot(3);
+    LocalTensor<float> s = Slot(3);
     s.SetValue(0, v);
     Sync<HardEvent::S_V>();
     Exp(s, s, 1);
@@ -318,7 +320,7 @@ class ForwardKernel : public RowStream<T> {
     return s.GetValue(0);
   }
   __aicore__ inline float ScalarLn(float v) {
-    LocalTensor<float> s = this->Slot(3);
+    LocalTensor<float> s = Slot(3);
     s.SetValue(0, v);
     Sync<HardEvent::S_V>();
     Ln(s, s, 1);
@@ -360,7 +362,10 @@ class ForwardKernel : public RowStream<T> {
     logp_staged_ = 0;
   }
 
-  TBuf<TPosition::VECCALC> work_buf_;
+  // Scalar slots (forward only): reduce results and the 1-element exp / ln.
+  __aicore__ inline LocalTensor<float> Slot(int32_t i) { return slot_buf_.Get<float>()[i * kSlotFloats]; }
+
+  TBuf<TPosition::VECCALC> work_buf_, slot_buf_;
   TBuf<TPosition::VECOUT> stage_buf_;  // UB -> GM copies read VECIN / VECOUT buffers
   LocalTensor<float> stage_;
   i64 rows_first_ = 0, rows_staged_ = 0, logp_first_ = 0, logp_staged_ = 0;
@@ -403,11 +408,11 @@ class BackwardKernel : public RowStream<T> {
   }
 
  private:
-  // row_grad()'s p (a + b u) with a = -(G + g_H entropy) / T, b = -g_H / T,
-  // G = the sum of the row's non-ignored upstream logp gradients (other shards'
-  // labels included), evaluated as p (b (u + entropy) - G / T): without a fused
-  // multiply-add, a + b u would round at the magnitude of g_H entropy and
-  // cancel; u + entropy = z - E_p[z] is small where p is large.
+  // row_grad()'s constants for grad_off_label()'s p (b (max(u_floor, u) + entropy) + a):
+  // a = -G / T (neg_g_total_t), b = -g_H / T, G = the sum of the row's
+  // non-ignored upstream logp gradients (other shards' labels included). The
+  // tile keeps online_softmax.h's grouping (w = u + entropy = z - E_p[z], small
+  // where p is large) and forms b w + a as Muls then Adds: no fused multiply-add.
   struct RowConsts {
     float neg_shift, neg_log_sum, entropy, b, g_total, neg_g_total_t;
   };
@@ -441,8 +446,10 @@ class BackwardKernel : public RowStream<T> {
     Adds(u, x, c.neg_shift, len);
     PipeBarrier<PIPE_V>();
     this->ReleaseX();
-    Muls(u, u, this->inv_t_, len);
-    PipeBarrier<PIPE_V>();
+    if (this->inv_t_ != 1.0f) {  // x * 1 = x: nothing to do at T = 1
+      Muls(u, u, this->inv_t_, len);
+      PipeBarrier<PIPE_V>();
+    }
     Adds(u, u, c.neg_log_sum, len);
     PipeBarrier<PIPE_V>();
     Exp(p, u, len);

@@ -34,7 +34,7 @@ constexpr i64 kUbBlockBytes = 32;               // UB address / DataCopy granule
 constexpr i64 kRepeatBytes = 256;               // one vector instruction repeat
 constexpr i64 kAlignElems = kRepeatBytes / 4;   // 64: a whole fp32 repeat, whole 32 B blocks in any dtype
 constexpr i64 kRowBatch = 64;                   // per-row results staged in UB before one copy out
-constexpr i64 kScalarSlots = 4;                 // 32 B UB slots: reduce results, 1-element exp / ln
+constexpr i64 kScalarSlots = 4;                 // 32 B UB slots (forward): reduce results, 1-element exp / ln
 // UB per vector core on the 220 architecture (Atlas A2 / A3: 910B, 910_93) is
 // 192 KiB, of which the AscendC library keeps the top 8 KiB as its own
 // temporary space (CANN kernel_utils_constants.h, TMP_UB_OFFSET): the kernel's
@@ -147,15 +147,15 @@ TM_NPU_INLINE i64 reduce_work_elems(i64 count) {
 //             + reduce scratch + scalar slots + staged per-row results (shift,
 //             log_sum, entropy of kRowBatch rows, and kRowBatch log-probs)
 //   backward: input and output queues (2 + 2 x tile, logits dtype) + 3 fp32
-//             tiles (u; p; the gradient) + scalar slots
+//             tiles (u; p; the gradient); no scalar slots (only the forward has them)
 TM_NPU_INLINE i64 ub_bytes_for(i64 tile_len, i64 elem_bytes, i64 mode) {
   const i64 tile_bytes = align_up(tile_len * elem_bytes, kUbBlockBytes), fp32_tile = tile_len * 4;
-  const i64 slots = kScalarSlots * kUbBlockBytes;
   if (mode == kForward) {
+    const i64 slots = kScalarSlots * kUbBlockBytes;
     return 2 * tile_bytes + 2 * fp32_tile + align_up(reduce_work_elems(tile_len) * 4, kUbBlockBytes) + slots +
            4 * kRowBatch * 4;
   }
-  return 4 * tile_bytes + 3 * fp32_tile + slots;
+  return 4 * tile_bytes + 3 * fp32_tile;
 }
 
 #if !defined(__aicore__) || defined(ASCENDC_CPU_DEBUG)
