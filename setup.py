@@ -55,8 +55,6 @@ def _find_nvcc():
 
 def _torch_has_cuda_libs():
     """The build environment's torch ships libtorch_cuda (which _C_cuda links)."""
-    import torch
-
     return bool(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.*")))
 
 
@@ -86,7 +84,6 @@ def check_cuda_version_any_nvcc(original, cuda_home):
     version torch was built with: a major mismatch is no error for a stable-ABI library
     (headers only; the CUDA runtime is linked statically). The compiler-bounds part of
     torch's check still runs for that nvcc."""
-    import torch
 
     def check(compiler_name, compiler_version):
         built_for = torch.version.cuda
@@ -120,19 +117,30 @@ cuda_sources = _rel("csrc/cuda/*.cu")
 # No --use_fast_math: it implies -ftz=true, which flushes subnormal gradients
 # (e^-100 in fp32/bf16) to 0; the contract wants them correctly rounded.
 NVCC_FLAGS = ["-O3", "-std=c++17", "-Xptxas=-v", "-lineinfo"]
-if cuda_home and cuda_sources:
-    os.environ["CUDA_HOME"] = cuda_home
-    cpp_ext.CUDA_HOME = cuda_home  # torch guesses /usr/local from /usr/local/bin/nvcc
-    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
-    gencode = []
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"  # TORCH_CUDA_ARCH_LIST when unset
+
+
+def gencode_flags(arch_list):
+    """nvcc -gencode flags of a TORCH_CUDA_ARCH_LIST ("8.0;9.0+PTX": SASS for each,
+    plus PTX for those marked +PTX), and the real archs (["sm_80", "sm_90"]).
+    .ci/check_cuda_build.py compiles with the same."""
+    flags, real = [], []
     for arch in arch_list.replace(",", ";").replace(" ", ";").split(";"):
         if not arch:
             continue
-        ptx = arch.endswith("+PTX")
         num = arch.replace("+PTX", "").replace(".", "")
-        gencode.append(f"-gencode=arch=compute_{num},code=sm_{num}")
-        if ptx:
-            gencode.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        real.append(f"sm_{num}")
+        if arch.endswith("+PTX"):
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags, real
+
+
+if cuda_home and cuda_sources:
+    os.environ["CUDA_HOME"] = cuda_home
+    cpp_ext.CUDA_HOME = cuda_home  # torch guesses /usr/local from /usr/local/bin/nvcc
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+    gencode, _ = gencode_flags(arch_list)
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
     cuda_ext = CUDAExtension(
         name="twinkle_mem._C_cuda",

@@ -7,7 +7,7 @@
    package still imports (and leaves it unloaded).
 2. `ptxas -v` on csrc/cuda/selective_log_softmax.cu, compiled with setup.py's
    nvcc flags and defines, for every real arch of TORCH_CUDA_ARCH_LIST (default
-   "8.0;9.0+PTX", as setup.py): every hot kernel (the segment and backward
+   setup.py's DEFAULT_CUDA_ARCHS, "8.0;9.0+PTX"): every hot kernel (the segment and backward
    kernels, all but the float64 instances) must report 0 bytes of stack frame and
    0 bytes of spill stores/loads; finish_rows_kernel (one thread per row, O(N)
    work) may keep the small frame of the accurate division / log1p subroutines
@@ -40,12 +40,21 @@ CU_FILE = os.path.join(ROOT, "csrc", "cuda", "selective_log_softmax.cu")
 OPS = ("selective_log_softmax_fwd", "selective_log_softmax_bwd", "selective_log_softmax_bwd_")
 HOT_KERNELS = ("segment_state_kernel", "backward_kernel")  # per element: no stack, no spills
 COLD_KERNELS = ("finish_rows_kernel",)  # per row: no spills
-DEFAULT_ARCHS = "8.0;9.0+PTX"
+_SETUP: dict | None = None
+
+
+def setup_ns() -> dict:
+    """setup.py's module namespace (setup() is not run), read once: its nvcc flags,
+    defines, DEFAULT_CUDA_ARCHS and gencode_flags are the build's own."""
+    global _SETUP
+    if _SETUP is None:
+        _SETUP = runpy.run_path(os.path.join(ROOT, "setup.py"), run_name="twinkle_mem_setup")
+    return _SETUP
 
 
 def setup_flags() -> tuple[list[str], list[str]]:
-    """(nvcc flags, defines) of the _C_cuda extension, read from setup.py (setup() is not run)."""
-    ns = runpy.run_path(os.path.join(ROOT, "setup.py"), run_name="twinkle_mem_setup")
+    """(nvcc flags, defines) of the _C_cuda extension, read from setup.py."""
+    ns = setup_ns()
     flags = [f for f in ns["NVCC_FLAGS"] if not f.startswith("-Xptxas")]
     defines = [f"-D{k}={v}" for k, v in ns["STABLE_DEFINES"]] + ["-DUSE_CUDA"]
     return flags, defines
@@ -113,16 +122,8 @@ def check_installed() -> None:
 
 # ------------------------------------------------------------------- 2. ptxas -v
 def gencode_flags(arch_list: str) -> tuple[list[str], list[str]]:
-    flags, real = [], []
-    for arch in arch_list.replace(",", ";").replace(" ", ";").split(";"):
-        if not arch:
-            continue
-        num = arch.replace("+PTX", "").replace(".", "")
-        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
-        real.append(f"sm_{num}")
-        if arch.endswith("+PTX"):
-            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
-    return flags, real
+    """setup.py's gencode_flags: (nvcc -gencode flags, real archs)."""
+    return setup_ns()["gencode_flags"](arch_list)
 
 
 def compile_for_ptxas(cuda_home: str, arch_list: str) -> str:
@@ -245,7 +246,7 @@ def main() -> None:
 
     if not args.skip_install_check:
         check_installed()
-    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", setup_ns()["DEFAULT_CUDA_ARCHS"])
     _, real_archs = gencode_flags(arch_list)
     if args.ptxas_log:
         with open(args.ptxas_log) as f:

@@ -31,7 +31,6 @@ DEPENDS = [SOURCE, os.path.join(CSRC, "cuda", "emulation", "fake_cuda.h"),
            os.path.join(CSRC, "cuda", "selective_log_softmax.cu"),
            os.path.join(CSRC, "common", "online_softmax.h"), os.path.join(CSRC, "common", "layout.h")]
 
-SEGMENT_BYTES = 64 << 10  # the CUDA build's kSegmentBytes
 MAX_GRID = 3  # few blocks: each loops over several tasks (the grid-stride path)
 DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
 
@@ -94,14 +93,22 @@ def library():
         lib.tm_emu_split.restype = None
         lib.tm_emu_take_counters.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
         lib.tm_emu_take_counters.restype = None
+        lib.tm_emu_segment_bytes.argtypes = []
+        lib.tm_emu_segment_bytes.restype = i64
         _lib = lib
     return _lib
 
 
-def split(v: int, dtype: torch.dtype, segment_bytes: int = SEGMENT_BYTES) -> tuple[int, int, int]:
+def _segment_bytes(segment_bytes: int | None) -> int:
+    """segment_bytes, or by default the CUDA build's kSegmentBytes (read from the library)."""
+    return library().tm_emu_segment_bytes() if segment_bytes is None else segment_bytes
+
+
+def split(v: int, dtype: torch.dtype, segment_bytes: int | None = None) -> tuple[int, int, int]:
     """(segments, segment_len, threads) of the CUDA plan for rows of v elements."""
     out = (ctypes.c_int64 * 3)()
-    library().tm_emu_split(v, torch.empty((), dtype=dtype).element_size(), segment_bytes, out)
+    library().tm_emu_split(v, torch.empty((), dtype=dtype).element_size(),
+                           _segment_bytes(segment_bytes), out)
     return tuple(out)
 
 
@@ -122,7 +129,7 @@ def _raise(rc: int, message) -> None:
 
 
 def forward(logits, labels, inv_temperature, ignore_index, vocab_start, vocab_size, with_entropy,
-            inplace_backward=False, *, segment_bytes=SEGMENT_BYTES, max_grid=MAX_GRID):
+            inplace_backward=False, *, segment_bytes=None, max_grid=MAX_GRID):
     """The CUDA selective_log_softmax_fwd, emulated: (logp, entropy, shift, log_sum)."""
     assert logits.dim() in (2, 3) and (logits.shape[-1] <= 1 or logits.stride(-1) == 1)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -134,14 +141,14 @@ def forward(logits, labels, inv_temperature, ignore_index, vocab_start, vocab_si
     message = ctypes.create_string_buffer(256)
     rc = library().tm_emu_forward(DTYPES[logits.dtype], _ref(logits), _ref(labels), labels.dtype == torch.int64,
                                   float(inv_temperature), ignore_index, vocab_start, vocab_size, _ptr(logp),
-                                  _ptr(entropy) if with_entropy else None, _ptr(shift), _ptr(log_sum), segment_bytes,
-                                  max_grid, message, 256)
+                                  _ptr(entropy) if with_entropy else None, _ptr(shift), _ptr(log_sum),
+                                  _segment_bytes(segment_bytes), max_grid, message, 256)
     _raise(rc, message)
     return logp, entropy, shift, log_sum
 
 
 def backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature, ignore_index,
-             vocab_start, inplace, *, segment_bytes=SEGMENT_BYTES, max_grid=MAX_GRID):
+             vocab_start, inplace, *, segment_bytes=None, max_grid=MAX_GRID):
     """The CUDA selective_log_softmax_bwd (or _bwd_ when inplace), emulated: the gradient."""
     grad = logits if inplace else new_grad_like(logits)
     with_entropy = grad_entropy is not None
@@ -151,6 +158,7 @@ def backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, i
     message = ctypes.create_string_buffer(256)
     rc = library().tm_emu_backward(DTYPES[logits.dtype], _ref(logits), _ref(grad), _ref(labels),
                                    labels.dtype == torch.int64, *[_ptr(t) for t in per_row], float(inv_temperature),
-                                   ignore_index, vocab_start, bool(inplace), segment_bytes, max_grid, message, 256)
+                                   ignore_index, vocab_start, bool(inplace), _segment_bytes(segment_bytes),
+                                   max_grid, message, 256)
     _raise(rc, message)
     return grad

@@ -2,11 +2,13 @@
 // stable-ABI backends (CPU, CUDA): fp32 (fp64 for fp64 logits) outputs on the
 // logits' device, logp in the labels' shape, entropy / shift / log_sum in the
 // logits' leading shape (entropy [0] without with_entropy), all contiguous.
+// Also the backward's per-row inputs, made contiguous alike.
 #pragma once
 
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -46,6 +48,28 @@ inline torch::stable::Tensor new_grad_like(const torch::stable::Tensor& logits) 
     if (alloc[d] != sizes[d]) grad = torch::stable::narrow(grad, d, 0, sizes[d]);
   }
   return grad;
+}
+
+// The backward's per-row inputs, contiguous: grad_logp [rows * k], shift,
+// log_sum, and with_entropy grad_entropy and entropy [rows] (without it, both
+// stand-ins that no kernel reads). They are O(N): the copies (asynchronous on
+// a GPU) cost nothing next to the rows.
+struct BackwardRowInputs {
+  torch::stable::Tensor grad_logp, shift, log_sum, grad_entropy, entropy;
+  bool with_entropy;
+};
+
+inline BackwardRowInputs contiguous_row_inputs(const torch::stable::Tensor& grad_logp,
+                                               const std::optional<torch::stable::Tensor>& grad_entropy,
+                                               const torch::stable::Tensor& shift,
+                                               const torch::stable::Tensor& log_sum,
+                                               const std::optional<torch::stable::Tensor>& entropy) {
+  const torch::stable::Tensor g_logp_c = torch::stable::contiguous(grad_logp),
+                              shift_c = torch::stable::contiguous(shift), log_sum_c = torch::stable::contiguous(log_sum);
+  const bool with_entropy = grad_entropy.has_value();
+  const torch::stable::Tensor g_entropy_c = with_entropy ? torch::stable::contiguous(*grad_entropy) : shift_c;
+  const torch::stable::Tensor entropy_c = with_entropy ? torch::stable::contiguous(*entropy) : shift_c;
+  return {g_logp_c, shift_c, log_sum_c, g_entropy_c, entropy_c, with_entropy};
 }
 
 }  // namespace twinkle_mem

@@ -7,6 +7,7 @@
 // row = b * S + s; every per-row output is contiguous in that order.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
@@ -38,7 +39,31 @@ struct LabelIndex {
   TM_LAYOUT_FN int64_t operator()(int64_t r, int64_t j) const { return row(r) + j * k_stride; }
 };
 
+// Labels of any strides: [L] (k = 1) or [L, k]; label j of a row, widened to int64.
+template <typename label_t>
+struct Labels {
+  const label_t* ptr;
+  LabelIndex index;
+  TM_LAYOUT_FN int64_t operator()(int64_t row, int64_t j) const { return static_cast<int64_t>(ptr[index(row, j)]); }
+  TM_LAYOUT_FN int64_t k() const { return index.k; }
+};
+
+TM_LAYOUT_FN int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // ------------------------------------------------------------------ host only
+// The leading dims of a [N, ...] or [B, S, ...] tensor (lead_dims 1 or 2, its
+// sizes and strides in elements) as a RowIndex.
+inline RowIndex row_index(int64_t lead_dims, const int64_t* sizes, const int64_t* strides) {
+  if (lead_dims == 1) return {std::max<int64_t>(sizes[0], 1), 0, strides[0]};
+  return {std::max<int64_t>(sizes[1], 1), strides[0], strides[1]};
+}
+
+// Labels [leading dims] (k = 1) or [leading dims, k] (dim labels_dim) as a LabelIndex.
+inline LabelIndex label_index(int64_t lead_dims, int64_t labels_dim, const int64_t* sizes, const int64_t* strides) {
+  const bool has_k = labels_dim > lead_dims;
+  return {row_index(lead_dims, sizes, strides), has_k ? sizes[lead_dims] : 1, has_k ? strides[lead_dims] : 0};
+}
+
 // The out-of-place gradient's layout. It takes the logits' strides when they
 // nest (each leading stride a whole multiple of the next, the innermost >= V)
 // and the storage that costs is at most 1/8 more than the gradient's elements:

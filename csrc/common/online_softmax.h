@@ -253,5 +253,23 @@ TM_HOST_DEVICE int64_t local_target(int64_t label, int64_t vocab_start, int64_t 
   return (local >= 0 && local < V) ? local : -1;
 }
 
+// In range: ignore_index, or within [0, vocab_size). An out-of-range label is an
+// error; each backend reports it (op_checks.h's fail_label_out_of_range on the
+// host, a device-side assert on CUDA).
+TM_HOST_DEVICE bool label_in_range(int64_t label, int64_t ignore_index, int64_t vocab_size) {
+  return label == ignore_index || (label >= 0 && label < vocab_size);
+}
+
+// A row is skipped (every output 0, gradient 0, logits unread) when it has
+// labels and all of them are ignore_index. L: layout.h's Labels.
+template <typename L>
+TM_HOST_DEVICE bool row_skipped(const L& labels, int64_t row, int64_t ignore_index) {
+  if (labels.k() == 0) return false;
+  for (int64_t j = 0; j < labels.k(); ++j) {
+    if (!is_ignored(labels(row, j), ignore_index)) return false;
+  }
+  return true;
+}
+
 }  // namespace TWINKLE_MEM_ISA
 }  // namespace twinkle_mem

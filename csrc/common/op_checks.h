@@ -135,13 +135,11 @@ void check_backward_args(const TensorT& grad_logp, const std::optional<TensorT>&
   check_inv_temperature(inv_temperature);
 }
 
-// Labels must be ignore_index or within [0, vocab_size). Each backend finds
-// the first bad row its own way (a host loop, a device flag, a reduction) and
-// raises with this one message.
-inline bool label_in_range(int64_t label, int64_t ignore_index, int64_t vocab_size) {
-  return label == ignore_index || (label >= 0 && label < vocab_size);
-}
-
+// Labels must be ignore_index or within [0, vocab_size) (online_softmax.h's
+// label_in_range). The host-side checks (the CPU's loop, the NPU's reduction)
+// raise with this one message; CUDA checks on the device instead, with a
+// device-side assert and its own message (docs/cuda.md).
+//
 // Thrown as a plain std::runtime_error (a RuntimeError in Python) so that the
 // message leads with what is wrong and names no source path of the build machine.
 [[noreturn]] inline void fail_label_out_of_range(int64_t index, int64_t label, int64_t vocab_size,

@@ -61,8 +61,6 @@ inline int64_t index_of(const V* p, int64_t n, V value) { return std::find(p, p 
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // Rows are cut into vocab segments of a fixed length: tasks for the threads
 // when rows are few, and one reduction order for a row whatever N, the other
 // rows or the thread count (its results are bitwise the same in any batch).
@@ -76,39 +74,18 @@ RowSplit split_rows(int64_t V) { return {std::max<int64_t>(1, ceil_div(V, kSegme
 
 // The leading dims as a RowIndex (layout.h): [N, ...] or [B, S, ...].
 RowIndex row_index(const Tensor& t, int64_t lead_dims) {
-  if (lead_dims == 1) return {std::max<int64_t>(t.size(0), 1), 0, t.stride(0)};
-  return {std::max<int64_t>(t.size(1), 1), t.stride(0), t.stride(1)};
+  return twinkle_mem::row_index(lead_dims, t.sizes().data(), t.strides().data());
 }
 
-// Labels of any strides: [L] (k = 1) or [L, k].
-template <typename label_t>
-struct Labels {
-  const label_t* ptr;
-  LabelIndex index;
-  int64_t operator()(int64_t row, int64_t j) const { return static_cast<int64_t>(ptr[index(row, j)]); }
-  int64_t k() const { return index.k; }
-};
+// Labels of any strides (layout.h's Labels), int64 or int32.
 template <typename F>
 void with_labels(const Tensor& labels, int64_t lead_dims, F&& f) {
-  const bool has_k = labels.dim() > lead_dims;
-  const LabelIndex index{row_index(labels, lead_dims), has_k ? labels.size(lead_dims) : 1,
-                         has_k ? labels.stride(lead_dims) : 0};
+  const LabelIndex index = label_index(lead_dims, labels.dim(), labels.sizes().data(), labels.strides().data());
   if (labels.scalar_type() == ScalarType::Long) {
     f(Labels<int64_t>{reinterpret_cast<const int64_t*>(labels.data_ptr()), index});
   } else {
     f(Labels<int32_t>{reinterpret_cast<const int32_t*>(labels.data_ptr()), index});
   }
-}
-
-// A row is skipped (every output 0, gradient 0, logits unread) when it has
-// labels and all of them are ignore_index.
-template <typename L>
-bool row_skipped(const L& label, int64_t row, int64_t ignore_index) {
-  if (label.k() == 0) return false;
-  for (int64_t j = 0; j < label.k(); ++j) {
-    if (!is_ignored(label(row, j), ignore_index)) return false;
-  }
-  return true;
 }
 
 // Out-of-range labels are an error, raised before any kernel runs.
@@ -236,17 +213,13 @@ void backward_kernel(const Tensor& grad_logp, const std::optional<Tensor>& grad_
   const int64_t lead_dims = logits.dim() - 1, V = logits.size(lead_dims), N = shift.numel();
   const RowIndex row_at = row_index(logits, lead_dims);
   const scalar_t* x = reinterpret_cast<const scalar_t*>(logits.data_ptr());
-  // Per-row vectors are O(N): contiguous copies cost nothing next to the rows.
-  const Tensor g_logp_c = torch::stable::contiguous(grad_logp), shift_c = torch::stable::contiguous(shift),
-               log_sum_c = torch::stable::contiguous(log_sum);
-  const bool with_entropy = grad_entropy.has_value();
-  const Tensor g_entropy_c = with_entropy ? torch::stable::contiguous(*grad_entropy) : shift_c;
-  const Tensor entropy_c = with_entropy ? torch::stable::contiguous(*entropy) : shift_c;
-  const acc_t* g_logp = reinterpret_cast<const acc_t*>(g_logp_c.data_ptr());
-  const acc_t* row_shift = reinterpret_cast<const acc_t*>(shift_c.data_ptr());
-  const acc_t* row_log_sum = reinterpret_cast<const acc_t*>(log_sum_c.data_ptr());
-  const acc_t* g_entropy = reinterpret_cast<const acc_t*>(g_entropy_c.data_ptr());
-  const acc_t* row_entropy = reinterpret_cast<const acc_t*>(entropy_c.data_ptr());
+  const BackwardRowInputs in = contiguous_row_inputs(grad_logp, grad_entropy, shift, log_sum, entropy);
+  const bool with_entropy = in.with_entropy;
+  const acc_t* g_logp = reinterpret_cast<const acc_t*>(in.grad_logp.data_ptr());
+  const acc_t* row_shift = reinterpret_cast<const acc_t*>(in.shift.data_ptr());
+  const acc_t* row_log_sum = reinterpret_cast<const acc_t*>(in.log_sum.data_ptr());
+  const acc_t* g_entropy = reinterpret_cast<const acc_t*>(in.grad_entropy.data_ptr());
+  const acc_t* row_entropy = reinterpret_cast<const acc_t*>(in.entropy.data_ptr());
   const RowSplit split = split_rows(V);
 
   with_labels(labels, lead_dims, [&](auto label) {

@@ -1,7 +1,8 @@
 // CUDA kernels of the selective log-softmax op (forward, backward, in-place
 // backward), registered for the CUDA dispatch key of the schemas in csrc/ops.cpp.
-// The math (online state, merge, finalize, gradient) is csrc/common/online_softmax.h,
-// the row and label indexing csrc/common/layout.h: nothing of either is written here.
+// The math (online state, merge, finalize, gradient, label classification) is
+// csrc/common/online_softmax.h, the row and label indexing csrc/common/layout.h:
+// nothing of either is written here.
 //
 // Work decomposition, forward and backward alike:
 //   segment = a fixed run of kSegmentBytes of one row (the last one shorter):
@@ -20,9 +21,9 @@
 // one thread per row, merges the row's states in segment order and finishes the
 // row. So a row's results are bitwise the same whatever N, the other rows, the
 // grid size or the row's alignment.
-// Backward: each task writes p (a + b u) over its segment (read first: the
-// in-place variant is safe), then rewrites the label positions in it with
-// grad_at_label (repeated labels summed).
+// Backward: each task writes grad_off_label, p (a + b (u + entropy)), over its
+// segment (read first: the in-place variant is safe), then rewrites the label
+// positions in it with grad_at_label (repeated labels summed).
 //
 // Out-of-range labels (neither ignore_index nor in [0, vocab_size)) are never used
 // as an index. The forward checks them on the device, as PyTorch's own nll_loss
@@ -54,6 +55,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 namespace twinkle_mem {
@@ -222,34 +224,14 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 __device__ __forceinline__ double max_nan(double a, double b) { return (a != a || b != b) ? a + b : fmax(a, b); }
 
 // -------------------------------------------------------------------- labels
-// Labels of any strides: [L] (k = 1) or [L, k] (layout.h's LabelIndex).
-template <typename label_t>
-struct Labels {
-  const label_t* ptr;
-  LabelIndex index;
-  __device__ __forceinline__ int64_t operator()(int64_t row, int64_t j) const {
-    return static_cast<int64_t>(ptr[index(row, j)]);
-  }
-  __device__ __forceinline__ int64_t k() const { return index.k; }
-};
-
-// A row is skipped (every output 0, gradient 0, logits unread) when it has
-// labels and all of them are ignore_index. Block-uniform: every thread calls it.
+// online_softmax.h's row_skipped, by the whole block (layout.h's Labels): the
+// threads share out the labels. Block-uniform: every thread calls it.
 template <typename label_t>
 __device__ __forceinline__ bool block_row_skipped(const Labels<label_t>& labels, int64_t row, int64_t ignore_index) {
   if (labels.k() == 0) return false;
   int kept = 0;
   for (int64_t j = threadIdx.x; j < labels.k(); j += blockDim.x) kept |= !is_ignored(labels(row, j), ignore_index);
   return !__syncthreads_or(kept);
-}
-
-template <typename label_t>
-__device__ __forceinline__ bool row_skipped(const Labels<label_t>& labels, int64_t row, int64_t ignore_index) {
-  if (labels.k() == 0) return false;
-  for (int64_t j = 0; j < labels.k(); ++j) {
-    if (!is_ignored(labels(row, j), ignore_index)) return false;
-  }
-  return true;
 }
 
 // ---------------------------------------------------------------- reductions
@@ -455,8 +437,7 @@ __global__ void __launch_bounds__(kMaxThreads) finish_rows_kernel(const ForwardA
     if (a.entropy != nullptr) a.entropy[row] = static_cast<acc_t>(stats.entropy);
     for (int64_t j = 0; j < k; ++j) {
       const int64_t y = a.labels(row, j);
-      // In range: ignore_index, or a label on the "shard" [0, vocab_size).
-      CUDA_KERNEL_ASSERT_MSG(is_ignored(y, a.ignore_index) || local_target(y, 0, a.vocab_size) >= 0,
+      CUDA_KERNEL_ASSERT_MSG(label_in_range(y, a.ignore_index, a.vocab_size),
                              "twinkle_mem: label out of range (not ignore_index, not in [0, vocab_size))");
       const int64_t target = is_ignored(y, a.ignore_index) ? -1 : local_target(y, a.vocab_start, a.vocab);
       a.logp[row * k + j] =
@@ -559,11 +540,10 @@ __global__ void __launch_bounds__(kMaxThreads) backward_kernel(const BackwardArg
     }
     const acc_t g_total = block_sum(g_mine, smem);
     const bool with_entropy = a.grad_entropy != nullptr;
-    struct {
-      acc_t shift, log_sum, entropy, g_entropy, inv_T;
-    } const rg_in{a.shift[row], a.log_sum[row], with_entropy ? a.entropy[row] : acc_t(0),
-                  with_entropy ? a.grad_entropy[row] : acc_t(0), a.inv_T};
-    const RowGrad<acc_t> rg = row_grad(rg_in.shift, rg_in.log_sum, rg_in.entropy, g_total, rg_in.g_entropy, rg_in.inv_T);
+    const acc_t shift = a.shift[row], log_sum = a.log_sum[row];
+    const acc_t entropy = with_entropy ? a.entropy[row] : acc_t(0);
+    const acc_t g_entropy = with_entropy ? a.grad_entropy[row] : acc_t(0);
+    const RowGrad<acc_t> rg = row_grad(shift, log_sum, entropy, g_total, g_entropy, a.inv_T);
     // Label positions in this segment: -1 when ignored or elsewhere.
     auto column = [&](int64_t y) {
       const int64_t target = is_ignored(y, a.ignore_index) ? -1 : local_target(y, a.vocab_start, a.vocab);
@@ -583,6 +563,16 @@ __global__ void __launch_bounds__(kMaxThreads) backward_kernel(const BackwardArg
       default: grad_segment<scalar_t, false, false>(x, d, len, rg); break;
     }
     __syncthreads();  // the label positions below are rewritten after the pass
+    // The label positions in double, from the same statistics (a few per row):
+    // where 1 - p and the entropy term nearly cancel, the wider evaluation is all but free.
+    // (fp64 logits: that is rg itself.)
+    const RowGrad<double> rg64 = [&] {
+      if constexpr (std::is_same_v<acc_t, double>) {
+        return rg;
+      } else {
+        return row_grad<double>(shift, log_sum, entropy, g_total, g_entropy, a.inv_T);
+      }
+    }();
     for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
       const int64_t y = a.labels(row, j);
       const int64_t col = column(y);
@@ -595,11 +585,7 @@ __global__ void __launch_bounds__(kMaxThreads) backward_kernel(const BackwardArg
       for (int64_t i = j; i < k; ++i) {
         if (a.labels(row, i) == y) g_here += a.grad_logp[row * k + i];
       }
-      // In double, from the same statistics (a few per row): where 1 - p and the
-      // entropy term nearly cancel, the wider evaluation is all but free.
       const double xv = a.label_x != nullptr ? a.label_x[row * k + j] : to_acc(x[col]);
-      const RowGrad<double> rg64 = row_grad<double>(rg_in.shift, rg_in.log_sum, rg_in.entropy, g_total,
-                                                    rg_in.g_entropy, rg_in.inv_T);
       d[col] = from_acc<scalar_t>(static_cast<acc_t>(grad_at_label(xv, rg64, double(g_here), double(g_total - g_here))));
     }
   }
@@ -609,8 +595,6 @@ __global__ void __launch_bounds__(kMaxThreads) backward_kernel(const BackwardArg
 // Shared by the torch glue below and the CPU emulation (csrc/cuda/emulation/):
 // everything from raw pointers, sizes and strides to the launches.
 enum class Dtype { kBFloat16, kHalf, kFloat, kDouble };
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // How rows are cut into segments, and the block size: from V and the element
 // size only (never N, never the GPU), so a row always reduces in the same order.
@@ -638,17 +622,11 @@ struct TensorRef {
 };
 
 // The leading dims of a [N, ...] or [B, S, ...] tensor as a RowIndex (layout.h).
-inline RowIndex row_index(const TensorRef& t, int lead_dims) {
-  if (lead_dims == 1) return {std::max<int64_t>(t.sizes[0], 1), 0, t.strides[0]};
-  return {std::max<int64_t>(t.sizes[1], 1), t.strides[0], t.strides[1]};
-}
+inline RowIndex row_index(const TensorRef& t, int lead_dims) { return twinkle_mem::row_index(lead_dims, t.sizes, t.strides); }
 
 template <typename label_t>
 Labels<label_t> labels_of(const TensorRef& labels, int lead_dims) {
-  const bool has_k = labels.dim > lead_dims;
-  return {static_cast<const label_t*>(labels.ptr),
-          LabelIndex{row_index(labels, lead_dims), has_k ? labels.sizes[lead_dims] : 1,
-                     has_k ? labels.strides[lead_dims] : 0}};
+  return {static_cast<const label_t*>(labels.ptr), label_index(lead_dims, labels.dim, labels.sizes, labels.strides)};
 }
 
 inline int64_t rows_of(const TensorRef& logits) {
@@ -701,14 +679,15 @@ void dispatch_labels(bool int64_labels, F&& f) {
   return f(int32_t{});
 }
 
-inline int64_t elem_bytes(Dtype dtype) {
-  return dtype == Dtype::kBFloat16 || dtype == Dtype::kHalf ? 2 : dtype == Dtype::kFloat ? 4 : 8;
-}
-
 // Bytes of the forward's workspace (one state per task): the caller allocates it.
 inline int64_t forward_workspace_bytes(Dtype dtype, const TensorRef& logits, const Launch& how) {
-  const RowSplit split = split_rows(logits.sizes[logits.dim - 1], elem_bytes(dtype), how.segment_bytes);
-  return rows_of(logits) * split.segments * 3 * (dtype == Dtype::kDouble ? 8 : 4);
+  int64_t bytes = 0;
+  dispatch_dtype(dtype, [&](auto scalar) {
+    using scalar_t = decltype(scalar);
+    const RowSplit split = split_rows(logits.sizes[logits.dim - 1], sizeof(scalar_t), how.segment_bytes);
+    bytes = rows_of(logits) * split.segments * static_cast<int64_t>(sizeof(OnlineSoftmax<acc_of<scalar_t>>));
+  });
+  return bytes;
 }
 
 // Outputs contiguous: logp [rows * k], entropy (null unless with_entropy), shift, log_sum [rows].
@@ -758,7 +737,9 @@ inline int64_t backward_workspace_bytes(Dtype dtype, const TensorRef& labels, bo
   if (!inplace) return 0;
   int64_t n = 1;
   for (int d = 0; d < labels.dim; ++d) n *= labels.sizes[d];
-  return n * (dtype == Dtype::kDouble ? 8 : 4);
+  int64_t bytes = 0;
+  dispatch_dtype(dtype, [&](auto scalar) { bytes = n * static_cast<int64_t>(sizeof(acc_of<decltype(scalar)>)); });
+  return bytes;
 }
 
 // grad may be logits.ptr (in place). Per-row inputs contiguous: grad_logp
@@ -865,19 +846,16 @@ void run_backward_op(const Tensor& grad_logp, const std::optional<Tensor>& grad_
   if (shift.numel() == 0) return;
   torch::stable::accelerator::DeviceGuard guard(logits.get_device_index());
   const Launch how = launch_on(logits);
-  // Per-row vectors are O(N): contiguous copies (asynchronous) cost nothing next to the rows.
-  const Tensor g_logp_c = torch::stable::contiguous(grad_logp), shift_c = torch::stable::contiguous(shift),
-               log_sum_c = torch::stable::contiguous(log_sum);
-  const bool with_entropy = grad_entropy.has_value();
-  const Tensor g_entropy_c = with_entropy ? torch::stable::contiguous(*grad_entropy) : shift_c;
-  const Tensor entropy_c = with_entropy ? torch::stable::contiguous(*entropy) : shift_c;
+  const BackwardRowInputs in = contiguous_row_inputs(grad_logp, grad_entropy, shift, log_sum, entropy);
   const Dtype dtype = dtype_of(logits);
   const TensorRef y = ref(labels);
-  const Tensor workspace = scratch(logits, backward_workspace_bytes(dtype, y, inplace));
-  run_backward(dtype, ref(logits), ref(grad), y, labels.scalar_type() == ScalarType::Long, g_logp_c.data_ptr(),
-               with_entropy ? g_entropy_c.data_ptr() : nullptr, with_entropy ? entropy_c.data_ptr() : nullptr,
-               shift_c.data_ptr(), log_sum_c.data_ptr(), inv_temperature, ignore_index, vocab_start,
-               inplace ? workspace.data_ptr() : nullptr, how);
+  // The workspace (the logits at the labels) is read only in place: no scratch out of place.
+  std::optional<Tensor> workspace;
+  if (inplace) workspace = scratch(logits, backward_workspace_bytes(dtype, y, inplace));
+  run_backward(dtype, ref(logits), ref(grad), y, labels.scalar_type() == ScalarType::Long, in.grad_logp.data_ptr(),
+               in.with_entropy ? in.grad_entropy.data_ptr() : nullptr,
+               in.with_entropy ? in.entropy.data_ptr() : nullptr, in.shift.data_ptr(), in.log_sum.data_ptr(),
+               inv_temperature, ignore_index, vocab_start, workspace ? workspace->data_ptr() : nullptr, how);
 }
 
 Tensor selective_log_softmax_bwd(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy,

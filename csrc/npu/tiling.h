@@ -112,10 +112,10 @@ TM_NPU_INLINE i64 logits_offset(const Tiling& t, i64 row, i64 col) { return row_
 TM_NPU_INLINE i64 grad_offset(const Tiling& t, i64 row, i64 col) { return row_offset(t.g_rows, row) + col; }
 TM_NPU_INLINE i64 label_offset(const Tiling& t, i64 row, i64 j) { return row_offset(t.y_rows, row) + j * t.label_k_stride; }
 
-// online_softmax.h's is_ignored / local_target and op_checks.h's
-// label_in_range, restated for the AI core: the label's column on this shard,
-// or -1 when it is ignored, lies on another shard, or is out of range (the
-// kernel never reads outside the row for any label value).
+// online_softmax.h's is_ignored / local_target / label_in_range, restated for
+// the AI core: the label's column on this shard, or -1 when it is ignored, lies
+// on another shard, or is out of range (the kernel never reads outside the row
+// for any label value).
 TM_NPU_INLINE bool label_ignored(const Tiling& t, i64 label) { return label == t.ignore_index; }
 TM_NPU_INLINE bool label_out_of_range(const Tiling& t, i64 label) {
   return label != t.ignore_index && (label < 0 || label >= t.vocab_size);

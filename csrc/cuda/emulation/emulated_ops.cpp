@@ -63,6 +63,9 @@ void tm_emu_take_counters(uint64_t* out) {
   emu_vector_loads = emu_narrow_loads = emu_vector_stores = emu_narrow_stores = 0;
 }
 
+// The CUDA build's segment size (kSegmentBytes): the tests' default.
+int64_t tm_emu_segment_bytes() { return kSegmentBytes; }
+
 // The split of a row of V elements: {segments, segment_len, threads}.
 void tm_emu_split(int64_t V, int64_t elem_bytes, int64_t segment_bytes, int64_t* out) {
   const RowSplit s = split_rows(V, elem_bytes, segment_bytes);

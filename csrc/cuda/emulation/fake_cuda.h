@@ -109,8 +109,10 @@ inline void __stcs(T* p, T v) {
 
 // ---- device-side asserts: recorded, reported by the caller after the launch
 inline std::string emu_assert_message;
-#define CUDA_KERNEL_ASSERT_MSG(cond, msg) \
-  if (!(cond) && emu_assert_message.empty()) emu_assert_message = (msg)
+#define CUDA_KERNEL_ASSERT_MSG(cond, msg)                                 \
+  do {                                                                    \
+    if (!(cond) && emu_assert_message.empty()) emu_assert_message = (msg); \
+  } while (0)
 
 // ---- fibers: the threads of one block
 struct EmuBarrier {
@@ -194,8 +196,6 @@ void emulate_launch(unsigned grid, unsigned threads, F kernel) {
     (*body)();
     emu_block->done[emu_block->current] = true;
   };
-  static void (*entry_fn)() = +entry;
-  entry_fn = +entry;
   EmuBlock* saved = emu_block;
   emu_block = &block;
   blockDim.x = threads;
@@ -209,7 +209,7 @@ void emulate_launch(unsigned grid, unsigned threads, F kernel) {
       block.contexts[t].uc_stack.ss_sp = stacks + t * per + page;
       block.contexts[t].uc_stack.ss_size = kStack;
       block.contexts[t].uc_link = &block.scheduler;
-      makecontext(&block.contexts[t], entry_fn, 0);
+      makecontext(&block.contexts[t], +entry, 0);
     }
     // Round-robin until every thread has returned.
     for (unsigned left = threads; left > 0;) {
