@@ -1,15 +1,16 @@
-// The AscendC kernels of ../selective_log_softmax_kernel.cpp, compiled against
-// the stand-in (ascendc_standin.h) and run on the CPU: a C entry point per
-// direction, called from Python (tests/npu_emulation.py) with plain pointers.
-// The plan comes from ../tiling.h as the torch_npu glue makes it; every tensor
+// The AscendC kernels of csrc/npu/selective_log_softmax_kernel.cpp, compiled
+// against the stand-in (ascendc_standin.h) and run on the CPU: a C entry point
+// per direction, called from Python (tests/npu_emulation.py) with plain pointers.
+// The plan comes from csrc/npu/tiling.h as the torch_npu glue makes it; every tensor
 // is registered as global memory (each logits / gradient row on its own), so
 // that any access outside them, or a write to an input, is a violation.
 //
-// Built at test time only:
-//   g++ -std=c++17 -O2 -shared -fPIC -DASCENDC_CPU_DEBUG=1 -I csrc/npu/emulation emulate_kernels.cpp
+// Built at test time only (the kernel's directory, csrc/npu or a copy, on the path):
+//   g++ -std=c++17 -O2 -shared -fPIC -DASCENDC_CPU_DEBUG=1 -I tests/standins/ascendc -I csrc/npu
+//       tests/standins/ascendc/emulate_kernels.cpp
 #include "kernel_operator.h"
 
-#include "../selective_log_softmax_kernel.cpp"
+#include "selective_log_softmax_kernel.cpp"
 
 #include <cstdio>
 #include <string>
@@ -28,7 +29,7 @@ void add_region(const void* begin, int64_t bytes, bool writable, const char* nam
 void add_rows(const void* base, int64_t elem, const tn::RowIndexNpu& rows, int64_t n, int64_t v, bool writable,
               const char* name) {
   for (int64_t r = 0; r < n; ++r) {
-    add_region(static_cast<const uint8_t*>(base) + tn::row_offset(rows, r) * elem, v * elem, writable, name);
+    add_region(static_cast<const uint8_t*>(base) + rows(r) * elem, v * elem, writable, name);
   }
 }
 
