@@ -40,10 +40,7 @@ struct OpEntries {
                     const std::optional<Tensor>& entropy, double inv_temperature, int64_t ignore_index,
                     int64_t vocab_start) {
     const BackwardInputs<Tensor> in{grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy};
-    const OpOptions o = backward_options(in, inv_temperature, ignore_index, vocab_start, false);
-    check_backward_args(in, o);
-    Backend::check(logits);
-    return Backend::backward(in, o);
+    return Backend::backward(in, checked_backward(in, inv_temperature, ignore_index, vocab_start, false));
   }
 
   static void bwd_(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, Tensor& logits,
@@ -51,17 +48,19 @@ struct OpEntries {
                    const std::optional<Tensor>& entropy, double inv_temperature, int64_t ignore_index,
                    int64_t vocab_start) {
     const BackwardInputs<Tensor> in{grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy};
-    const OpOptions o = backward_options(in, inv_temperature, ignore_index, vocab_start, true);
-    check_backward_args(in, o);
-    Backend::check(logits);
-    Backend::backward_inplace(in, logits, o);
+    Backend::backward_inplace(in, logits, checked_backward(in, inv_temperature, ignore_index, vocab_start, true));
   }
 
  private:
-  static OpOptions backward_options(const BackwardInputs<Tensor>& in, double inv_temperature, int64_t ignore_index,
+  // The backward's options (vocab_size: this shard's end; with_entropy: grad_entropy given), checked.
+  static OpOptions checked_backward(const BackwardInputs<Tensor>& in, double inv_temperature, int64_t ignore_index,
                                     int64_t vocab_start, bool inplace) {
     const int64_t V = in.logits.dim() >= 1 ? in.logits.size(in.logits.dim() - 1) : 0;
-    return {inv_temperature, ignore_index, vocab_start, vocab_start + V, in.grad_entropy.has_value(), inplace};
+    const OpOptions o{inv_temperature, ignore_index, vocab_start, vocab_start + V, in.grad_entropy.has_value(),
+                      inplace};
+    check_backward_args(in, o);
+    Backend::check(in.logits);
+    return o;
   }
 };
 

@@ -72,6 +72,21 @@ tn::Tiling plan_of(const tn::TilingRequest& r, int64_t* plan_out) {
   return plan.tiling;
 }
 
+uint8_t* gm(void* p) { return static_cast<uint8_t*>(p); }
+
+// The launch, after the tensors' regions are registered: the plan's words as the
+// kernel reads them (one more read-only region), the stats reset, kernel(tiling)
+// on the plan's cores with the stand-in's UB budget; every region cleared after.
+template <typename F>
+void launch_on_plan(const tn::Tiling& t, int64_t ub_bytes, F&& kernel) {
+  std::vector<int64_t> words(tn::kTilingWords);
+  std::memcpy(words.data(), &t, sizeof(tn::Tiling));
+  add_region(words.data(), sizeof(tn::Tiling), false, "tiling");
+  standin::stats() = standin::Stats{};
+  standin::launch(t.used_cores, ub_bytes, [&] { kernel(reinterpret_cast<uint8_t*>(words.data())); });
+  standin::gm_regions().clear();
+}
+
 }  // namespace
 
 extern "C" {
@@ -87,8 +102,6 @@ int tm_npu_emu_forward(const int64_t* req, const int64_t* x_rows, const int64_t*
   try {
     const tn::TilingRequest r = request_of(req, tn::kForward, x_rows, y_rows, nullptr);
     const tn::Tiling t = plan_of(r, plan_out);
-    std::vector<int64_t> tiling_gm(tn::kTilingWords);
-    std::memcpy(tiling_gm.data(), &t, sizeof(tn::Tiling));
 
     standin::gm_regions().clear();
     add_rows(logits, r.elem_bytes, t.x_rows, t.n_rows, t.vocab, false, "logits");
@@ -97,11 +110,7 @@ int tm_npu_emu_forward(const int64_t* req, const int64_t* x_rows, const int64_t*
     add_region(shift, t.n_rows * 4, true, "shift");
     add_region(log_sum, t.n_rows * 4, true, "log_sum");
     if (r.with_entropy) add_region(entropy, t.n_rows * 4, true, "entropy");
-    add_region(tiling_gm.data(), sizeof(tn::Tiling), false, "tiling");
-    auto gm = [](void* p) { return static_cast<uint8_t*>(p); };
-    uint8_t* tp = reinterpret_cast<uint8_t*>(tiling_gm.data());
-    standin::stats() = standin::Stats{};
-    standin::launch(t.used_cores, req[14] > 0 ? req[14] : r.ub_bytes, [&] {
+    launch_on_plan(t, req[14] > 0 ? req[14] : r.ub_bytes, [&](uint8_t* tp) {
       if (r.elem_bytes == 4) {
         twinkle_mem_sls_fwd_fp32(gm(logits), gm(labels), gm(logp), gm(entropy), gm(shift), gm(log_sum), tp, inv_t);
       } else if (req[13] == 1) {
@@ -110,7 +119,6 @@ int tm_npu_emu_forward(const int64_t* req, const int64_t* x_rows, const int64_t*
         twinkle_mem_sls_fwd_bf16(gm(logits), gm(labels), gm(logp), gm(entropy), gm(shift), gm(log_sum), tp, inv_t);
       }
     });
-    standin::gm_regions().clear();
     return 0;
   } catch (const std::exception& e) {
     standin::gm_regions().clear();
@@ -126,8 +134,6 @@ int tm_npu_emu_backward(const int64_t* req, const int64_t* x_rows, const int64_t
   try {
     const tn::TilingRequest r = request_of(req, tn::kBackward, x_rows, y_rows, g_rows);
     const tn::Tiling t = plan_of(r, plan_out);
-    std::vector<int64_t> tiling_gm(tn::kTilingWords);
-    std::memcpy(tiling_gm.data(), &t, sizeof(tn::Tiling));
 
     const bool inplace = grad == logits;
     standin::gm_regions().clear();
@@ -141,11 +147,7 @@ int tm_npu_emu_backward(const int64_t* req, const int64_t* x_rows, const int64_t
       add_region(grad_entropy, t.n_rows * 4, false, "grad_entropy");
       add_region(entropy, t.n_rows * 4, false, "entropy");
     }
-    add_region(tiling_gm.data(), sizeof(tn::Tiling), false, "tiling");
-    auto gm = [](void* p) { return static_cast<uint8_t*>(p); };
-    uint8_t* tp = reinterpret_cast<uint8_t*>(tiling_gm.data());
-    standin::stats() = standin::Stats{};
-    standin::launch(t.used_cores, req[14] > 0 ? req[14] : r.ub_bytes, [&] {
+    launch_on_plan(t, req[14] > 0 ? req[14] : r.ub_bytes, [&](uint8_t* tp) {
       if (r.elem_bytes == 4) {
         twinkle_mem_sls_bwd_fp32(gm(grad_logp), gm(grad_entropy), gm(logits), gm(labels), gm(shift), gm(log_sum),
                                  gm(entropy), gm(grad), tp, inv_t);
@@ -157,7 +159,6 @@ int tm_npu_emu_backward(const int64_t* req, const int64_t* x_rows, const int64_t
                                  gm(entropy), gm(grad), tp, inv_t);
       }
     });
-    standin::gm_regions().clear();
     return 0;
   } catch (const std::exception& e) {
     standin::gm_regions().clear();
