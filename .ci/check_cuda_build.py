@@ -5,7 +5,8 @@
    libcudart soname (the runtime is linked statically); under a CUDA torch it
    loads and registers CUDA kernels for every op, under a CPU-only torch the
    package still imports (and leaves it unloaded).
-2. `ptxas -v` on csrc/cuda/selective_log_softmax.cu, compiled with setup.py's
+2. `ptxas -v` on csrc/cuda/selective_log_softmax.cu (the glue, which includes the
+   kernels of selective_log_softmax_kernels.cuh through the host plan), compiled with setup.py's
    nvcc flags and defines, for every real arch of TORCH_CUDA_ARCH_LIST (default
    setup.py's DEFAULT_CUDA_ARCHS, "8.0;9.0+PTX"): every hot kernel (the segment and backward
    kernels, all but the float64 instances) must report 0 bytes of stack frame and

@@ -1,4 +1,5 @@
-"""The CUDA kernels, run on the CPU: csrc/cuda/emulation/emulated_ops.cpp built
+"""The CUDA kernels, run on the CPU: tests/standins/cuda/emulated_ops.cpp (the
+kernels and host plan of csrc/cuda/ over a stand-in of the CUDA device API) built
 with the host C++ compiler into a shared library and called through ctypes.
 
 ``forward`` and ``backward`` take and return CPU tensors with the op contract's
@@ -26,13 +27,22 @@ from twinkle_mem.ops import new_grad_like
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
-SOURCE = os.path.join(CSRC, "cuda", "emulation", "emulated_ops.cpp")
-DEPENDS = [SOURCE, os.path.join(CSRC, "cuda", "emulation", "fake_cuda.h"),
-           os.path.join(CSRC, "cuda", "selective_log_softmax.cu"),
-           os.path.join(CSRC, "common", "online_softmax.h"), os.path.join(CSRC, "common", "layout.h")]
+STANDIN = os.path.join(ROOT, "tests", "standins", "cuda")
+SOURCE = os.path.join(STANDIN, "emulated_ops.cpp")
+DEPENDS = [SOURCE, os.path.join(STANDIN, "fake_cuda.h"),
+           os.path.join(CSRC, "cuda", "selective_log_softmax_kernels.cuh"),
+           os.path.join(CSRC, "cuda", "selective_log_softmax_plan.cuh")] + [
+    os.path.join(CSRC, "common", h) for h in ("online_softmax.h", "layout.h", "row_index.h", "op_options.h")]
 
 MAX_GRID = 3  # few blocks: each loops over several tasks (the grid-stride path)
 DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float64: 3}
+
+
+class OpOptions(ctypes.Structure):
+    """csrc/common/op_options.h's OpOptions, field for field."""
+    _fields_ = [("inv_temperature", ctypes.c_double), ("ignore_index", ctypes.c_int64),
+                ("vocab_start", ctypes.c_int64), ("vocab_size", ctypes.c_int64), ("with_entropy", ctypes.c_bool),
+                ("inplace_backward", ctypes.c_bool)]
 
 
 class TensorRef(ctypes.Structure):
@@ -69,7 +79,7 @@ def build() -> str:
             raise RuntimeError("no C++ compiler for the CUDA emulation (set CXX)")
         tmp = f"{lib}.{os.getpid()}.tmp"
         proc = subprocess.run([cxx, "-std=c++20", "-O2", "-shared", "-fPIC", "-Wno-unknown-pragmas", f"-I{CSRC}",
-                               SOURCE, "-o", tmp], capture_output=True, text=True)
+                               f"-I{STANDIN}", SOURCE, "-o", tmp], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"building the CUDA emulation failed:\n{proc.stderr[-4000:]}")
         os.replace(tmp, lib)
@@ -83,18 +93,24 @@ def library():
     global _lib
     if _lib is None:
         lib = ctypes.CDLL(build())
-        ref_p = ctypes.POINTER(TensorRef)
-        i64, f64, ptr = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
-        lib.tm_emu_forward.argtypes = [ctypes.c_int, ref_p, ref_p, ctypes.c_int, f64, i64, i64, i64, ptr, ptr, ptr,
-                                       ptr, i64, i64, ctypes.c_char_p, i64]
-        lib.tm_emu_backward.argtypes = [ctypes.c_int, ref_p, ref_p, ref_p, ctypes.c_int, ptr, ptr, ptr, ptr, ptr, f64,
-                                        i64, i64, ctypes.c_int, i64, i64, ctypes.c_char_p, i64]
+        ref_p, opt_p = ctypes.POINTER(TensorRef), ctypes.POINTER(OpOptions)
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.tm_emu_forward.argtypes = [ctypes.c_int, ref_p, ref_p, ctypes.c_int, opt_p, ptr, ptr, ptr, ptr, i64, i64,
+                                       ctypes.c_char_p, i64]
+        lib.tm_emu_backward.argtypes = [ctypes.c_int, ref_p, ref_p, ref_p, ctypes.c_int, opt_p, ptr, ptr, ptr, ptr,
+                                        ptr, i64, i64, ctypes.c_char_p, i64]
         lib.tm_emu_split.argtypes = [i64, i64, i64, ctypes.POINTER(i64)]
         lib.tm_emu_split.restype = None
         lib.tm_emu_take_counters.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
         lib.tm_emu_take_counters.restype = None
         lib.tm_emu_segment_bytes.argtypes = []
         lib.tm_emu_segment_bytes.restype = i64
+        lib.tm_emu_options_layout.argtypes = [ctypes.POINTER(i64)]
+        lib.tm_emu_options_layout.restype = None
+        layout = (i64 * (1 + len(OpOptions._fields_)))()
+        lib.tm_emu_options_layout(layout)
+        mirror = [ctypes.sizeof(OpOptions)] + [getattr(OpOptions, name).offset for name, _ in OpOptions._fields_]
+        assert list(layout) == mirror, f"cuda_emulation.OpOptions {mirror} is stale: op_options.h has {list(layout)}"
         _lib = lib
     return _lib
 
@@ -139,10 +155,11 @@ def forward(logits, labels, inv_temperature, ignore_index, vocab_start, vocab_si
     shift = torch.empty(lead, dtype=acc)
     log_sum = torch.empty(lead, dtype=acc)
     message = ctypes.create_string_buffer(256)
+    options = OpOptions(float(inv_temperature), ignore_index, vocab_start, vocab_size, bool(with_entropy),
+                        bool(inplace_backward))
     rc = library().tm_emu_forward(DTYPES[logits.dtype], _ref(logits), _ref(labels), labels.dtype == torch.int64,
-                                  float(inv_temperature), ignore_index, vocab_start, vocab_size, _ptr(logp),
-                                  _ptr(entropy) if with_entropy else None, _ptr(shift), _ptr(log_sum),
-                                  _segment_bytes(segment_bytes), max_grid, message, 256)
+                                  ctypes.byref(options), _ptr(logp), _ptr(entropy) if with_entropy else None,
+                                  _ptr(shift), _ptr(log_sum), _segment_bytes(segment_bytes), max_grid, message, 256)
     _raise(rc, message)
     return logp, entropy, shift, log_sum
 
@@ -155,10 +172,12 @@ def backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, i
     per_row = [t.contiguous() if t is not None else None
                for t in (grad_logp, grad_entropy if with_entropy else None, entropy if with_entropy else None, shift,
                          log_sum)]
+    # The backward's options as op_entry.h derives them from the schema's arguments.
+    options = OpOptions(float(inv_temperature), ignore_index, vocab_start, vocab_start + logits.shape[-1],
+                        with_entropy, bool(inplace))
     message = ctypes.create_string_buffer(256)
     rc = library().tm_emu_backward(DTYPES[logits.dtype], _ref(logits), _ref(grad), _ref(labels),
-                                   labels.dtype == torch.int64, *[_ptr(t) for t in per_row], float(inv_temperature),
-                                   ignore_index, vocab_start, bool(inplace), _segment_bytes(segment_bytes),
-                                   max_grid, message, 256)
+                                   labels.dtype == torch.int64, ctypes.byref(options), *[_ptr(t) for t in per_row],
+                                   _segment_bytes(segment_bytes), max_grid, message, 256)
     _raise(rc, message)
     return grad

@@ -1,7 +1,7 @@
 """The AscendC kernels (csrc/npu/selective_log_softmax_kernel.cpp) run on the CPU.
 
 The real kernel source is compiled with g++ against the project's stand-in of
-the AscendC API (csrc/npu/emulation/ascendc_standin.h) into a small shared
+the AscendC API (tests/standins/ascendc/ascendc_standin.h) into a small shared
 library, built once per source version into a temporary directory, and called
 here through ctypes with the tensors' pointers, strides and the plan inputs the
 torch_npu glue would pass (tiling.h). A violation of the API's rules that the
@@ -27,9 +27,13 @@ from typing import Optional
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NPU = os.path.join(ROOT, "csrc", "npu")
-SOURCES = [os.path.join(NPU, "emulation", f) for f in ("emulate_kernels.cpp", "ascendc_standin.h", "kernel_operator.h")]
-SOURCES += [os.path.join(NPU, f) for f in ("selective_log_softmax_kernel.cpp", "tiling.h", "scalar_math.h")]
+CSRC = os.path.join(ROOT, "csrc")
+NPU = os.path.join(CSRC, "npu")
+STANDIN = os.path.join(ROOT, "tests", "standins", "ascendc")
+STANDIN_SOURCES = [os.path.join(STANDIN, f) for f in ("emulate_kernels.cpp", "ascendc_standin.h", "kernel_operator.h")]
+# The kernel's sources, relative to a copy of csrc/ (tests build deliberately broken kernels).
+KERNEL_SOURCES = [os.path.join("npu", f) for f in ("selective_log_softmax_kernel.cpp", "tiling.h", "scalar_math.h")]
+KERNEL_SOURCES += [os.path.join("common", "row_index.h")]
 CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 FLAGS = ["-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror", "-DASCENDC_CPU_DEBUG=1"]
 
@@ -53,17 +57,17 @@ def available() -> Optional[str]:
     return None if CXX else "no C++ compiler (g++) found"
 
 
-def library(extra_flags: tuple = (), npu_dir: str = NPU) -> ctypes.CDLL:
+def library(extra_flags: tuple = (), csrc_dir: str = CSRC) -> ctypes.CDLL:
     """The emulation library, compiled on first use (cached by source content and flags).
 
-    ``npu_dir``: another copy of csrc/npu to build from (tests build deliberately broken kernels).
+    ``csrc_dir``: another copy of csrc/ to build the kernel from (tests build deliberately broken kernels).
     """
-    key = (tuple(extra_flags), npu_dir)
+    key = (tuple(extra_flags), csrc_dir)
     if key in _libs:
         return _libs[key]
     digest = hashlib.sha256()
-    for path in SOURCES:
-        with open(os.path.join(npu_dir, os.path.relpath(path, NPU)), "rb") as f:
+    for path in STANDIN_SOURCES + [os.path.join(csrc_dir, f) for f in KERNEL_SOURCES]:
+        with open(path, "rb") as f:
             digest.update(f.read())
     digest.update(" ".join(FLAGS + list(extra_flags)).encode())
     cache = os.path.join(tempfile.gettempdir(), "twinkle_mem_npu_emulation")
@@ -71,8 +75,8 @@ def library(extra_flags: tuple = (), npu_dir: str = NPU) -> ctypes.CDLL:
     so = os.path.join(cache, f"emu_{digest.hexdigest()[:16]}.so")
     if not os.path.exists(so):
         tmp = f"{so}.{os.getpid()}.tmp"
-        cmd = [CXX, *FLAGS, *extra_flags, "-I", os.path.join(npu_dir, "emulation"),
-               os.path.join(npu_dir, "emulation", "emulate_kernels.cpp"), "-o", tmp]
+        cmd = [CXX, *FLAGS, *extra_flags, "-I", STANDIN, "-I", os.path.join(csrc_dir, "npu"),
+               os.path.join(STANDIN, "emulate_kernels.cpp"), "-o", tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if proc.returncode != 0:
             raise RuntimeError(f"building the AscendC emulation failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}")

@@ -1,7 +1,7 @@
 // CPU unit test of the NPU host logic that needs no CANN: the plan
-// (csrc/npu/tiling.h), its restatements of layout.h / online_softmax.h for the
-// AI core, the SoC's bf16 matching, and the kernel's scalar helpers
-// (csrc/npu/scalar_math.h) against the C library. Built and run by
+// (csrc/npu/tiling.h), the row indexing it shares (csrc/common/row_index.h),
+// its restatements of online_softmax.h for the AI core, the SoC's bf16 matching,
+// and the kernel's scalar helpers (csrc/npu/scalar_math.h) against the C library. Built and run by
 // tests/test_npu_tiling.py:
 //   g++ -std=c++17 -Wall -Wextra -Werror -I csrc tests/npu_tiling_test.cpp && ./a.out
 // Prints one line per failed check and "npu tiling: N checks passed" at the end.
@@ -234,15 +234,19 @@ int main() {
     CHECK(zz.used_cores == 0 && zz.num_tiles == 0, "N=0 V=0");
   }
 
-  // ---- Row offsets of [N, V] and [B, S, V] views: the restated RowIndex agrees with layout.h's.
+  // ---- Row offsets of [N, V] and [B, S, V] views: row_index.h's RowIndexOf, as the NPU
+  // instantiates it (i64), against the offsets of the rows enumerated as (b, s).
   {
     const int64_t cases[][3] = {{7, 0, 611}, {5, 3000, 600}, {1, 0, 1}, {8, 8 * 700, 700}, {3, 4096, 1200}};
     for (const auto& c : cases) {
       const RowIndexNpu mine{c[0], c[1], c[2]};
-      const twinkle_mem::RowIndex theirs{c[0], c[1], c[2]};
-      for (int64_t row = 0; row < 40; ++row) {
-        CHECK(row_offset(mine, row) == theirs(row), "row_offset(%lld) of {%lld, %lld, %lld}", (long long)row,
-              (long long)c[0], (long long)c[1], (long long)c[2]);
+      int64_t row = 0;
+      for (int64_t b = 0; row < 40; ++b) {
+        for (int64_t s = 0; s < (c[1] == 0 ? 40 : c[0]) && row < 40; ++s, ++row) {
+          const int64_t expected = c[1] == 0 ? row * c[2] : b * c[1] + s * c[2];
+          CHECK(mine(row) == expected, "rows(%lld) of {%lld, %lld, %lld}", (long long)row, (long long)c[0],
+                (long long)c[1], (long long)c[2]);
+        }
       }
     }
     // logits[:, :-1] of [4, 9, 611]: rows (b, s) at b * 9 * 611 + s * 611; a separate gradient layout.

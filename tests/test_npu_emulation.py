@@ -214,14 +214,14 @@ MUTATIONS = {
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_broken_kernels_are_caught(name, tmp_path):
     pattern, repl, expect = MUTATIONS[name]
-    copy = tmp_path / "npu"
-    shutil.copytree(emu.NPU, copy)
-    kernel = copy / "selective_log_softmax_kernel.cpp"
+    copy = tmp_path / "csrc"
+    shutil.copytree(emu.CSRC, copy)
+    kernel = copy / "npu" / "selective_log_softmax_kernel.cpp"
     src = kernel.read_text()
     broken, n = re.subn(pattern, repl, src, count=1)
     assert n == 1, f"mutation '{name}' no longer matches the kernel source"
     kernel.write_text(broken)
-    lib = emu.library(npu_dir=str(copy))
+    lib = emu.library(csrc_dir=str(copy))
     x = (torch.randn(4, 999, dtype=torch.float64) * 3)
     x[:, :500] = torch.finfo(torch.float32).min
     x = x.float()

@@ -9,6 +9,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
+
+#include "row_index.h"
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define TM_LAYOUT_FN __host__ __device__ __forceinline__
@@ -18,18 +21,8 @@
 
 namespace twinkle_mem {
 
-// Element offset of a row: (row / inner) * outer_stride + (row % inner) * inner_stride.
-// A 2-D tensor [N, ...] is the case outer_stride = 0, inner = N.
-struct RowIndex {
-  int64_t inner;
-  int64_t outer_stride;
-  int64_t inner_stride;
-  TM_LAYOUT_FN int64_t operator()(int64_t row) const {
-    if (outer_stride == 0) return row * inner_stride;
-    const int64_t outer = row / inner;
-    return outer * outer_stride + (row - outer * inner) * inner_stride;
-  }
-};
+// Rows of the CPU and CUDA kernels: int64 element offsets (row_index.h).
+using RowIndex = RowIndexOf<int64_t>;
 
 // Labels: row offset plus j * k_stride for the j-th of k labels.
 struct LabelIndex {
@@ -48,14 +41,14 @@ struct Labels {
   TM_LAYOUT_FN int64_t k() const { return index.k; }
 };
 
-TM_LAYOUT_FN int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // ------------------------------------------------------------------ host only
 // The leading dims of a [N, ...] or [B, S, ...] tensor (lead_dims 1 or 2, its
-// sizes and strides in elements) as a RowIndex.
-inline RowIndex row_index(int64_t lead_dims, const int64_t* sizes, const int64_t* strides) {
-  if (lead_dims == 1) return {std::max<int64_t>(sizes[0], 1), 0, strides[0]};
-  return {std::max<int64_t>(sizes[1], 1), strides[0], strides[1]};
+// sizes and strides in elements) as a RowIndex (the NPU glue asks for its i64 one).
+template <typename index_t = int64_t>
+RowIndexOf<index_t> row_index(int64_t lead_dims, const int64_t* sizes, const int64_t* strides) {
+  if (lead_dims == 1) return {static_cast<index_t>(std::max<int64_t>(sizes[0], 1)), 0, static_cast<index_t>(strides[0])};
+  return {static_cast<index_t>(std::max<int64_t>(sizes[1], 1)), static_cast<index_t>(strides[0]),
+          static_cast<index_t>(strides[1])};
 }
 
 // Labels [leading dims] (k = 1) or [leading dims, k] (dim labels_dim) as a LabelIndex.
@@ -94,6 +87,26 @@ inline bool strided_grad_alloc(int ndim, const int64_t* sizes, const int64_t* st
   int64_t span = 1;
   for (int d = 0; d < ndim; ++d) span *= alloc[d];
   return span > numel && span - numel <= numel / 8;
+}
+
+// The out-of-place gradient by that rule, for any tensor API: new_empty(like,
+// sizes) allocates on the logits' device in their dtype, narrow(t, dim, len)
+// keeps the first len entries of a dim. The stable-ABI backends (CPU, CUDA)
+// pass torch::stable's (forward_outputs.h), the torch_npu glue ATen's.
+template <typename TensorT, typename NewEmpty, typename Narrow>
+TensorT new_grad_like(const TensorT& logits, NewEmpty&& new_empty, Narrow&& narrow) {
+  const int ndim = static_cast<int>(logits.dim());  // 2 or 3: the argument checks ran
+  int64_t sizes[3], strides[3], alloc[3];
+  for (int d = 0; d < ndim; ++d) {
+    sizes[d] = logits.size(d);
+    strides[d] = logits.stride(d);
+  }
+  if (!strided_grad_alloc(ndim, sizes, strides, alloc)) return new_empty(logits, std::vector<int64_t>(sizes, sizes + ndim));
+  TensorT grad = new_empty(logits, std::vector<int64_t>(alloc, alloc + ndim));
+  for (int d = 0; d < ndim; ++d) {
+    if (alloc[d] != sizes[d]) grad = narrow(grad, d, sizes[d]);
+  }
+  return grad;
 }
 
 }  // namespace twinkle_mem

@@ -17,6 +17,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "op_options.h"
+
 namespace twinkle_mem {
 
 using torch::headeronly::ScalarType;
@@ -106,33 +108,30 @@ inline void check_inv_temperature(double inv_temperature) {
 }
 
 template <typename TensorT>
-void check_forward_args(const TensorT& logits, const TensorT& labels, double inv_temperature,
-                        int64_t vocab_start, int64_t vocab_size) {
+void check_forward_args(const TensorT& logits, const TensorT& labels, const OpOptions& o) {
   check_logits(logits);
   check_labels(labels, logits);
-  check_inv_temperature(inv_temperature);
+  check_inv_temperature(o.inv_temperature);
   const int64_t V = logits.size(logits.dim() - 1);
-  STD_TORCH_CHECK(vocab_start >= 0 && vocab_start + V <= vocab_size,
-                  "twinkle_mem: the logits' vocab shard [vocab_start, vocab_start + V) = [", vocab_start,
-                  ", ", vocab_start + V, ") must lie within [0, vocab_size = ", vocab_size, ")");
+  STD_TORCH_CHECK(o.vocab_start >= 0 && o.vocab_start + V <= o.vocab_size,
+                  "twinkle_mem: the logits' vocab shard [vocab_start, vocab_start + V) = [", o.vocab_start,
+                  ", ", o.vocab_start + V, ") must lie within [0, vocab_size = ", o.vocab_size, ")");
 }
 
 template <typename TensorT>
-void check_backward_args(const TensorT& grad_logp, const std::optional<TensorT>& grad_entropy,
-                         const TensorT& logits, const TensorT& labels, const TensorT& shift,
-                         const TensorT& log_sum, const std::optional<TensorT>& entropy, double inv_temperature) {
-  check_logits(logits);
-  check_labels(labels, logits);
-  const int64_t lead = logits.dim() - 1;
-  check_stats_tensor(grad_logp, "grad_logp", labels, labels.dim(), logits);
-  check_stats_tensor(shift, "shift", logits, lead, logits);
-  check_stats_tensor(log_sum, "log_sum", logits, lead, logits);
-  if (grad_entropy.has_value()) {
-    check_stats_tensor(*grad_entropy, "grad_entropy", logits, lead, logits);
-    STD_TORCH_CHECK(entropy.has_value(), "twinkle_mem: grad_entropy needs entropy (run the forward with_entropy)");
-    check_stats_tensor(*entropy, "entropy", logits, lead, logits);
+void check_backward_args(const BackwardInputs<TensorT>& in, const OpOptions& o) {
+  check_logits(in.logits);
+  check_labels(in.labels, in.logits);
+  const int64_t lead = in.logits.dim() - 1;
+  check_stats_tensor(in.grad_logp, "grad_logp", in.labels, in.labels.dim(), in.logits);
+  check_stats_tensor(in.shift, "shift", in.logits, lead, in.logits);
+  check_stats_tensor(in.log_sum, "log_sum", in.logits, lead, in.logits);
+  if (in.grad_entropy.has_value()) {
+    check_stats_tensor(*in.grad_entropy, "grad_entropy", in.logits, lead, in.logits);
+    STD_TORCH_CHECK(in.entropy.has_value(), "twinkle_mem: grad_entropy needs entropy (run the forward with_entropy)");
+    check_stats_tensor(*in.entropy, "entropy", in.logits, lead, in.logits);
   }
-  check_inv_temperature(inv_temperature);
+  check_inv_temperature(o.inv_temperature);
 }
 
 // Labels must be ignore_index or within [0, vocab_size) (online_softmax.h's

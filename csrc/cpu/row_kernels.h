@@ -8,6 +8,19 @@
 // -> acc_t, store_scalar(T*, acc_t), hmax(Vec), hsum(Vec), index_of(const acc_t*,
 // n, acc_t) (the first index holding a value, or n), and the exp_/max_/fma_
 // overloads that online_softmax.h's templates call.
+//
+// Deliberately no include guard, and no #include: the file is a body of
+// templates to be compiled once per instruction set, inside the namespace of
+// that instruction set (a guard would silently drop the second copy, and a
+// standard header included inside a namespace would break). So the includer
+// includes what it uses first (<algorithm>, <limits>, <type_traits>,
+// online_softmax.h), opens its namespace, defines TWINKLE_MEM_ROW_KERNELS_ISA
+// (the namespace's name, for the check below) and includes this file, once;
+// it is undefined again at the end, so a second include in the same namespace
+// fails loudly instead of redefining everything.
+#ifndef TWINKLE_MEM_ROW_KERNELS_ISA
+#error "row_kernels.h: define TWINKLE_MEM_ROW_KERNELS_ISA and include it once inside a per-ISA namespace"
+#endif
 
 constexpr int64_t kBlock = 2048;  // elements per L1-resident block of a row
 constexpr int64_t kSubVectors = 16;  // vectors summed in acc_t before their sum joins a double
@@ -122,3 +135,5 @@ void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, const RowGrad<typen
   for (; i + W <= n; i += W) store_vec(d + i, grad(load_vec(x + i)));
   for (; i < n; ++i) store_scalar(d + i, grad_off_label(load_scalar(x + i), g));
 }
+
+#undef TWINKLE_MEM_ROW_KERNELS_ISA

@@ -7,6 +7,7 @@
 #include "../common/forward_outputs.h"
 #include "../common/layout.h"
 #include "../common/op_checks.h"
+#include "../common/op_entry.h"
 #include "isa.h"
 
 #include <torch/csrc/stable/library.h>
@@ -54,6 +55,7 @@ template <typename V>
 inline V hsum(V v) { return v; }
 template <typename V>
 inline int64_t index_of(const V* p, int64_t n, V value) { return std::find(p, p + n, value) - p; }
+#define TWINKLE_MEM_ROW_KERNELS_ISA portable  // the row loops, once, in this namespace
 #include "row_kernels.h"
 }  // namespace portable
 
@@ -144,9 +146,11 @@ void run_segment_grad(const scalar_t* x, scalar_t* d, int64_t n, const RowGrad<a
 }
 
 template <typename scalar_t, typename acc_t>
-void forward_kernel(const Tensor& logits, const Tensor& labels, acc_t inv_T, int64_t ignore_index,
-                    int64_t vocab_start, bool with_entropy, Tensor& logp, Tensor& entropy, Tensor& shift,
-                    Tensor& log_sum) {
+void forward_kernel(const Tensor& logits, const Tensor& labels, const OpOptions& o, Tensor& logp, Tensor& entropy,
+                    Tensor& shift, Tensor& log_sum) {
+  const acc_t inv_T = static_cast<acc_t>(o.inv_temperature);
+  const int64_t ignore_index = o.ignore_index, vocab_start = o.vocab_start;
+  const bool with_entropy = o.with_entropy;
   const int64_t lead_dims = logits.dim() - 1, V = logits.size(lead_dims);
   const int64_t N = shift.numel();
   const RowIndex row_at = row_index(logits, lead_dims);
@@ -206,14 +210,14 @@ struct LabelHit {
 };
 
 template <typename scalar_t, typename acc_t>
-void backward_kernel(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, const Tensor& logits,
-                     const Tensor& labels, const Tensor& shift, const Tensor& log_sum,
-                     const std::optional<Tensor>& entropy, acc_t inv_T, int64_t ignore_index, int64_t vocab_start,
-                     scalar_t* d, RowIndex d_row_at) {
-  const int64_t lead_dims = logits.dim() - 1, V = logits.size(lead_dims), N = shift.numel();
+void backward_kernel(const BackwardInputs<Tensor>& args, const OpOptions& o, scalar_t* d, RowIndex d_row_at) {
+  const Tensor& logits = args.logits;
+  const acc_t inv_T = static_cast<acc_t>(o.inv_temperature);
+  const int64_t ignore_index = o.ignore_index, vocab_start = o.vocab_start;
+  const int64_t lead_dims = logits.dim() - 1, V = logits.size(lead_dims), N = args.shift.numel();
   const RowIndex row_at = row_index(logits, lead_dims);
   const scalar_t* x = reinterpret_cast<const scalar_t*>(logits.data_ptr());
-  const BackwardRowInputs in = contiguous_row_inputs(grad_logp, grad_entropy, shift, log_sum, entropy);
+  const BackwardRowInputs in = contiguous_row_inputs(args);
   const bool with_entropy = in.with_entropy;
   const acc_t* g_logp = reinterpret_cast<const acc_t*>(in.grad_logp.data_ptr());
   const acc_t* row_shift = reinterpret_cast<const acc_t*>(in.shift.data_ptr());
@@ -222,7 +226,7 @@ void backward_kernel(const Tensor& grad_logp, const std::optional<Tensor>& grad_
   const acc_t* row_entropy = reinterpret_cast<const acc_t*>(in.entropy.data_ptr());
   const RowSplit split = split_rows(V);
 
-  with_labels(labels, lead_dims, [&](auto label) {
+  with_labels(args.labels, lead_dims, [&](auto label) {
     const int64_t k = label.k();
     const int64_t grain = std::max<int64_t>(1, 65536 / split.segment_len);
     torch::stable::parallel_for(0, N * split.segments, grain, [&](int64_t begin, int64_t end) {
@@ -278,63 +282,35 @@ void dispatch_logits_dtype(ScalarType t, F&& f) {
   }
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> selective_log_softmax_fwd(
-    const Tensor& logits, const Tensor& labels, double inv_temperature, int64_t ignore_index,
-    int64_t vocab_start, int64_t vocab_size, bool with_entropy, bool /*inplace_backward*/) {
-  check_forward_args(logits, labels, inv_temperature, vocab_start, vocab_size);
-  auto outputs = new_forward_outputs(logits, labels, with_entropy);
-  Tensor &logp = std::get<0>(outputs), &entropy = std::get<1>(outputs), &shift = std::get<2>(outputs),
-         &log_sum = std::get<3>(outputs);
-  check_label_range(labels, logits.dim() - 1, shift.numel(), ignore_index, vocab_size);
-  dispatch_logits_dtype(logits.scalar_type(), [&](auto scalar, auto acc) {
-    using scalar_t = decltype(scalar);
-    using acc_t = decltype(acc);
-    forward_kernel<scalar_t, acc_t>(logits, labels, static_cast<acc_t>(inv_temperature), ignore_index,
-                                    vocab_start, with_entropy, logp, entropy, shift, log_sum);
-  });
-  return outputs;
-}
+// The CPU kernels behind forward_outputs.h's StableBackend (the arguments were
+// checked by op_entry.h, the outputs allocated there).
+struct Kernels {
+  static void forward(const Tensor& logits, const Tensor& labels, const OpOptions& o, Tensor& logp, Tensor& entropy,
+                      Tensor& shift, Tensor& log_sum) {
+    check_label_range(labels, logits.dim() - 1, shift.numel(), o.ignore_index, o.vocab_size);
+    dispatch_logits_dtype(logits.scalar_type(), [&](auto scalar, auto acc) {
+      forward_kernel<decltype(scalar), decltype(acc)>(logits, labels, o, logp, entropy, shift, log_sum);
+    });
+  }
 
-void run_backward(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, const Tensor& logits,
-                  const Tensor& labels, const Tensor& shift, const Tensor& log_sum,
-                  const std::optional<Tensor>& entropy, double inv_temperature, int64_t ignore_index,
-                  int64_t vocab_start, const Tensor& grad) {
-  dispatch_logits_dtype(logits.scalar_type(), [&](auto scalar, auto acc) {
-    using scalar_t = decltype(scalar);
-    using acc_t = decltype(acc);
-    backward_kernel<scalar_t, acc_t>(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy,
-                                     static_cast<acc_t>(inv_temperature), ignore_index, vocab_start,
-                                     reinterpret_cast<scalar_t*>(grad.data_ptr()),
-                                     row_index(grad, grad.dim() - 1));
-  });
-}
-
-Tensor selective_log_softmax_bwd(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy,
-                                 const Tensor& logits, const Tensor& labels, const Tensor& shift,
-                                 const Tensor& log_sum, const std::optional<Tensor>& entropy,
-                                 double inv_temperature, int64_t ignore_index, int64_t vocab_start) {
-  check_backward_args(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature);
-  Tensor grad = new_grad_like(logits);
-  advise_huge_pages(grad.data_ptr(), logits.numel() * static_cast<int64_t>(grad.element_size()));
-  run_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature, ignore_index,
-               vocab_start, grad);
-  return grad;
-}
-
-void selective_log_softmax_bwd_(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy,
-                                Tensor& logits, const Tensor& labels, const Tensor& shift,
-                                const Tensor& log_sum, const std::optional<Tensor>& entropy,
-                                double inv_temperature, int64_t ignore_index, int64_t vocab_start) {
-  check_backward_args(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature);
-  run_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature, ignore_index,
-               vocab_start, logits);
-}
+  static void backward(const BackwardInputs<Tensor>& in, const OpOptions& o, const Tensor& grad) {
+    if (grad.data_ptr() != in.logits.data_ptr()) {  // a fresh gradient: huge pages before the first touch
+      advise_huge_pages(grad.data_ptr(), in.logits.numel() * static_cast<int64_t>(grad.element_size()));
+    }
+    dispatch_logits_dtype(in.logits.scalar_type(), [&](auto scalar, auto acc) {
+      using scalar_t = decltype(scalar);
+      backward_kernel<scalar_t, decltype(acc)>(in, o, reinterpret_cast<scalar_t*>(grad.data_ptr()),
+                                               row_index(grad, grad.dim() - 1));
+    });
+  }
+};
+using Ops = OpEntries<StableBackend<Kernels>>;
 
 }  // namespace cpu
 }  // namespace twinkle_mem
 
 STABLE_TORCH_LIBRARY_IMPL(twinkle_mem, CPU, m) {
-  m.impl("selective_log_softmax_fwd", TORCH_BOX(&twinkle_mem::cpu::selective_log_softmax_fwd));
-  m.impl("selective_log_softmax_bwd", TORCH_BOX(&twinkle_mem::cpu::selective_log_softmax_bwd));
-  m.impl("selective_log_softmax_bwd_", TORCH_BOX(&twinkle_mem::cpu::selective_log_softmax_bwd_));
+  m.impl("selective_log_softmax_fwd", TORCH_BOX(&twinkle_mem::cpu::Ops::fwd));
+  m.impl("selective_log_softmax_bwd", TORCH_BOX(&twinkle_mem::cpu::Ops::bwd));
+  m.impl("selective_log_softmax_bwd_", TORCH_BOX(&twinkle_mem::cpu::Ops::bwd_));
 }

@@ -158,6 +158,7 @@ inline int64_t index_of(const float* p, int64_t n, float value) {
   return n;
 }
 
+#define TWINKLE_MEM_ROW_KERNELS_ISA avx2  // the row loops, once, in this namespace
 #include "row_kernels.h"
 
 }  // namespace avx2

@@ -1,45 +1,13 @@
-// CUDA kernels of the selective log-softmax op (forward, backward, in-place
-// backward), registered for the CUDA dispatch key of the schemas in csrc/ops.cpp.
-// The math (online state, merge, finalize, gradient, label classification) is
-// csrc/common/online_softmax.h, the row and label indexing csrc/common/layout.h:
-// nothing of either is written here.
-//
-// Work decomposition, forward and backward alike:
-//   segment = a fixed run of kSegmentBytes of one row (the last one shorter):
-//             the cut depends on V and the dtype only, never on N.
-//   task    = one segment of one row; a block runs one task at a time and loops
-//             over tasks (grid-stride), so any N fits in the grid. The block size
-//             too depends on V and the dtype only.
-//   slot    = W = 16 / sizeof(scalar_t) consecutive elements of a segment. Slot s
-//             of a segment belongs to thread s % threads and is processed in chunks
-//             of kUnroll slots; the last V % W elements of the segment go one per
-//             thread. This assignment is by element index: a row's reduction is
-//             the same whatever its address. A slot is moved with one 16-byte
-//             vector when its segment is 16-byte aligned, else element by element.
-// Forward: each task reduces its segment to one online state (thread -> warp ->
-// block, merge() in a fixed tree) and writes it to a workspace; a second kernel,
-// one thread per row, merges the row's states in segment order and finishes the
-// row. So a row's results are bitwise the same whatever N, the other rows, the
-// grid size or the row's alignment.
-// Backward: each task writes grad_off_label, p (a + b (u + entropy)), over its
-// segment (read first: the in-place variant is safe), then rewrites the label
-// positions in it with grad_at_label (repeated labels summed).
-//
-// Out-of-range labels (neither ignore_index nor in [0, vocab_size)) are never used
-// as an index. The forward checks them on the device, as PyTorch's own nll_loss
-// does: a device-side assert, no host synchronization (see docs/cuda.md).
-#include "../common/layout.h"
-#include "../common/online_softmax.h"
-
-// TWINKLE_MEM_CUDA_EMULATION: csrc/cuda/emulation/ compiles this file's kernels
-// and host plan as plain C++ over a stand-in for the CUDA runtime, to run them on
-// a machine without a GPU; the torch-facing code is left out there.
-#ifndef TWINKLE_MEM_CUDA_EMULATION
+// The CUDA backend of the selective log-softmax op: the stable-ABI glue that
+// registers the kernels (selective_log_softmax_kernels.cuh, launched by the host
+// plan in selective_log_softmax_plan.cuh) for the CUDA dispatch key of the
+// schemas in csrc/ops.cpp. The entry points and argument checks are
+// csrc/common/op_entry.h's, the outputs' allocation forward_outputs.h's; here:
+// workspaces, the stream, the launch.
 #include "../common/forward_outputs.h"
-#include "../common/op_checks.h"
+#include "../common/op_entry.h"
+#include "selective_log_softmax_plan.cuh"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -48,741 +16,16 @@
 #include <torch/csrc/stable/macros.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
-#include <torch/headeronly/macros/Macros.h>
-#endif
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <optional>
-#include <type_traits>
+#include <tuple>
 
 namespace twinkle_mem {
 namespace cuda {
 
-constexpr int kMaxThreads = 256;             // threads per block (a multiple of 32)
-constexpr int kUnroll = 4;                   // slots in flight per thread per chunk
-constexpr int64_t kSegmentBytes = 64 << 10;  // logits per task: 32768 bf16, 16384 fp32
-
-// ------------------------------------------------------------ element types
-template <typename scalar_t>
-struct Elem {
-  using acc_t = float;
-  static constexpr int W = 16 / sizeof(scalar_t);  // elements per slot (one 16-byte vector)
-};
-template <>
-struct Elem<double> {
-  using acc_t = double;
-  static constexpr int W = 2;
-};
-template <typename scalar_t>
-using acc_of = typename Elem<scalar_t>::acc_t;
-
-// A state in double, for the few merges that finish a row.
-template <typename acc_t>
-__host__ __device__ __forceinline__ OnlineSoftmax<double> widen(const OnlineSoftmax<acc_t>& s) {
-  return {static_cast<double>(s.max), static_cast<double>(s.rest), static_cast<double>(s.zsum)};
-}
-
-__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_acc(float v) { return v; }
-__device__ __forceinline__ double to_acc(double v) { return v; }
-
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t from_acc(acc_of<scalar_t> v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ float from_acc<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ double from_acc<double>(double v) { return v; }
-
-// 16 bytes of scalar_t <-> W accumulator values.
-template <typename scalar_t>
-__device__ __forceinline__ void unpack(const uint4& raw, acc_of<scalar_t> (&v)[Elem<scalar_t>::W]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-  if constexpr (std::is_same_v<scalar_t, __nv_bfloat16>) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // a bf16 is the high half of an fp32
-      v[2 * i] = __uint_as_float(w[i] << 16);
-      v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  } else if constexpr (std::is_same_v<scalar_t, __half>) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] & 0xffffu)));
-      v[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[i] >> 16)));
-    }
-  } else if constexpr (std::is_same_v<scalar_t, float>) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(w[i]);
-  } else {
-    v[0] = __hiloint2double(static_cast<int>(w[1]), static_cast<int>(w[0]));
-    v[1] = __hiloint2double(static_cast<int>(w[3]), static_cast<int>(w[2]));
-  }
-}
-
-template <typename scalar_t>
-__device__ __forceinline__ uint4 pack(const acc_of<scalar_t> (&v)[Elem<scalar_t>::W]) {
-  uint32_t w[4];
-  if constexpr (std::is_same_v<scalar_t, __nv_bfloat16>) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);  // .x is the low half
-      w[i] = static_cast<uint32_t>(__bfloat16_as_ushort(h.x)) |
-             (static_cast<uint32_t>(__bfloat16_as_ushort(h.y)) << 16);
-    }
-  } else if constexpr (std::is_same_v<scalar_t, __half>) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const __half2 h = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
-      w[i] = static_cast<uint32_t>(__half_as_ushort(h.x)) | (static_cast<uint32_t>(__half_as_ushort(h.y)) << 16);
-    }
-  } else if constexpr (std::is_same_v<scalar_t, float>) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = __float_as_uint(v[i]);
-  } else {
-    w[0] = static_cast<uint32_t>(__double2loint(v[0]));
-    w[1] = static_cast<uint32_t>(__double2hiint(v[0]));
-    w[2] = static_cast<uint32_t>(__double2loint(v[1]));
-    w[3] = static_cast<uint32_t>(__double2hiint(v[1]));
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// A slot of -inf: what the forward reads in place of a slot past the end.
-template <typename scalar_t>
-__device__ __forceinline__ uint4 neg_inf_slot() {
-  if constexpr (std::is_same_v<scalar_t, __nv_bfloat16>) {
-    return make_uint4(0xff80ff80u, 0xff80ff80u, 0xff80ff80u, 0xff80ff80u);
-  } else if constexpr (std::is_same_v<scalar_t, __half>) {
-    return make_uint4(0xfc00fc00u, 0xfc00fc00u, 0xfc00fc00u, 0xfc00fc00u);
-  } else if constexpr (std::is_same_v<scalar_t, float>) {
-    return make_uint4(0xff800000u, 0xff800000u, 0xff800000u, 0xff800000u);
-  } else {
-    return make_uint4(0u, 0xfff00000u, 0u, 0xfff00000u);
-  }
-}
-
-// Moving a slot: one 16-byte vector (kVector, the address 16-byte aligned), or
-// W element loads/stores of the same bits (any element-aligned address).
-// Streaming cache hints: each logit is touched once per pass.
-template <int kBytes>
-struct Bits;
-template <>
-struct Bits<2> { using type = unsigned short; };
-template <>
-struct Bits<4> { using type = unsigned int; };
-template <>
-struct Bits<8> { using type = unsigned long long; };
-
-template <typename scalar_t, bool kVector>
-__device__ __forceinline__ uint4 load_slot(const scalar_t* p) {
-  if constexpr (kVector) {
-    return __ldcs(reinterpret_cast<const uint4*>(p));
-  } else {
-    using bits_t = typename Bits<sizeof(scalar_t)>::type;
-    bits_t b[Elem<scalar_t>::W];
-#pragma unroll
-    for (int k = 0; k < Elem<scalar_t>::W; ++k) b[k] = __ldcs(reinterpret_cast<const bits_t*>(p) + k);
-    uint4 raw;
-    memcpy(&raw, b, sizeof(raw));
-    return raw;
-  }
-}
-
-template <typename scalar_t, bool kVector>
-__device__ __forceinline__ void store_slot(scalar_t* p, const uint4& raw) {
-  if constexpr (kVector) {
-    __stcs(reinterpret_cast<uint4*>(p), raw);
-  } else {
-    using bits_t = typename Bits<sizeof(scalar_t)>::type;
-    bits_t b[Elem<scalar_t>::W];
-    memcpy(b, &raw, sizeof(raw));
-#pragma unroll
-    for (int k = 0; k < Elem<scalar_t>::W; ++k) __stcs(reinterpret_cast<bits_t*>(p) + k, b[k]);
-  }
-}
-
-__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-// Max that propagates NaN (a chunk holding a NaN then has a NaN state, even
-// when all its other elements are -inf).
-__device__ __forceinline__ float max_nan(float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#else
-  return (a != a || b != b) ? a + b : fmaxf(a, b);
-#endif
-}
-__device__ __forceinline__ double max_nan(double a, double b) { return (a != a || b != b) ? a + b : fmax(a, b); }
-
-// -------------------------------------------------------------------- labels
-// online_softmax.h's row_skipped, by the whole block (layout.h's Labels): the
-// threads share out the labels. Block-uniform: every thread calls it.
-template <typename label_t>
-__device__ __forceinline__ bool block_row_skipped(const Labels<label_t>& labels, int64_t row, int64_t ignore_index) {
-  if (labels.k() == 0) return false;
-  int kept = 0;
-  for (int64_t j = threadIdx.x; j < labels.k(); j += blockDim.x) kept |= !is_ignored(labels(row, j), ignore_index);
-  return !__syncthreads_or(kept);
-}
-
-// ---------------------------------------------------------------- reductions
-template <typename acc_t>
-__device__ __forceinline__ OnlineSoftmax<acc_t> warp_merge(OnlineSoftmax<acc_t> s, acc_t inv_T) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const OnlineSoftmax<acc_t> other{__shfl_down_sync(0xffffffffu, s.max, offset),
-                                     __shfl_down_sync(0xffffffffu, s.rest, offset),
-                                     __shfl_down_sync(0xffffffffu, s.zsum, offset)};
-    s = merge(s, other, inv_T);  // lane i merges lane i + offset: lane 0 ends with lanes 0..31 in a fixed tree
-  }
-  return s;
-}
-
-// The block's state, valid in thread 0. `smem` holds kMaxThreads / 32 states.
-template <typename acc_t>
-__device__ __forceinline__ OnlineSoftmax<acc_t> block_merge(OnlineSoftmax<acc_t> s, OnlineSoftmax<acc_t>* smem,
-                                                            acc_t inv_T) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  s = warp_merge(s, inv_T);
-  if (lane == 0) smem[warp] = s;
-  __syncthreads();
-  if (warp == 0) {
-    s = lane < static_cast<int>(blockDim.x / 32) ? smem[lane] : empty_state<acc_t>();
-    s = warp_merge(s, inv_T);
-  }
-  __syncthreads();  // smem is reused by the block's next task
-  return s;
-}
-
-// Sum over the block in a fixed tree, valid in every thread.
-template <typename acc_t>
-__device__ __forceinline__ acc_t block_sum(acc_t v, acc_t* smem) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  acc_t total = 0;
-  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += smem[w];
-  __syncthreads();
-  return total;
-}
-
-// ------------------------------------------------------------------ forward
-template <typename scalar_t, typename label_t>
-struct ForwardArgs {
-  using acc_t = acc_of<scalar_t>;
-  const scalar_t* logits;
-  RowIndex row_at;
-  int64_t rows;
-  int64_t vocab;  // V, this shard's width
-  int64_t segments;
-  int64_t segment_len;
-  Labels<label_t> labels;
-  acc_t inv_T;
-  int64_t ignore_index;
-  int64_t vocab_start;
-  int64_t vocab_size;
-  acc_t* logp;     // [rows * k]
-  acc_t* entropy;  // [rows], null unless with_entropy
-  acc_t* shift;    // [rows]
-  acc_t* log_sum;  // [rows]
-  OnlineSoftmax<acc_t>* partial;  // [rows * segments]
-};
-
-// Max of a chunk of raw slots (packed bf16x2 / half2 max for 16-bit types).
-template <typename scalar_t, int U>
-__device__ __forceinline__ acc_of<scalar_t> chunk_max(const uint4 (&raw)[U]) {
-  if constexpr (std::is_same_v<scalar_t, __nv_bfloat16> || std::is_same_v<scalar_t, __half>) {
-    using pair_t = std::conditional_t<std::is_same_v<scalar_t, __half>, __half2, __nv_bfloat162>;
-    auto as_pair = [](uint32_t w) {
-      pair_t p;
-      memcpy(&p, &w, sizeof(p));
-      return p;
-    };
-    pair_t m = as_pair(raw[0].x);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (u > 0) m = __hmax2_nan(m, as_pair(raw[u].x));
-      m = __hmax2_nan(m, as_pair(raw[u].y));
-      m = __hmax2_nan(m, as_pair(raw[u].z));
-      m = __hmax2_nan(m, as_pair(raw[u].w));
-    }
-    return max_nan(to_acc(m.x), to_acc(m.y));
-  } else {
-    using acc_t = acc_of<scalar_t>;
-    constexpr int W = Elem<scalar_t>::W;
-    acc_t x[W];
-    acc_t m = -std::numeric_limits<acc_t>::infinity();
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      unpack<scalar_t>(raw[u], x);
-#pragma unroll
-      for (int k = 0; k < W; ++k) m = max_nan(m, x[k]);
-    }
-    return m;
-  }
-}
-
-// The state of one chunk of raw slots, merged into `state`: sums against the
-// chunk's max, leaving out one element that holds it (online_softmax.h's
-// block_state). Branch-free: every element with t == 0 holds the max; all of
-// them but one count 1 each in the rest.
-template <typename scalar_t, bool kEntropy, int U>
-__device__ __forceinline__ void merge_chunk(OnlineSoftmax<acc_of<scalar_t>>& state, const uint4 (&raw)[U],
-                                            acc_of<scalar_t> inv_T) {
-  using acc_t = acc_of<scalar_t>;
-  constexpr int W = Elem<scalar_t>::W;
-  const acc_t max = chunk_max<scalar_t>(raw);
-  const acc_t neg_shift = -finite_shift(max);
-  acc_t x[W];
-  acc_t sum = 0, at_max = 0, zsum = 0;
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    unpack<scalar_t>(raw[u], x);
-#pragma unroll
-    for (int k = 0; k < W; ++k) {
-      const acc_t t = scaled_gap(x[k], neg_shift, inv_T);
-      const acc_t e = exp_(t);
-      const bool is_max = t == acc_t(0);
-      sum += is_max ? acc_t(0) : e;
-      at_max += is_max ? acc_t(1) : acc_t(0);
-      if constexpr (kEntropy) zsum = add_entropy_term<acc_t, acc_t>(zsum, t, e);
-    }
-  }
-  state = merge(state, block_state(max, sum + (at_max - acc_t(1)), zsum), inv_T);
-}
-
-// This thread's share of the online state of x[0, n).
-template <typename scalar_t, bool kEntropy, bool kVector>
-__device__ __forceinline__ OnlineSoftmax<acc_of<scalar_t>> thread_state(const scalar_t* __restrict__ x, int64_t n,
-                                                                         acc_of<scalar_t> inv_T) {
-  using acc_t = acc_of<scalar_t>;
-  constexpr int W = Elem<scalar_t>::W;
-  const int tid = threadIdx.x, threads = blockDim.x;
-  const int64_t slots = n / W;
-  OnlineSoftmax<acc_t> state = empty_state<acc_t>();
-  if (slots * W + tid < n) state = block_state(to_acc(x[slots * W + tid]), acc_t(0), acc_t(0));  // one tail element
-
-  const int64_t step = static_cast<int64_t>(kUnroll) * threads;
-  int64_t base = tid;
-  for (; base + (kUnroll - 1) * threads < slots; base += step) {  // full chunks: no bounds checks
-    uint4 raw[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) raw[u] = load_slot<scalar_t, kVector>(x + (base + u * threads) * W);
-    merge_chunk<scalar_t, kEntropy>(state, raw, inv_T);
-  }
-  if (base < slots) {  // the last, partial chunk: slots past the end read as -inf
-    uint4 raw[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t s = base + u * threads;
-      raw[u] = s < slots ? load_slot<scalar_t, kVector>(x + s * W) : neg_inf_slot<scalar_t>();
-    }
-    merge_chunk<scalar_t, kEntropy>(state, raw, inv_T);
-  }
-  return state;
-}
-
-// One state per (row, segment) task.
-template <typename scalar_t, typename label_t, bool kEntropy>
-__global__ void __launch_bounds__(kMaxThreads) segment_state_kernel(const ForwardArgs<scalar_t, label_t> a) {
-  using acc_t = acc_of<scalar_t>;
-  __shared__ OnlineSoftmax<acc_t> smem[kMaxThreads / 32];
-  const int64_t tasks = a.rows * a.segments;
-  for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
-    const int64_t row = task / a.segments, seg = task - row * a.segments;
-    if (block_row_skipped(a.labels, row, a.ignore_index)) continue;  // the finish kernel writes its zeros
-    const int64_t start = seg * a.segment_len;
-    const int64_t len = min(a.segment_len, a.vocab - start);
-    const scalar_t* x = a.logits + a.row_at(row) + start;
-    OnlineSoftmax<acc_t> state = aligned16(x) ? thread_state<scalar_t, kEntropy, true>(x, len, a.inv_T)
-                                              : thread_state<scalar_t, kEntropy, false>(x, len, a.inv_T);
-    state = block_merge(state, smem, a.inv_T);
-    if (threadIdx.x == 0) a.partial[task] = state;
-  }
-}
-
-// One thread per row: merge the row's segment states in order, finish the row,
-// take logp at each label, check the labels.
-template <typename scalar_t, typename label_t>
-__global__ void __launch_bounds__(kMaxThreads) finish_rows_kernel(const ForwardArgs<scalar_t, label_t> a) {
-  using acc_t = acc_of<scalar_t>;
-  const int64_t k = a.labels.k();
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < a.rows; row += stride) {
-    if (row_skipped(a.labels, row, a.ignore_index)) {
-      for (int64_t j = 0; j < k; ++j) a.logp[row * k + j] = 0;
-      a.shift[row] = a.log_sum[row] = 0;
-      if (a.entropy != nullptr) a.entropy[row] = 0;
-      continue;
-    }
-    // The row is finished in double (a few merges per row), rounded once, and
-    // shift placed at the log-normalizer (output_shift), as the CPU kernel does.
-    const OnlineSoftmax<acc_t>* partial = a.partial + row * a.segments;
-    const double inv_T = static_cast<double>(a.inv_T);
-    OnlineSoftmax<double> state = widen(partial[0]);
-    for (int64_t seg = 1; seg < a.segments; ++seg) state = merge(state, widen(partial[seg]), inv_T);
-    const RowStats<double> stats = finalize(state);
-    output_shift(stats, inv_T, a.shift[row], a.log_sum[row]);
-    if (a.entropy != nullptr) a.entropy[row] = static_cast<acc_t>(stats.entropy);
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t y = a.labels(row, j);
-      CUDA_KERNEL_ASSERT_MSG(label_in_range(y, a.ignore_index, a.vocab_size),
-                             "twinkle_mem: label out of range (not ignore_index, not in [0, vocab_size))");
-      const int64_t target = is_ignored(y, a.ignore_index) ? -1 : local_target(y, a.vocab_start, a.vocab);
-      a.logp[row * k + j] =
-          target >= 0 ? static_cast<acc_t>(log_prob(static_cast<double>(to_acc(a.logits[a.row_at(row) + target])),
-                                                    stats.shift, stats.log_sum, inv_T))
-                      : acc_t(0);
-    }
-  }
-}
-
-// ----------------------------------------------------------------- backward
-template <typename scalar_t, typename label_t>
-struct BackwardArgs {
-  using acc_t = acc_of<scalar_t>;
-  const scalar_t* logits;
-  RowIndex row_at;
-  scalar_t* grad;  // may equal logits (in-place backward)
-  RowIndex grad_row_at;
-  int64_t rows;
-  int64_t vocab;
-  int64_t segments;
-  int64_t segment_len;
-  Labels<label_t> labels;
-  const acc_t* grad_logp;     // [rows * k], contiguous
-  const acc_t* grad_entropy;  // [rows], null: no entropy term
-  const acc_t* entropy;       // [rows], null when grad_entropy is null
-  const acc_t* shift;         // [rows]
-  const acc_t* log_sum;       // [rows]
-  acc_t inv_T;
-  int64_t ignore_index;
-  int64_t vocab_start;
-  acc_t* label_x;  // [rows * k]: the logits at the labels, saved before an in-place pass; null out of place
-};
-
-// d[0, n) = 0 (a skipped row: its logits are not read).
-template <typename scalar_t, bool kVector>
-__device__ __forceinline__ void zero_segment(scalar_t* d, int64_t n) {
-  constexpr int W = Elem<scalar_t>::W;
-  const int64_t slots = n / W;
-  if (slots * W + threadIdx.x < n) d[slots * W + threadIdx.x] = from_acc<scalar_t>(0);
-  for (int64_t s = threadIdx.x; s < slots; s += blockDim.x) store_slot<scalar_t, kVector>(d + s * W, make_uint4(0, 0, 0, 0));
-}
-
-// d[0, n) = the off-label gradient of x[0, n). d may alias x: each slot is read
-// and written by the same thread, read first.
-template <typename scalar_t, bool kLoadVector, bool kStoreVector>
-__device__ __forceinline__ void grad_segment(const scalar_t* x, scalar_t* d, int64_t n,
-                                             const RowGrad<acc_of<scalar_t>>& g) {
-  using acc_t = acc_of<scalar_t>;
-  constexpr int W = Elem<scalar_t>::W;
-  const int tid = threadIdx.x, threads = blockDim.x;
-  const int64_t slots = n / W;
-  if (slots * W + tid < n) d[slots * W + tid] = from_acc<scalar_t>(grad_off_label(to_acc(x[slots * W + tid]), g));
-  const int64_t step = static_cast<int64_t>(kUnroll) * threads;
-  for (int64_t base = tid; base < slots; base += step) {
-    uint4 raw[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t s = base + u * threads;
-      if (s < slots) raw[u] = load_slot<scalar_t, kLoadVector>(x + s * W);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t s = base + u * threads;
-      if (s < slots) {
-        acc_t v[W];
-        unpack<scalar_t>(raw[u], v);
-#pragma unroll
-        for (int k = 0; k < W; ++k) v[k] = grad_off_label(v[k], g);
-        store_slot<scalar_t, kStoreVector>(d + s * W, pack<scalar_t>(v));
-      }
-    }
-  }
-}
-
-template <typename scalar_t, typename label_t>
-__global__ void __launch_bounds__(kMaxThreads) backward_kernel(const BackwardArgs<scalar_t, label_t> a) {
-  using acc_t = acc_of<scalar_t>;
-  __shared__ acc_t smem[kMaxThreads / 32];
-  const int64_t k = a.labels.k();
-  const int64_t tasks = a.rows * a.segments;
-  for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
-    const int64_t row = task / a.segments, seg = task - row * a.segments;
-    const int64_t start = seg * a.segment_len;
-    const int64_t len = min(a.segment_len, a.vocab - start);
-    const scalar_t* x = a.logits + a.row_at(row) + start;
-    scalar_t* d = a.grad + a.grad_row_at(row) + start;
-    if (block_row_skipped(a.labels, row, a.ignore_index)) {
-      if (aligned16(d)) {
-        zero_segment<scalar_t, true>(d, len);
-      } else {
-        zero_segment<scalar_t, false>(d, len);
-      }
-      continue;
-    }
-    // G: the row's non-ignored upstream logp gradients (labels on other shards included).
-    acc_t g_mine = 0;
-    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
-      if (!is_ignored(a.labels(row, j), a.ignore_index)) g_mine += a.grad_logp[row * k + j];
-    }
-    const acc_t g_total = block_sum(g_mine, smem);
-    const bool with_entropy = a.grad_entropy != nullptr;
-    const acc_t shift = a.shift[row], log_sum = a.log_sum[row];
-    const acc_t entropy = with_entropy ? a.entropy[row] : acc_t(0);
-    const acc_t g_entropy = with_entropy ? a.grad_entropy[row] : acc_t(0);
-    const RowGrad<acc_t> rg = row_grad(shift, log_sum, entropy, g_total, g_entropy, a.inv_T);
-    // Label positions in this segment: -1 when ignored or elsewhere.
-    auto column = [&](int64_t y) {
-      const int64_t target = is_ignored(y, a.ignore_index) ? -1 : local_target(y, a.vocab_start, a.vocab);
-      return (target >= start && target < start + len) ? target - start : int64_t(-1);
-    };
-    if (a.label_x != nullptr) {  // in place: keep the logits at the labels before the pass overwrites them
-      for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
-        const int64_t col = column(a.labels(row, j));
-        if (col >= 0) a.label_x[row * k + j] = to_acc(x[col]);
-      }
-      __syncthreads();
-    }
-    switch ((aligned16(x) ? 2 : 0) | (aligned16(d) ? 1 : 0)) {
-      case 3: grad_segment<scalar_t, true, true>(x, d, len, rg); break;
-      case 2: grad_segment<scalar_t, true, false>(x, d, len, rg); break;
-      case 1: grad_segment<scalar_t, false, true>(x, d, len, rg); break;
-      default: grad_segment<scalar_t, false, false>(x, d, len, rg); break;
-    }
-    __syncthreads();  // the label positions below are rewritten after the pass
-    // The label positions in double, from the same statistics (a few per row):
-    // where 1 - p and the entropy term nearly cancel, the wider evaluation is all but free.
-    // (fp64 logits: that is rg itself.)
-    const RowGrad<double> rg64 = [&] {
-      if constexpr (std::is_same_v<acc_t, double>) {
-        return rg;
-      } else {
-        return row_grad<double>(shift, log_sum, entropy, g_total, g_entropy, a.inv_T);
-      }
-    }();
-    for (int64_t j = threadIdx.x; j < k; j += blockDim.x) {
-      const int64_t y = a.labels(row, j);
-      const int64_t col = column(y);
-      if (col < 0) continue;
-      // The first of the labels equal to y writes, with their gradients summed in label order.
-      bool first = true;
-      for (int64_t i = 0; i < j && first; ++i) first = a.labels(row, i) != y;
-      if (!first) continue;
-      acc_t g_here = 0;
-      for (int64_t i = j; i < k; ++i) {
-        if (a.labels(row, i) == y) g_here += a.grad_logp[row * k + i];
-      }
-      const double xv = a.label_x != nullptr ? a.label_x[row * k + j] : to_acc(x[col]);
-      d[col] = from_acc<scalar_t>(static_cast<acc_t>(grad_at_label(xv, rg64, double(g_here), double(g_total - g_here))));
-    }
-  }
-}
-
-// ------------------------------------------------------------ the host plan
-// Shared by the torch glue below and the CPU emulation (csrc/cuda/emulation/):
-// everything from raw pointers, sizes and strides to the launches.
-enum class Dtype { kBFloat16, kHalf, kFloat, kDouble };
-
-// How rows are cut into segments, and the block size: from V and the element
-// size only (never N, never the GPU), so a row always reduces in the same order.
-struct RowSplit {
-  int64_t segments;
-  int64_t segment_len;
-  int threads;
-};
-inline RowSplit split_rows(int64_t V, int64_t elem_bytes, int64_t segment_bytes = kSegmentBytes) {
-  const int64_t W = 16 / elem_bytes;
-  const int64_t segment_len = segment_bytes / elem_bytes;  // a multiple of W: segments keep the row's alignment
-  const int64_t segments = std::max<int64_t>(1, ceil_div(V, segment_len));
-  // Enough threads for one chunk each over the longest segment, in whole warps.
-  const int64_t chunks = ceil_div(ceil_div(std::min(V, segment_len), W), kUnroll);
-  const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(32, ceil_div(chunks, 32) * 32)));
-  return {segments, segment_len, threads};
-}
-
-// A tensor as the plan sees it.
-struct TensorRef {
-  void* ptr;
-  int dim;
-  int64_t sizes[4];
-  int64_t strides[4];
-};
-
-// The leading dims of a [N, ...] or [B, S, ...] tensor as a RowIndex (layout.h).
-inline RowIndex row_index(const TensorRef& t, int lead_dims) { return twinkle_mem::row_index(lead_dims, t.sizes, t.strides); }
-
-template <typename label_t>
-Labels<label_t> labels_of(const TensorRef& labels, int lead_dims) {
-  return {static_cast<const label_t*>(labels.ptr), label_index(lead_dims, labels.dim, labels.sizes, labels.strides)};
-}
-
-inline int64_t rows_of(const TensorRef& logits) {
-  int64_t n = 1;
-  for (int d = 0; d + 1 < logits.dim; ++d) n *= logits.sizes[d];
-  return n;
-}
-
-#ifdef TWINKLE_MEM_CUDA_EMULATION
-using Stream = void*;
-#else
-using Stream = cudaStream_t;
-#endif
-
-// Launch limits: real launches pass the hardware's; the emulation a small grid,
-// so that its blocks loop over several tasks.
-struct Launch {
-  Stream stream;
-  int64_t max_grid;
-  int64_t segment_bytes;
-};
-
-inline unsigned grid_for(int64_t blocks, int64_t max_grid) {
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min(blocks, max_grid)));
-}
-
-template <typename Kernel, typename Args>
-void launch(Kernel kernel, unsigned grid, int threads, const Launch& how, const Args& args) {
-#ifdef TWINKLE_MEM_CUDA_EMULATION
-  emulate_launch(grid, static_cast<unsigned>(threads), [&] { kernel(args); });
-#else
-  kernel<<<grid, threads, 0, how.stream>>>(args);
-  STD_CUDA_KERNEL_LAUNCH_CHECK();
-#endif
-}
-
-template <typename F>
-void dispatch_dtype(Dtype dtype, F&& f) {
-  switch (dtype) {
-    case Dtype::kBFloat16: return f(__nv_bfloat16{});
-    case Dtype::kHalf: return f(__half{});
-    case Dtype::kFloat: return f(float{});
-    default: return f(double{});
-  }
-}
-
-template <typename F>
-void dispatch_labels(bool int64_labels, F&& f) {
-  if (int64_labels) return f(int64_t{});
-  return f(int32_t{});
-}
-
-// Bytes of the forward's workspace (one state per task): the caller allocates it.
-inline int64_t forward_workspace_bytes(Dtype dtype, const TensorRef& logits, const Launch& how) {
-  int64_t bytes = 0;
-  dispatch_dtype(dtype, [&](auto scalar) {
-    using scalar_t = decltype(scalar);
-    const RowSplit split = split_rows(logits.sizes[logits.dim - 1], sizeof(scalar_t), how.segment_bytes);
-    bytes = rows_of(logits) * split.segments * static_cast<int64_t>(sizeof(OnlineSoftmax<acc_of<scalar_t>>));
-  });
-  return bytes;
-}
-
-// Outputs contiguous: logp [rows * k], entropy (null unless with_entropy), shift, log_sum [rows].
-inline void run_forward(Dtype dtype, const TensorRef& logits, const TensorRef& labels, bool int64_labels,
-                        double inv_temperature, int64_t ignore_index, int64_t vocab_start, int64_t vocab_size,
-                        void* logp, void* entropy, void* shift, void* log_sum, void* workspace, const Launch& how) {
-  const int lead = logits.dim - 1;
-  const int64_t N = rows_of(logits), V = logits.sizes[lead];
-  if (N == 0) return;
-  dispatch_dtype(dtype, [&](auto scalar) {
-    using scalar_t = decltype(scalar);
-    using acc_t = acc_of<scalar_t>;
-    const RowSplit split = split_rows(V, sizeof(scalar_t), how.segment_bytes);
-    dispatch_labels(int64_labels, [&](auto label) {
-      using label_t = decltype(label);
-      ForwardArgs<scalar_t, label_t> a;
-      a.logits = static_cast<const scalar_t*>(logits.ptr);
-      a.row_at = row_index(logits, lead);
-      a.rows = N;
-      a.vocab = V;
-      a.segments = split.segments;
-      a.segment_len = split.segment_len;
-      a.labels = labels_of<label_t>(labels, lead);
-      a.inv_T = static_cast<acc_t>(inv_temperature);
-      a.ignore_index = ignore_index;
-      a.vocab_start = vocab_start;
-      a.vocab_size = vocab_size;
-      a.logp = static_cast<acc_t*>(logp);
-      a.entropy = static_cast<acc_t*>(entropy);
-      a.shift = static_cast<acc_t*>(shift);
-      a.log_sum = static_cast<acc_t*>(log_sum);
-      a.partial = static_cast<OnlineSoftmax<acc_t>*>(workspace);
-      const unsigned grid = grid_for(N * split.segments, how.max_grid);
-      if (entropy != nullptr) {
-        launch(segment_state_kernel<scalar_t, label_t, true>, grid, split.threads, how, a);
-      } else {
-        launch(segment_state_kernel<scalar_t, label_t, false>, grid, split.threads, how, a);
-      }
-      launch(finish_rows_kernel<scalar_t, label_t>, grid_for(ceil_div(N, kMaxThreads), how.max_grid), kMaxThreads,
-             how, a);
-    });
-  });
-}
-
-// Bytes of the backward's workspace: the logits at the labels, in place only.
-inline int64_t backward_workspace_bytes(Dtype dtype, const TensorRef& labels, bool inplace) {
-  if (!inplace) return 0;
-  int64_t n = 1;
-  for (int d = 0; d < labels.dim; ++d) n *= labels.sizes[d];
-  int64_t bytes = 0;
-  dispatch_dtype(dtype, [&](auto scalar) { bytes = n * static_cast<int64_t>(sizeof(acc_of<decltype(scalar)>)); });
-  return bytes;
-}
-
-// grad may be logits.ptr (in place). Per-row inputs contiguous: grad_logp
-// [rows * k], grad_entropy and entropy (both null or neither), shift, log_sum [rows].
-inline void run_backward(Dtype dtype, const TensorRef& logits, const TensorRef& grad, const TensorRef& labels,
-                         bool int64_labels, const void* grad_logp, const void* grad_entropy, const void* entropy,
-                         const void* shift, const void* log_sum, double inv_temperature, int64_t ignore_index,
-                         int64_t vocab_start, void* workspace, const Launch& how) {
-  const int lead = logits.dim - 1;
-  const int64_t N = rows_of(logits), V = logits.sizes[lead];
-  if (N == 0 || V == 0) return;
-  dispatch_dtype(dtype, [&](auto scalar) {
-    using scalar_t = decltype(scalar);
-    using acc_t = acc_of<scalar_t>;
-    const RowSplit split = split_rows(V, sizeof(scalar_t), how.segment_bytes);
-    dispatch_labels(int64_labels, [&](auto label) {
-      using label_t = decltype(label);
-      BackwardArgs<scalar_t, label_t> a;
-      a.logits = static_cast<const scalar_t*>(logits.ptr);
-      a.row_at = row_index(logits, lead);
-      a.grad = static_cast<scalar_t*>(grad.ptr);
-      a.grad_row_at = row_index(grad, lead);
-      a.rows = N;
-      a.vocab = V;
-      a.segments = split.segments;
-      a.segment_len = split.segment_len;
-      a.labels = labels_of<label_t>(labels, lead);
-      a.grad_logp = static_cast<const acc_t*>(grad_logp);
-      a.grad_entropy = static_cast<const acc_t*>(grad_entropy);
-      a.entropy = static_cast<const acc_t*>(entropy);
-      a.shift = static_cast<const acc_t*>(shift);
-      a.log_sum = static_cast<const acc_t*>(log_sum);
-      a.inv_T = static_cast<acc_t>(inv_temperature);
-      a.ignore_index = ignore_index;
-      a.vocab_start = vocab_start;
-      a.label_x = static_cast<acc_t*>(workspace);
-      launch(backward_kernel<scalar_t, label_t>, grid_for(N * split.segments, how.max_grid), split.threads, how, a);
-    });
-  });
-}
-
-#ifndef TWINKLE_MEM_CUDA_EMULATION
-// ---------------------------------------------------------------- torch glue
 using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
 
@@ -793,10 +36,18 @@ cudaStream_t current_stream(int32_t device_index) {
   return static_cast<cudaStream_t>(stream);
 }
 
-Launch launch_on(const Tensor& logits) {
-  // Grid-stride loops: 2^31 - 1 blocks is the hardware's limit on grid.x.
-  return {current_stream(logits.get_device_index()), std::numeric_limits<int32_t>::max(), kSegmentBytes};
-}
+// The plan's launcher: on the current stream, checked at once (no sync).
+struct StreamLauncher {
+  cudaStream_t stream;
+  template <typename Kernel, typename Args>
+  void operator()(Kernel kernel, unsigned grid, int threads, const Args& args) const {
+    kernel<<<grid, threads, 0, stream>>>(args);
+    STD_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
+// Grid-stride loops: 2^31 - 1 blocks is the hardware's limit on grid.x.
+constexpr Launch kHardwareLimits{std::numeric_limits<int32_t>::max(), kSegmentBytes};
 
 Dtype dtype_of(const Tensor& t) {
   switch (t.scalar_type()) {
@@ -821,71 +72,45 @@ Tensor scratch(const Tensor& logits, int64_t bytes) {
   return torch::stable::new_empty(logits, {std::max<int64_t>(bytes, 1)}, ScalarType::Byte);
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> selective_log_softmax_fwd(
-    const Tensor& logits, const Tensor& labels, double inv_temperature, int64_t ignore_index,
-    int64_t vocab_start, int64_t vocab_size, bool with_entropy, bool /*inplace_backward*/) {
-  check_forward_args(logits, labels, inv_temperature, vocab_start, vocab_size);
-  auto outputs = new_forward_outputs(logits, labels, with_entropy);
-  Tensor &logp = std::get<0>(outputs), &entropy = std::get<1>(outputs), &shift = std::get<2>(outputs),
-         &log_sum = std::get<3>(outputs);
-  if (shift.numel() == 0) return outputs;
-  torch::stable::accelerator::DeviceGuard guard(logits.get_device_index());
-  const Launch how = launch_on(logits);
-  const TensorRef x = ref(logits);
-  const Tensor workspace = scratch(logits, forward_workspace_bytes(dtype_of(logits), x, how));
-  run_forward(dtype_of(logits), x, ref(labels), labels.scalar_type() == ScalarType::Long, inv_temperature,
-              ignore_index, vocab_start, vocab_size, logp.data_ptr(), with_entropy ? entropy.data_ptr() : nullptr,
-              shift.data_ptr(), log_sum.data_ptr(), workspace.data_ptr(), how);
-  return outputs;
-}
+// The CUDA kernels behind forward_outputs.h's StableBackend (the arguments were
+// checked by op_entry.h, the outputs allocated there): workspaces, the stream, the launch.
+struct Kernels {
+  static void forward(const Tensor& logits, const Tensor& labels, const OpOptions& o, Tensor& logp, Tensor& entropy,
+                      Tensor& shift, Tensor& log_sum) {
+    if (shift.numel() == 0) return;
+    torch::stable::accelerator::DeviceGuard guard(logits.get_device_index());
+    const TensorRef x = ref(logits);
+    const Tensor workspace = scratch(logits, forward_workspace_bytes(dtype_of(logits), x, kHardwareLimits));
+    run_forward(dtype_of(logits), x, ref(labels), labels.scalar_type() == ScalarType::Long, o,
+                {logp.data_ptr(), entropy.data_ptr(), shift.data_ptr(), log_sum.data_ptr()}, workspace.data_ptr(),
+                kHardwareLimits, StreamLauncher{current_stream(logits.get_device_index())});
+  }
 
-void run_backward_op(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, const Tensor& logits,
-                     const Tensor& labels, const Tensor& shift, const Tensor& log_sum,
-                     const std::optional<Tensor>& entropy, double inv_temperature, int64_t ignore_index,
-                     int64_t vocab_start, const Tensor& grad, bool inplace) {
-  if (shift.numel() == 0) return;
-  torch::stable::accelerator::DeviceGuard guard(logits.get_device_index());
-  const Launch how = launch_on(logits);
-  const BackwardRowInputs in = contiguous_row_inputs(grad_logp, grad_entropy, shift, log_sum, entropy);
-  const Dtype dtype = dtype_of(logits);
-  const TensorRef y = ref(labels);
-  // The workspace (the logits at the labels) is read only in place: no scratch out of place.
-  std::optional<Tensor> workspace;
-  if (inplace) workspace = scratch(logits, backward_workspace_bytes(dtype, y, inplace));
-  run_backward(dtype, ref(logits), ref(grad), y, labels.scalar_type() == ScalarType::Long, in.grad_logp.data_ptr(),
-               in.with_entropy ? in.grad_entropy.data_ptr() : nullptr,
-               in.with_entropy ? in.entropy.data_ptr() : nullptr, in.shift.data_ptr(), in.log_sum.data_ptr(),
-               inv_temperature, ignore_index, vocab_start, workspace ? workspace->data_ptr() : nullptr, how);
-}
-
-Tensor selective_log_softmax_bwd(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy,
-                                 const Tensor& logits, const Tensor& labels, const Tensor& shift,
-                                 const Tensor& log_sum, const std::optional<Tensor>& entropy,
-                                 double inv_temperature, int64_t ignore_index, int64_t vocab_start) {
-  check_backward_args(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature);
-  Tensor grad = new_grad_like(logits);  // rows aligned as the logits' rows where cheap (layout.h)
-  run_backward_op(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature, ignore_index,
-                  vocab_start, grad, false);
-  return grad;
-}
-
-void selective_log_softmax_bwd_(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy,
-                                Tensor& logits, const Tensor& labels, const Tensor& shift, const Tensor& log_sum,
-                                const std::optional<Tensor>& entropy, double inv_temperature, int64_t ignore_index,
-                                int64_t vocab_start) {
-  check_backward_args(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature);
-  run_backward_op(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature, ignore_index,
-                  vocab_start, logits, true);
-}
-#endif  // TWINKLE_MEM_CUDA_EMULATION
+  // Writes into `grad` (the logits themselves in place).
+  static void backward(const BackwardInputs<Tensor>& args, const OpOptions& o, const Tensor& grad) {
+    const Tensor& logits = args.logits;
+    if (args.shift.numel() == 0) return;
+    torch::stable::accelerator::DeviceGuard guard(logits.get_device_index());
+    const BackwardRowInputs in = contiguous_row_inputs(args);
+    const Dtype dtype = dtype_of(logits);
+    const TensorRef y = ref(args.labels);
+    // The workspace (the logits at the labels) is read only in place: no scratch out of place.
+    std::optional<Tensor> workspace;
+    if (o.inplace_backward) workspace = scratch(logits, backward_workspace_bytes(dtype, y, true));
+    const BackwardRows rows{in.grad_logp.data_ptr(), in.grad_entropy.data_ptr(), in.entropy.data_ptr(),
+                            in.shift.data_ptr(), in.log_sum.data_ptr()};
+    run_backward(dtype, ref(logits), ref(grad), y, args.labels.scalar_type() == ScalarType::Long, rows, o,
+                 workspace ? workspace->data_ptr() : nullptr, kHardwareLimits,
+                 StreamLauncher{current_stream(logits.get_device_index())});
+  }
+};
+using Ops = OpEntries<StableBackend<Kernels>>;
 
 }  // namespace cuda
 }  // namespace twinkle_mem
 
-#ifndef TWINKLE_MEM_CUDA_EMULATION
 STABLE_TORCH_LIBRARY_IMPL(twinkle_mem, CUDA, m) {
-  m.impl("selective_log_softmax_fwd", TORCH_BOX(&twinkle_mem::cuda::selective_log_softmax_fwd));
-  m.impl("selective_log_softmax_bwd", TORCH_BOX(&twinkle_mem::cuda::selective_log_softmax_bwd));
-  m.impl("selective_log_softmax_bwd_", TORCH_BOX(&twinkle_mem::cuda::selective_log_softmax_bwd_));
+  m.impl("selective_log_softmax_fwd", TORCH_BOX(&twinkle_mem::cuda::Ops::fwd));
+  m.impl("selective_log_softmax_bwd", TORCH_BOX(&twinkle_mem::cuda::Ops::bwd));
+  m.impl("selective_log_softmax_bwd_", TORCH_BOX(&twinkle_mem::cuda::Ops::bwd_));
 }
-#endif  // TWINKLE_MEM_CUDA_EMULATION

@@ -8,7 +8,8 @@
 // top-level CMakeLists.txt on a CANN node only (see docs/npu.md).
 //
 // Per call, without a host synchronisation:
-//   - the shared argument checks (csrc/common/op_checks.h) and the NPU's own
+//   - the shared entry points and argument checks (csrc/common/op_entry.h,
+//     op_checks.h) and the NPU's own
 //     (plain ND format, a dtype the library and the SoC have);
 //   - out-of-range labels: the kernel writes NaN for their log-probs and never
 //     reads outside a row; a count of them is reduced on the device and copied
@@ -46,11 +47,13 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
 #include "../common/layout.h"
 #include "../common/op_checks.h"
+#include "../common/op_entry.h"
 #include "launch.h"
 #include "tiling.h"
 
@@ -185,31 +188,25 @@ DeviceFacts device_facts(int device) {
 }
 
 // ------------------------------------------------------------- the plan
-// layout.h RowIndex of a [N, ...] / [B, S, ...] tensor, as the CPU kernel forms it.
-RowIndexNpu rows_of(const Tensor& t, int64_t lead_dims) {
-  if (lead_dims == 1) return {std::max<int64_t>(t.size(0), 1), 0, t.stride(0)};
-  return {std::max<int64_t>(t.size(1), 1), t.stride(0), t.stride(1)};
-}
-
-TilingRequest make_request(const Tensor& logits, const Tensor& labels, int64_t mode, bool with_entropy,
-                           int64_t ignore_index, int64_t vocab_start, int64_t vocab_size) {
+TilingRequest make_request(const Tensor& logits, const Tensor& labels, int64_t mode, const OpOptions& o) {
   const int64_t lead = logits.dim() - 1;
   const DeviceFacts facts = device_facts(logits.device().index());
   TilingRequest r;
   r.n_rows = 1;
   for (int64_t d = 0; d < lead; ++d) r.n_rows *= logits.size(d);
   r.vocab = logits.size(lead);
-  r.x_rows = rows_of(logits, lead);
-  r.y_rows = rows_of(labels, lead);
+  // layout.h's row_index, as the CPU kernel forms it, in the plan's i64 words.
+  r.x_rows = row_index<i64>(lead, logits.sizes().data(), logits.strides().data());
+  r.y_rows = row_index<i64>(lead, labels.sizes().data(), labels.strides().data());
   const bool has_k = labels.dim() > lead;
   r.label_k = has_k ? labels.size(lead) : 1;
   r.label_k_stride = has_k ? labels.stride(lead) : 1;
   r.elem_bytes = static_cast<int64_t>(logits.element_size());
   r.label_bytes = static_cast<int64_t>(labels.element_size());
-  r.vocab_start = vocab_start;
-  r.vocab_size = vocab_size;
-  r.ignore_index = ignore_index;
-  r.with_entropy = with_entropy;
+  r.vocab_start = o.vocab_start;
+  r.vocab_size = o.vocab_size;
+  r.ignore_index = o.ignore_index;
+  r.with_entropy = o.with_entropy;
   r.mode = mode;
   r.ub_bytes = facts.ub_bytes;
   r.core_count = facts.vector_cores;
@@ -258,87 +255,26 @@ aclrtStream current_stream() { return c10_npu::getCurrentNPUStream().stream(fals
 
 uint8_t* bytes_of(const Tensor& t) { return t.defined() ? static_cast<uint8_t*>(t.data_ptr()) : nullptr; }
 
-// fp64: the CPU kernel, through the dispatcher, on CPU copies.
-c10::OperatorHandle op_handle(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
-
 std::vector<int64_t> lead_sizes(const Tensor& t) {
   return std::vector<int64_t>(t.sizes().begin(), t.sizes().end() - 1);
 }
 
-// ------------------------------------------------------------------- forward
-std::tuple<Tensor, Tensor, Tensor, Tensor> selective_log_softmax_fwd(const Tensor& logits, const Tensor& labels,
-                                                                     double inv_temperature, int64_t ignore_index,
-                                                                     int64_t vocab_start, int64_t vocab_size,
-                                                                     bool with_entropy, bool inplace_backward) {
-  check_forward_args(logits, labels, inv_temperature, vocab_start, vocab_size);
-  check_base_format(logits);
-  c10_npu::NPUGuard guard(logits.device());
-  poll_label_checks();
-  if (logits.scalar_type() == at::kDouble) {
-    auto out = op_handle("twinkle_mem::selective_log_softmax_fwd")
-                   .typed<std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, double, int64_t,
-                                                                      int64_t, int64_t, bool, bool)>()
-                   .call(logits.cpu(), labels.cpu(), inv_temperature, ignore_index, vocab_start, vocab_size,
-                         with_entropy, inplace_backward);
-    const auto dev = logits.device();
-    return {std::get<0>(out).to(dev), std::get<1>(out).to(dev), std::get<2>(out).to(dev), std::get<3>(out).to(dev)};
-  }
-  check_dtype_supported(logits.scalar_type());
-  const auto opts = logits.options().dtype(at::kFloat);
-  const std::vector<int64_t> lead = lead_sizes(logits);
-  Tensor logp = at::empty(labels.sizes(), opts), shift = at::empty(lead, opts), log_sum = at::empty(lead, opts);
-  Tensor entropy = with_entropy ? at::empty(lead, opts) : at::empty({0}, opts);
-  if (shift.numel() == 0) return {logp, entropy, shift, log_sum};
-  check_label_range(labels, ignore_index, vocab_size);
-
-  const std::pair<Tiling, Tensor> planned =
-      plan(make_request(logits, labels, kForward, with_entropy, ignore_index, vocab_start, vocab_size), logits);
-  const Tiling& tiling = planned.first;
-  const Tensor tiling_dev = planned.second;  // (C++17 lambdas cannot capture structured bindings)
-  const int dtype = kernel_dtype(logits.scalar_type());
-  const uint32_t block_dim = static_cast<uint32_t>(tiling.used_cores);
-  const float inv_t = static_cast<float>(inv_temperature);
-  aclrtStream stream = current_stream();
-  // The handler may run later, from torch_npu's task queue: it holds the tensors.
-  at_npu::native::OpCommand cmd;
-  cmd.Name("twinkle_mem_selective_log_softmax_fwd");
-  cmd.SetCustomHandler([=]() -> int {
-    return twinkle_mem_npu_launch_fwd(dtype, block_dim, stream, bytes_of(logits), bytes_of(labels), bytes_of(logp),
-                                      with_entropy ? bytes_of(entropy) : nullptr, bytes_of(shift), bytes_of(log_sum),
-                                      bytes_of(tiling_dev), inv_t);
-  });
-  cmd.Run();
-  return {logp, entropy, shift, log_sum};
-}
-
-// ------------------------------------------------------------------ backward
-void check_backward(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, const Tensor& logits,
-                    const Tensor& labels, const Tensor& shift, const Tensor& log_sum,
-                    const std::optional<Tensor>& entropy, double inv_temperature) {
-  check_backward_args(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature);
-  check_base_format(logits);
-}
-
-// Launches the backward writing into `grad` (which may be `logits`).
-void launch_backward(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, const Tensor& logits,
-                     const Tensor& labels, const Tensor& shift, const Tensor& log_sum,
-                     const std::optional<Tensor>& entropy, double inv_temperature, int64_t ignore_index,
-                     int64_t vocab_start, const Tensor& grad) {
-  const bool with_entropy = grad_entropy.has_value();
+// Launches the backward writing into `grad` (which may be the logits).
+void launch_backward(const BackwardInputs<Tensor>& in, const OpOptions& o, const Tensor& grad) {
+  const bool with_entropy = o.with_entropy;
   // Per-label and per-row vectors are O(N k): contiguous copies cost nothing next to the rows.
-  const Tensor gl = grad_logp.contiguous(), sh = shift.contiguous(), ls = log_sum.contiguous();
-  const Tensor ge = with_entropy ? grad_entropy->contiguous() : Tensor();
-  const Tensor en = with_entropy ? entropy->contiguous() : Tensor();
-  // vocab_size only bounds the shard in the plan; the forward checked the labels.
-  TilingRequest r = make_request(logits, labels, kBackward, with_entropy, ignore_index, vocab_start,
-                                 vocab_start + logits.size(-1));
-  r.g_rows = rows_of(grad, logits.dim() - 1);
+  const Tensor gl = in.grad_logp.contiguous(), sh = in.shift.contiguous(), ls = in.log_sum.contiguous();
+  const Tensor ge = with_entropy ? in.grad_entropy->contiguous() : Tensor();
+  const Tensor en = with_entropy ? in.entropy->contiguous() : Tensor();
+  const Tensor logits = in.logits, labels = in.labels;  // held by the handler below
+  TilingRequest r = make_request(logits, labels, kBackward, o);
+  r.g_rows = row_index<i64>(logits.dim() - 1, grad.sizes().data(), grad.strides().data());
   const std::pair<Tiling, Tensor> planned = plan(r, logits);
   const Tiling& tiling = planned.first;
   const Tensor tiling_dev = planned.second;
   const int dtype = kernel_dtype(logits.scalar_type());
   const uint32_t block_dim = static_cast<uint32_t>(tiling.used_cores);
-  const float inv_t = static_cast<float>(inv_temperature);
+  const float inv_t = static_cast<float>(o.inv_temperature);
   aclrtStream stream = current_stream();
   at_npu::native::OpCommand cmd;
   cmd.Name("twinkle_mem_selective_log_softmax_bwd");
@@ -351,70 +287,100 @@ void launch_backward(const Tensor& grad_logp, const std::optional<Tensor>& grad_
   cmd.Run();
 }
 
-// The out-of-place gradient: the logits' strides where layout.h's rule allows, else contiguous.
-Tensor new_grad_like(const Tensor& logits) {
-  const int ndim = static_cast<int>(logits.dim());
-  int64_t sizes[3], strides[3], alloc[3];
-  for (int d = 0; d < ndim; ++d) {
-    sizes[d] = logits.size(d);
-    strides[d] = logits.stride(d);
-  }
-  if (!strided_grad_alloc(ndim, sizes, strides, alloc)) return at::empty(logits.sizes(), logits.options());
-  Tensor grad = at::empty(at::IntArrayRef(alloc, ndim), logits.options());
-  for (int d = 0; d < ndim; ++d) {
-    if (alloc[d] != sizes[d]) grad = grad.narrow(d, 0, sizes[d]);
-  }
-  return grad;
+// fp64: the CPU kernel, through the dispatcher, on CPU copies.
+c10::OperatorHandle op_handle(const char* name) { return c10::Dispatcher::singleton().findSchemaOrThrow(name, ""); }
+std::optional<Tensor> cpu_copy(const std::optional<Tensor>& t) {
+  return t ? std::optional<Tensor>(t->cpu()) : std::nullopt;
 }
 
-Tensor selective_log_softmax_bwd(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy,
-                                 const Tensor& logits, const Tensor& labels, const Tensor& shift,
-                                 const Tensor& log_sum, const std::optional<Tensor>& entropy,
-                                 double inv_temperature, int64_t ignore_index, int64_t vocab_start) {
-  check_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature);
-  c10_npu::NPUGuard guard(logits.device());
-  poll_label_checks();
-  if (logits.scalar_type() == at::kDouble) {
-    auto cpu = [](const std::optional<Tensor>& t) { return t ? std::optional<Tensor>(t->cpu()) : std::nullopt; };
-    return op_handle("twinkle_mem::selective_log_softmax_bwd")
-        .typed<Tensor(const Tensor&, const std::optional<Tensor>&, const Tensor&, const Tensor&, const Tensor&,
-                      const Tensor&, const std::optional<Tensor>&, double, int64_t, int64_t)>()
-        .call(grad_logp.cpu(), cpu(grad_entropy), logits.cpu(), labels.cpu(), shift.cpu(), log_sum.cpu(),
-              cpu(entropy), inv_temperature, ignore_index, vocab_start)
-        .to(logits.device());
-  }
-  check_dtype_supported(logits.scalar_type());
-  Tensor grad = new_grad_like(logits);
-  if (shift.numel() == 0) return grad;
-  launch_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature, ignore_index,
-                  vocab_start, grad);
-  return grad;
-}
+// The NPU backend of op_entry.h's OpEntries (the shared argument checks ran there).
+struct Backend {
+  using Tensor = at::Tensor;
+  using Ops = OpEntries<Backend>;
 
-void selective_log_softmax_bwd_(const Tensor& grad_logp, const std::optional<Tensor>& grad_entropy, Tensor& logits,
-                                const Tensor& labels, const Tensor& shift, const Tensor& log_sum,
-                                const std::optional<Tensor>& entropy, double inv_temperature, int64_t ignore_index,
-                                int64_t vocab_start) {
-  check_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature);
-  c10_npu::NPUGuard guard(logits.device());
-  poll_label_checks();
-  if (logits.scalar_type() == at::kDouble) {
-    logits.copy_(selective_log_softmax_bwd(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy,
-                                           inv_temperature, ignore_index, vocab_start));
-    return;
+  static void check(const Tensor& logits) { check_base_format(logits); }
+
+  static std::tuple<Tensor, Tensor, Tensor, Tensor> forward(const Tensor& logits, const Tensor& labels,
+                                                            const OpOptions& o) {
+    c10_npu::NPUGuard guard(logits.device());
+    poll_label_checks();
+    if (logits.scalar_type() == at::kDouble) {
+      auto cpu_op = op_handle("twinkle_mem::selective_log_softmax_fwd")
+                        .typed<std::remove_pointer_t<decltype(&Ops::fwd)>>();
+      auto out = call_forward([&](auto&&... args) { return cpu_op.call(args...); }, logits.cpu(), labels.cpu(), o);
+      const auto dev = logits.device();
+      return {std::get<0>(out).to(dev), std::get<1>(out).to(dev), std::get<2>(out).to(dev),
+              std::get<3>(out).to(dev)};
+    }
+    check_dtype_supported(logits.scalar_type());
+    const auto opts = logits.options().dtype(at::kFloat);
+    const std::vector<int64_t> lead = lead_sizes(logits);
+    Tensor logp = at::empty(labels.sizes(), opts), shift = at::empty(lead, opts), log_sum = at::empty(lead, opts);
+    Tensor entropy = o.with_entropy ? at::empty(lead, opts) : at::empty({0}, opts);
+    if (shift.numel() == 0) return {logp, entropy, shift, log_sum};
+    check_label_range(labels, o.ignore_index, o.vocab_size);
+
+    const std::pair<Tiling, Tensor> planned = plan(make_request(logits, labels, kForward, o), logits);
+    const Tiling& tiling = planned.first;
+    const Tensor tiling_dev = planned.second;  // (C++17 lambdas cannot capture structured bindings)
+    const int dtype = kernel_dtype(logits.scalar_type());
+    const uint32_t block_dim = static_cast<uint32_t>(tiling.used_cores);
+    const float inv_t = static_cast<float>(o.inv_temperature);
+    const bool with_entropy = o.with_entropy;
+    aclrtStream stream = current_stream();
+    // The handler may run later, from torch_npu's task queue: it holds the tensors.
+    at_npu::native::OpCommand cmd;
+    cmd.Name("twinkle_mem_selective_log_softmax_fwd");
+    cmd.SetCustomHandler([=]() -> int {
+      return twinkle_mem_npu_launch_fwd(dtype, block_dim, stream, bytes_of(logits), bytes_of(labels), bytes_of(logp),
+                                        with_entropy ? bytes_of(entropy) : nullptr, bytes_of(shift),
+                                        bytes_of(log_sum), bytes_of(tiling_dev), inv_t);
+    });
+    cmd.Run();
+    return {logp, entropy, shift, log_sum};
   }
-  check_dtype_supported(logits.scalar_type());
-  if (shift.numel() == 0) return;
-  launch_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature, ignore_index,
-                  vocab_start, logits);
-}
+
+  static Tensor backward(const BackwardInputs<Tensor>& in, const OpOptions& o) {
+    c10_npu::NPUGuard guard(in.logits.device());
+    poll_label_checks();
+    if (in.logits.scalar_type() == at::kDouble) {
+      auto cpu_op = op_handle("twinkle_mem::selective_log_softmax_bwd")
+                        .typed<std::remove_pointer_t<decltype(&Ops::bwd)>>();
+      const Tensor g_logp = in.grad_logp.cpu(), logits = in.logits.cpu(), labels = in.labels.cpu(),
+                   shift = in.shift.cpu(), log_sum = in.log_sum.cpu();
+      const std::optional<Tensor> g_entropy = cpu_copy(in.grad_entropy), entropy = cpu_copy(in.entropy);
+      const BackwardInputs<Tensor> on_cpu{g_logp, g_entropy, logits, labels, shift, log_sum, entropy};
+      return call_backward([&](auto&&... args) { return cpu_op.call(args...); }, on_cpu, o).to(in.logits.device());
+    }
+    check_dtype_supported(in.logits.scalar_type());
+    Tensor grad = new_grad_like(
+        in.logits, [](const Tensor& like, const std::vector<int64_t>& sizes) { return at::empty(sizes, like.options()); },
+        [](const Tensor& t, int dim, int64_t len) { return t.narrow(dim, 0, len); });
+    if (in.shift.numel() == 0) return grad;
+    launch_backward(in, o, grad);
+    return grad;
+  }
+
+  static void backward_inplace(const BackwardInputs<Tensor>& in, Tensor& logits, const OpOptions& o) {
+    c10_npu::NPUGuard guard(logits.device());
+    poll_label_checks();
+    if (logits.scalar_type() == at::kDouble) {
+      logits.copy_(backward(in, o));
+      return;
+    }
+    check_dtype_supported(logits.scalar_type());
+    if (in.shift.numel() == 0) return;
+    launch_backward(in, o, logits);
+  }
+};
+using Ops = OpEntries<Backend>;
 
 }  // namespace
 }  // namespace npu
 }  // namespace twinkle_mem
 
 TORCH_LIBRARY_IMPL(twinkle_mem, PrivateUse1, m) {
-  m.impl("selective_log_softmax_fwd", &twinkle_mem::npu::selective_log_softmax_fwd);
-  m.impl("selective_log_softmax_bwd", &twinkle_mem::npu::selective_log_softmax_bwd);
-  m.impl("selective_log_softmax_bwd_", &twinkle_mem::npu::selective_log_softmax_bwd_);
+  m.impl("selective_log_softmax_fwd", &twinkle_mem::npu::Ops::fwd);
+  m.impl("selective_log_softmax_bwd", &twinkle_mem::npu::Ops::bwd);
+  m.impl("selective_log_softmax_bwd_", &twinkle_mem::npu::Ops::bwd_);
 }

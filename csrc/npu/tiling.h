@@ -1,10 +1,12 @@
 // Tiling of the selective log-softmax op for the Ascend NPU, shared by the
 // host glue (selective_log_softmax_npu.cpp), the AscendC kernel
-// (selective_log_softmax_kernel.cpp), the kernel's CPU stand-in
-// (emulation/) and the CPU unit test (tests/npu_tiling_test.cpp).
+// (selective_log_softmax_kernel.cpp), its CPU emulation against the stand-in of
+// the AscendC API (tests/standins/ascendc/) and the CPU unit test
+// (tests/npu_tiling_test.cpp).
 //
-// Plain C++ without any header: the struct and the index helpers compile for
-// the AI core (where <cstdint>, <cmath> and csrc/common/*.h do not), the
+// Plain C++ without any standard header: the struct and the index helpers
+// compile for the AI core (where <cstdint>, <cmath> and most of csrc/common/
+// do not; csrc/common/row_index.h is written to), the
 // planning below them for the host, for the AscendC CPU-debug mode and for the
 // stand-in. Which of the two a compilation is, is keyed on `__aicore__`: the
 // AscendC headers define it (as an attribute for the device, as nothing in
@@ -18,6 +20,8 @@
 // Every UB buffer is a whole number of 32-byte blocks; tiles are moved with
 // DataCopyPad (any length, any GM address).
 #pragma once
+
+#include "../common/row_index.h"  // RowIndexOf, ceil_div: one copy for every backend
 
 #if defined(__aicore__)
 #define TM_NPU_INLINE __aicore__ inline
@@ -45,14 +49,10 @@ constexpr i64 kUbBudget220 = kUbBytes220 - kUbLibraryReserve;
 
 enum Mode : i64 { kForward = 0, kBackward = 1 };
 
-// Element offset of a row of a [N, ...] or [B, S, ...] tensor (layout.h's
-// RowIndex, restated for the AI core; tests/npu_tiling_test.cpp checks they agree):
-//   (row / inner) * outer_stride + (row % inner) * inner_stride,  outer_stride 0 for 2-D.
-struct RowIndexNpu {
-  i64 inner;
-  i64 outer_stride;
-  i64 inner_stride;
-};
+// Element offset of a row of a [N, ...] or [B, S, ...] tensor: row_index.h's
+// RowIndexOf over i64 (three words of the Tiling), rows(row) its offset.
+using RowIndexNpu = twinkle_mem::RowIndexOf<i64>;
+using twinkle_mem::ceil_div;
 
 // Everything the kernel needs, as int64 words so that the kernel can copy it
 // from global memory word by word. Written by make_tiling(); read-only after.
@@ -83,15 +83,8 @@ struct Tiling {
 
 constexpr i64 kTilingWords = sizeof(Tiling) / sizeof(i64);
 
-TM_NPU_INLINE i64 ceil_div(i64 a, i64 b) { return (a + b - 1) / b; }
 TM_NPU_INLINE i64 align_up(i64 a, i64 b) { return ceil_div(a, b) * b; }
 TM_NPU_INLINE i64 align_down(i64 a, i64 b) { return (a / b) * b; }
-
-TM_NPU_INLINE i64 row_offset(const RowIndexNpu& r, i64 row) {
-  if (r.outer_stride == 0) return row * r.inner_stride;
-  const i64 outer = row / r.inner;
-  return outer * r.outer_stride + (row - outer * r.inner) * r.inner_stride;
-}
 
 // First row of `core`, and how many rows it owns.
 TM_NPU_INLINE i64 core_row_begin(const Tiling& t, i64 core) {
@@ -108,9 +101,9 @@ TM_NPU_INLINE i64 tile_elems(const Tiling& t, i64 tile) { return tile == t.num_t
 TM_NPU_INLINE i64 tile_begin(const Tiling& t, i64 tile) { return tile * t.tile_len; }
 
 // 64-bit element offsets (B x S x V exceeds 2^31).
-TM_NPU_INLINE i64 logits_offset(const Tiling& t, i64 row, i64 col) { return row_offset(t.x_rows, row) + col; }
-TM_NPU_INLINE i64 grad_offset(const Tiling& t, i64 row, i64 col) { return row_offset(t.g_rows, row) + col; }
-TM_NPU_INLINE i64 label_offset(const Tiling& t, i64 row, i64 j) { return row_offset(t.y_rows, row) + j * t.label_k_stride; }
+TM_NPU_INLINE i64 logits_offset(const Tiling& t, i64 row, i64 col) { return t.x_rows(row) + col; }
+TM_NPU_INLINE i64 grad_offset(const Tiling& t, i64 row, i64 col) { return t.g_rows(row) + col; }
+TM_NPU_INLINE i64 label_offset(const Tiling& t, i64 row, i64 j) { return t.y_rows(row) + j * t.label_k_stride; }
 
 // online_softmax.h's is_ignored / local_target / label_in_range, restated for
 // the AI core: the label's column on this shard, or -1 when it is ignored, lies

@@ -1,15 +1,16 @@
-// The AscendC kernels of ../selective_log_softmax_kernel.cpp, compiled against
-// the stand-in (ascendc_standin.h) and run on the CPU: a C entry point per
-// direction, called from Python (tests/npu_emulation.py) with plain pointers.
-// The plan comes from ../tiling.h as the torch_npu glue makes it; every tensor
+// The AscendC kernels of csrc/npu/selective_log_softmax_kernel.cpp, compiled
+// against the stand-in (ascendc_standin.h) and run on the CPU: a C entry point
+// per direction, called from Python (tests/npu_emulation.py) with plain pointers.
+// The plan comes from csrc/npu/tiling.h as the torch_npu glue makes it; every tensor
 // is registered as global memory (each logits / gradient row on its own), so
 // that any access outside them, or a write to an input, is a violation.
 //
-// Built at test time only:
-//   g++ -std=c++17 -O2 -shared -fPIC -DASCENDC_CPU_DEBUG=1 -I csrc/npu/emulation emulate_kernels.cpp
+// Built at test time only (the kernel's directory, csrc/npu or a copy, on the path):
+//   g++ -std=c++17 -O2 -shared -fPIC -DASCENDC_CPU_DEBUG=1 -I tests/standins/ascendc -I csrc/npu
+//       tests/standins/ascendc/emulate_kernels.cpp
 #include "kernel_operator.h"
 
-#include "../selective_log_softmax_kernel.cpp"
+#include "selective_log_softmax_kernel.cpp"
 
 #include <cstdio>
 #include <string>
@@ -28,7 +29,7 @@ void add_region(const void* begin, int64_t bytes, bool writable, const char* nam
 void add_rows(const void* base, int64_t elem, const tn::RowIndexNpu& rows, int64_t n, int64_t v, bool writable,
               const char* name) {
   for (int64_t r = 0; r < n; ++r) {
-    add_region(static_cast<const uint8_t*>(base) + tn::row_offset(rows, r) * elem, v * elem, writable, name);
+    add_region(static_cast<const uint8_t*>(base) + rows(r) * elem, v * elem, writable, name);
   }
 }
 
@@ -71,6 +72,21 @@ tn::Tiling plan_of(const tn::TilingRequest& r, int64_t* plan_out) {
   return plan.tiling;
 }
 
+uint8_t* gm(void* p) { return static_cast<uint8_t*>(p); }
+
+// The launch, after the tensors' regions are registered: the plan's words as the
+// kernel reads them (one more read-only region), the stats reset, kernel(tiling)
+// on the plan's cores with the stand-in's UB budget; every region cleared after.
+template <typename F>
+void launch_on_plan(const tn::Tiling& t, int64_t ub_bytes, F&& kernel) {
+  std::vector<int64_t> words(tn::kTilingWords);
+  std::memcpy(words.data(), &t, sizeof(tn::Tiling));
+  add_region(words.data(), sizeof(tn::Tiling), false, "tiling");
+  standin::stats() = standin::Stats{};
+  standin::launch(t.used_cores, ub_bytes, [&] { kernel(reinterpret_cast<uint8_t*>(words.data())); });
+  standin::gm_regions().clear();
+}
+
 }  // namespace
 
 extern "C" {
@@ -86,8 +102,6 @@ int tm_npu_emu_forward(const int64_t* req, const int64_t* x_rows, const int64_t*
   try {
     const tn::TilingRequest r = request_of(req, tn::kForward, x_rows, y_rows, nullptr);
     const tn::Tiling t = plan_of(r, plan_out);
-    std::vector<int64_t> tiling_gm(tn::kTilingWords);
-    std::memcpy(tiling_gm.data(), &t, sizeof(tn::Tiling));
 
     standin::gm_regions().clear();
     add_rows(logits, r.elem_bytes, t.x_rows, t.n_rows, t.vocab, false, "logits");
@@ -96,11 +110,7 @@ int tm_npu_emu_forward(const int64_t* req, const int64_t* x_rows, const int64_t*
     add_region(shift, t.n_rows * 4, true, "shift");
     add_region(log_sum, t.n_rows * 4, true, "log_sum");
     if (r.with_entropy) add_region(entropy, t.n_rows * 4, true, "entropy");
-    add_region(tiling_gm.data(), sizeof(tn::Tiling), false, "tiling");
-    auto gm = [](void* p) { return static_cast<uint8_t*>(p); };
-    uint8_t* tp = reinterpret_cast<uint8_t*>(tiling_gm.data());
-    standin::stats() = standin::Stats{};
-    standin::launch(t.used_cores, req[14] > 0 ? req[14] : r.ub_bytes, [&] {
+    launch_on_plan(t, req[14] > 0 ? req[14] : r.ub_bytes, [&](uint8_t* tp) {
       if (r.elem_bytes == 4) {
         twinkle_mem_sls_fwd_fp32(gm(logits), gm(labels), gm(logp), gm(entropy), gm(shift), gm(log_sum), tp, inv_t);
       } else if (req[13] == 1) {
@@ -109,7 +119,6 @@ int tm_npu_emu_forward(const int64_t* req, const int64_t* x_rows, const int64_t*
         twinkle_mem_sls_fwd_bf16(gm(logits), gm(labels), gm(logp), gm(entropy), gm(shift), gm(log_sum), tp, inv_t);
       }
     });
-    standin::gm_regions().clear();
     return 0;
   } catch (const std::exception& e) {
     standin::gm_regions().clear();
@@ -125,8 +134,6 @@ int tm_npu_emu_backward(const int64_t* req, const int64_t* x_rows, const int64_t
   try {
     const tn::TilingRequest r = request_of(req, tn::kBackward, x_rows, y_rows, g_rows);
     const tn::Tiling t = plan_of(r, plan_out);
-    std::vector<int64_t> tiling_gm(tn::kTilingWords);
-    std::memcpy(tiling_gm.data(), &t, sizeof(tn::Tiling));
 
     const bool inplace = grad == logits;
     standin::gm_regions().clear();
@@ -140,11 +147,7 @@ int tm_npu_emu_backward(const int64_t* req, const int64_t* x_rows, const int64_t
       add_region(grad_entropy, t.n_rows * 4, false, "grad_entropy");
       add_region(entropy, t.n_rows * 4, false, "entropy");
     }
-    add_region(tiling_gm.data(), sizeof(tn::Tiling), false, "tiling");
-    auto gm = [](void* p) { return static_cast<uint8_t*>(p); };
-    uint8_t* tp = reinterpret_cast<uint8_t*>(tiling_gm.data());
-    standin::stats() = standin::Stats{};
-    standin::launch(t.used_cores, req[14] > 0 ? req[14] : r.ub_bytes, [&] {
+    launch_on_plan(t, req[14] > 0 ? req[14] : r.ub_bytes, [&](uint8_t* tp) {
       if (r.elem_bytes == 4) {
         twinkle_mem_sls_bwd_fp32(gm(grad_logp), gm(grad_entropy), gm(logits), gm(labels), gm(shift), gm(log_sum),
                                  gm(entropy), gm(grad), tp, inv_t);
@@ -156,7 +159,6 @@ int tm_npu_emu_backward(const int64_t* req, const int64_t* x_rows, const int64_t
                                  gm(entropy), gm(grad), tp, inv_t);
       }
     });
-    standin::gm_regions().clear();
     return 0;
   } catch (const std::exception& e) {
     standin::gm_regions().clear();

@@ -1,5 +1,5 @@
 // Just enough of the CUDA device API to run the kernels of
-// ../selective_log_softmax.cu as host C++. Blocks run one after another; the
+// csrc/cuda/selective_log_softmax_kernels.cuh as host C++. Blocks run one after another; the
 // threads of a block are fibers (ucontext) on one OS thread, switched at every
 // barrier (__syncthreads, __syncthreads_or, warp shuffles), so the emulation is
 // deterministic and cheap on a small machine. It tests the kernels' indexing,
