@@ -59,9 +59,10 @@ def selective_log_softmax(logits, index, return_entropy=False, *, temperature=1.
 
     logits: [..., V] bf16/fp16/fp32/fp64, read in place with any strides on the
     leading dims whose rows do not overlap (overlapping rows, e.g. an expanded
-    dim, raise RuntimeError; a vocab stride other than 1 costs a copy); index: [...] int64/int32 labels, or [..., k] for
-    k labels per row. Returns fp32 ``logp`` of the index's shape (fp64 for fp64
-    logits), or ``(logp, entropy)`` with entropy [...] when ``return_entropy``.
+    dim, raise RuntimeError; a vocab stride other than 1 costs a copy); index:
+    [...] int64/int32 labels, or [..., k] for k labels per row. Returns fp32
+    ``logp`` of the index's shape (fp64 for fp64 logits), or ``(logp, entropy)``
+    with entropy [...] when ``return_entropy``.
     ``temperature`` divides the logits (in-register). An index equal to
     ``ignore_index`` gives logp 0 and no gradient; a row whose indices are all
     ignored gives entropy 0 too. Nothing full-vocab is kept for backward beyond

@@ -3,7 +3,9 @@
 The schemas live in schemas.def (registered by csrc/ops.cpp). The forward saves only the logits
 reference, the labels and O(N) statistics (shift, log_sum, and entropy when
 computed); the backward is one native call, out of place or written over the
-logits (inplace_backward).
+logits (inplace_backward), and is not differentiable again (a double backward raises).
+The public functions call the ops through thin wrappers that take 1/T as a tensor
+(fwd_t, bwd_t, bwd_t_ at the end: no recompile per temperature under torch.compile).
 """
 from __future__ import annotations
 
@@ -143,8 +145,9 @@ def _native_backward(logits, labels, shift, log_sum, entropy, grad_logp, grad_en
     tensor_temperature = isinstance(inv_temperature, Tensor)  # the fwd_t path
     if inplace:
         (bwd_t_ if tensor_temperature else bwd_inplace)(*args, logits, *rest)
-        # The dispatcher does not bump the version of a tensor a custom op
-        # mutates: do it, so that any other saved use of the logits raises.
+        # The dispatcher does not bump the version of a tensor a native op
+        # mutates: do it, so that any other saved use of the logits raises
+        # (bwd_t_, a Python custom op, bumps it itself; once more is harmless).
         torch.autograd.graph.increment_version(logits)
         return logits
     return (bwd_t if tensor_temperature else bwd)(*args, logits, *rest)
