@@ -20,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python}
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
-RESULTS=bench/results/npu_check
+RESULTS=${NPU_CHECK_RESULTS:-bench/results/npu_check}
 rm -rf "$RESULTS"  # this run's files only
 mkdir -p "$RESULTS"
 FAILED=()

@@ -87,3 +87,37 @@ def test_device_checks_install_nothing_from_a_registry(script):
     assert "pip install" not in text and "pip download" not in text
     assert "-m zipfile -e" in text and "bench/pack_results.py" in text
     assert "cp -r" not in text  # nothing copied to $OUT around the packer
+
+
+STUB_PYTHON = """#!/usr/bin/env bash
+# Stands in for the CANN node's Python: the script's own machinery (wheel unpacking, the step table, the
+# packer) runs on the real interpreter; every check "passes" except the benchmark, which fails.
+case "$1" in
+  -m) [ "$2" = zipfile ] && exec {real} "$@"; echo "stub: $*" ;;
+  -c) exec {real} "$@" ;;
+  bench/pack_results.py) exec {real} "$@" ;;
+  bench/bench_npu.py) echo "stub benchmark fails"; exit 3 ;;
+  -) cat >/dev/null; echo "stub: a heredoc check" ;;
+  *) echo "stub: $*" ;;
+esac
+"""
+
+
+def test_npu_check_returns_every_step_log_within_the_limits(tmp_path):
+    stub = tmp_path / "python"
+    stub.write_text(STUB_PYTHON.replace("{real}", sys.executable))
+    stub.chmod(0o755)
+    out, results = tmp_path / "out", tmp_path / "results"
+    out.mkdir()
+    env = dict(os.environ, OUT=str(out), PYTHON=str(stub), ASCEND_HOME_PATH=str(tmp_path),
+               NPU_CHECK_RESULTS=str(results))
+    proc = subprocess.run(["bash", "bench/npu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "FAILED: benchmark" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    files = assert_all_comes_back(out)
+    assert files == ["npu_check.json", "npu_check.md", "npu_check_logs.tar.gz"]  # (no bench_npu.json: it failed)
+    steps = json.loads((out / "npu_check.json").read_text())["steps"]
+    assert len(steps) == 8 and [s["status"] for s in steps].count("FAIL") == 1 and steps[-1]["status"] == "FAIL"
+    with tarfile.open(out / "npu_check_logs.tar.gz") as tar:
+        assert set(tar.getnames()) == {f"step{i}.log" for i in range(1, 9)}
+        assert b"stub benchmark fails" in tar.extractfile("step8.log").read()
