@@ -77,7 +77,8 @@ if [ $DRY_RUN -eq 1 ]; then
 else
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1 || true
 fi
-$PY -c "import torch, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda)"
+# setuptools >= 77 reads pyproject.toml's SPDX license (torch requires it, so it comes with torch)
+$PY -c "import torch, sys, setuptools; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| setuptools', setuptools.__version__)"
 command -v nvcc >/dev/null && nvcc --version | tail -1
 
 if ls .whl/*.whl >/dev/null 2>&1; then
