@@ -10,11 +10,13 @@ Each (peer, N) runs in a fresh process so that its peak RSS is its own:
   twinkle_mem    this package; twinkle_mem_inplace: with inplace_backward=True
 Reported: forward+backward time (median of reps), peak RSS beyond logits and grad,
 bytes saved for backward (beyond the logits reference), max error of logp and entropy
-against float64 (first 64 rows). Prints a table, writes JSON and a PNG of peak memory
-against N to bench/results/.
+against float64 (first 64 rows). Prints a table, writes JSON and a PNG to bench/results/:
+one figure, fwd+bwd time and peak memory against N, every peer (--replot redraws it from
+the JSON without measuring).
 
   python bench/bench_selective_log_softmax.py                      # N=512,1024,2048, V=151936
   python bench/bench_selective_log_softmax.py --sizes 16384 --peers twinkle_mem_inplace --reps 1
+  python bench/bench_selective_log_softmax.py --replot                # the PNG from the JSON
 """
 from __future__ import annotations
 
@@ -177,8 +179,12 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=900, help="seconds per (peer, N) process")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "selective_log_softmax"))
+    ap.add_argument("--replot", action="store_true", help="only redraw OUT.png from OUT.json (no measurement)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.replot:
+        write_plot(args.out)
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.child:
         print(json.dumps(child(args.child, sizes[0], args.vocab, args.reps)))
@@ -223,29 +229,62 @@ def main():
             "cpu": platform.processor(), "vocab": args.vocab, "date": time.strftime("%Y-%m-%d %H:%M")}
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
-    try:
-        import matplotlib
+    print(f"\nwrote {args.out}.json")
+    write_plot(args.out)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for peer in peers:
-            pts = [(r["n"], r["extra_peak_bytes"] / 2**20) for r in results if r["peer"] == peer and "error" not in r]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=peer)
+# ----------------------------------------------------------------- figure
+def results_figure(data):
+    """One figure, two panels against N: fwd+bwd time (log-log) and peak memory beyond logits + grad
+    (symlog: twinkle-mem's 0 stays on the axis), a line per peer. ``data``: the JSON this script writes."""
+    from matplotlib.figure import Figure
+
+    results = [r for r in data["results"] if "error" not in r]
+    peers = list(dict.fromkeys(r["peer"] for r in results))
+    fig = Figure(figsize=(12, 4.5))
+    ax_time, ax_mem = fig.subplots(1, 2)
+    markers = "osD^vP*X"
+    for i, peer in enumerate(peers):
+        mine = sorted((r for r in results if r["peer"] == peer), key=lambda r: r["n"])
+        n = [r["n"] for r in mine]
+        style = dict(marker=markers[i % len(markers)], linestyle="-" if i % 2 == 0 else "--", label=peer)
+        ax_time.plot(n, [r["time_s"] for r in mine], **style)
+        ax_mem.plot(n, [r["extra_peak_bytes"] / 2**20 for r in mine], **style)
+    sizes = sorted({r["n"] for r in results})
+    ax_time.set_xscale("log", base=2)
+    ax_time.set_yscale("log")
+    ax_time.set_ylabel("forward + backward time (s)")
+    ax_time.set_title("fwd+bwd time (median of reps at the largest N, else 1 call)", fontsize=9)
+    ax_mem.set_xscale("log", base=2)
+    ax_mem.set_yscale("symlog", linthresh=1)
+    ax_mem.set_ylabel("peak RSS beyond logits + grad (MiB)")
+    ax_mem.set_title("fwd+bwd peak memory", fontsize=9)
+    ax_mem.set_ylim(bottom=-0.3)  # 0 MiB (twinkle-mem) on the axis, not under it
+    for ax in (ax_time, ax_mem):
         ax.set_xlabel("tokens N")
-        ax.set_ylabel("peak RSS beyond logits + grad (MiB)")
-        ax.set_yscale("symlog", linthresh=1)
-        ax.set_title(f"fwd+bwd peak memory, V={args.vocab}, bf16")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(args.out + ".png", dpi=110)
-        print(f"\nwrote {args.out}.json and {args.out}.png")
-    except ImportError:
-        print(f"\nwrote {args.out}.json (matplotlib not installed: no plot)")
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.set_xticks([], minor=True)
+        ax.grid(alpha=0.3, which="both")
+    handles, labels = ax_time.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center right", fontsize=8)
+    meta = data.get("meta", {})
+    fig.suptitle(f"selective log-softmax + entropy, V={meta.get('vocab')}, bf16 logits, torch {meta.get('torch')}, "
+                 f"{meta.get('threads')} threads, {meta.get('machine')}", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.85, 1))
+    return fig
 
+
+def write_plot(out):
+    """``out``.png from ``out``.json (no measurement)."""
+    with open(out + ".json") as f:
+        data = json.load(f)
+    try:
+        fig = results_figure(data)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig.savefig(out + ".png", dpi=110)
+    print(f"wrote {out}.png")
 
 if __name__ == "__main__":
     main()

@@ -11,16 +11,26 @@
 #   4. bench/bench_cuda.py at N=16384, V=151936, bf16: the first and last rows against float64,
 #      then forward and forward+backward (out of place, in place) of twinkle-mem, Liger-Kernel,
 #      torch.compile and naive in one run, as a fraction of the measured copy bandwidth
-# Everything goes to bench/results/gpu_check/ (and to $OUT when the device tool provides it):
-# per-step logs, ptxas.json, bench_cuda.json, and gpu_check.json + gpu_check.md (step table).
+# Everything goes to bench/results/gpu_check/: per-step logs, ptxas.json, bench_cuda.json/.png,
+# and gpu_check.json + gpu_check.md (the step table). When the device tool provides $OUT (it brings
+# back at most 8 files), bench/pack_results.py puts there gpu_check.json, gpu_check.md,
+# bench_cuda.json, bench_cuda.png and ptxas.json as they are, and EVERY other file of the results
+# folder (each step's log) in one gpu_check_logs.tar.gz: 6 files. A new step needs nothing more than
+# run_step NAME LIMIT "$RESULTS/<name>.log" COMMAND...: its log lands in the archive and its status
+# line in gpu_check.json/md; write nothing to $OUT directly.
 # Exit status: the number of failed steps (0 = all passed).
 #
-#   bash bench/gpu_check.sh              # on the GPU machine (device tool: timeout_s=600)
+#   bash bench/gpu_check.sh              # on the GPU machine (device tool: timeout_s=600, carry .whl)
 #   bash bench/gpu_check.sh --dry-run    # here, without a GPU: the script's own logic on the CPU
 #                                        # (results in $TMPDIR, not bench/results)
 #
-# Liger-Kernel is optional: carry its wheel in .whl/ (pure Python; it finds Triton on the
-# machine); without it the Liger rows are reported as skipped.
+# The GPU machine has torch (CUDA), Python, nvcc and compute-sanitizer, and NO package registry.
+# Steps 1, 3 and 4 need nothing else (setuptools comes with torch on Python >= 3.12; matplotlib
+# is optional: without it bench_cuda.png is missing). Step 2 needs pytest and hypothesis, and
+# Liger-Kernel is an optional peer: `bash bench/carry_wheels.sh` puts their pure-Python wheels in
+# .whl/ (git-ignored: pass carry=[".whl"] to the device tool), which this script unpacks into
+# /tmp/site (no pip needed). Without pytest the test step fails saying so; without Liger its rows
+# are reported as skipped.
 set -u -o pipefail
 
 DRY_RUN=0
@@ -29,6 +39,7 @@ DRY_RUN=0
 START=$(date +%s)
 RESULTS=bench/results/gpu_check
 [ $DRY_RUN -eq 1 ] && RESULTS=${TMPDIR:-/tmp}/twinkle_mem_gpu_check_dry_run  # never mistaken for GPU figures
+rm -rf "$RESULTS"  # this run's files only: everything in it goes back through $OUT
 mkdir -p "$RESULTS"
 PY=${PYTHON:-python3}
 ARCHS=${TORCH_CUDA_ARCH_LIST:-9.0}
@@ -66,16 +77,16 @@ if [ $DRY_RUN -eq 1 ]; then
 else
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv 2>&1 || true
 fi
-$PY -c "import torch, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda)"
+# setuptools >= 77 reads pyproject.toml's SPDX license (torch requires it, so it comes with torch)
+$PY -c "import torch, sys, setuptools; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| setuptools', setuptools.__version__)"
 command -v nvcc >/dev/null && nvcc --version | tail -1
 
 if ls .whl/*.whl >/dev/null 2>&1; then
-  banner "carried wheels: $(ls .whl)"
-  if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; then
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
-  else
-    echo "(wheel install failed: Liger will be skipped)"
-  fi
+  banner "carried wheels: $(ls .whl | tr '\n' ' ')"
+  # Pure-Python wheels are zip files of importable packages: unpacked onto the path, no pip.
+  mkdir -p /tmp/site
+  for whl in .whl/*.whl; do $PY -m zipfile -e "$whl" /tmp/site || echo "(could not unpack $whl)"; done
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 
 banner "1. build in place (TORCH_CUDA_ARCH_LIST=$ARCHS) and ptxas figures"
@@ -104,13 +115,17 @@ else
 fi
 
 banner "2. tests on the GPU (TWINKLE_MEM_TEST_DEVICES=cpu,cuda)"
-if [ $DRY_RUN -eq 1 ]; then
+# A test module that cannot import (a missing package) is reported, and the others still run.
+if ! missing=$($PY -c 'import importlib.util as u, sys; print(" ".join(m for m in ("pytest", "hypothesis") if u.find_spec(m) is None))') \
+    || [ -n "$missing" ]; then
+  record "pytest cuda" FAIL 0 "not run: ${missing:-python} not importable (bash bench/carry_wheels.sh, carry .whl)"
+elif [ $DRY_RUN -eq 1 ]; then
   run_step "pytest (dry run: collection only)" 120 "$RESULTS/pytest.log" \
     env TWINKLE_MEM_TEST_DEVICES=cpu,cuda "$PY" -m pytest -q -p no:cacheprovider tests --collect-only -k "cuda and not emulat"
 else
   run_step "pytest cuda" 240 "$RESULTS/pytest.log" \
     env TWINKLE_MEM_TEST_DEVICES=cpu,cuda "$PY" -m pytest -q -p no:cacheprovider tests -k "cuda and not emulat" \
-    --junitxml="$RESULTS/pytest.xml"
+    --continue-on-collection-errors --junitxml="$RESULTS/pytest.xml"
   grep -E "^(FAILED|ERROR)" "$RESULTS/pytest.log" | head -20
 fi
 
@@ -163,6 +178,11 @@ steps = [dict(zip(("step", "status", "seconds", "note"), line.rstrip("\n").split
 json.dump({"dry_run": sys.argv[1] == "1", "failed": int(sys.argv[2]), "seconds": int(sys.argv[3]), "steps": steps,
            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, open(sys.argv[4], "w"), indent=1)
 ' "$DRY_RUN" "$FAILED" "$(elapsed)" "$RESULTS/gpu_check.json"
-if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then cp -r "$RESULTS"/. "$OUT"/; fi
+if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
+  echo "to \$OUT (what the device tool brings back):"
+  $PY bench/pack_results.py "$RESULTS" "$OUT" --archive gpu_check_logs.tar.gz \
+    --keep gpu_check.json,gpu_check.md,bench_cuda.json,bench_cuda.png,ptxas.json \
+    || echo "!!! \$OUT holds more than the device tool brings back (see above)"
+fi
 echo "done in $(elapsed) s: $FAILED failed step(s); files in $RESULTS"
 exit "$FAILED"

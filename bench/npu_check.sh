@@ -5,8 +5,14 @@
 # device), the op tests on cpu and npu, and benchmarks against the composite,
 # eager PyTorch and torch_npu's own fused cross-entropy.
 # Needs: CANN sourced (ASCEND_HOME_PATH), torch + the matching torch_npu in the
-# active Python, cmake and a C++ compiler. Every step runs; the script exits
-# non-zero if any failed and lists them. Writes bench/results/npu_<host>_<date>.json.
+# active Python, cmake and a C++ compiler; nothing from a package registry: the
+# test steps need pytest and hypothesis, which `bash bench/carry_wheels.sh` puts in
+# .whl/ (pure-Python wheels, unpacked here into /tmp/site without pip) where the
+# node has none. Every step runs, its output in bench/results/npu_check/<step>.log;
+# the script exits non-zero if any failed and lists them. The step table goes to
+# npu_check.json + npu_check.md, the benchmark to bench_npu.json; with $OUT set (a
+# device tool that brings back at most 8 files), bench/pack_results.py puts those
+# three there and every log in one npu_check_logs.tar.gz.
 #
 #   source /usr/local/Ascend/ascend-toolkit/set_env.sh
 #   bash bench/npu_check.sh            # SOC_VERSION=Ascend910B2 bash ... to pin the SoC
@@ -14,17 +20,60 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python}
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+RESULTS=${NPU_CHECK_RESULTS:-bench/results/npu_check}
+rm -rf "$RESULTS"  # this run's files only
+mkdir -p "$RESULTS"
 FAILED=()
-step() {  # step "name" command...: runs it, records a failure, goes on
-  local name=$1
+STEPS=()  # "name|status|seconds|log"
+NUM=0
+step() {  # step "name" command...: runs it (output to the console and to its log), records the result, goes on
+  local name=$1 log t0 rc
   shift
+  NUM=$((NUM + 1))
+  log="$RESULTS/step$NUM.log"
   echo
   echo "== $name"
-  if ! "$@"; then
+  t0=$(date +%s)
+  "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -eq 0 ]; then
+    STEPS+=("$name|PASS|$(( $(date +%s) - t0 ))|$(basename "$log")")
+  else
     echo "!! $name failed"
     FAILED+=("$name")
+    STEPS+=("$name|FAIL|$(( $(date +%s) - t0 ))|rc=$rc, $(basename "$log")")
   fi
 }
+summary() {  # the step table (npu_check.md, npu_check.json) and, with $OUT, what comes back
+  {
+    echo "| step | status | seconds | note |"
+    echo "| --- | --- | --- | --- |"
+    for s in "${STEPS[@]}"; do
+      IFS='|' read -r name status secs note <<<"$s"
+      echo "| $name | $status | $secs | $note |"
+    done
+  } | tee "$RESULTS/npu_check.md"
+  printf '%s\n' "${STEPS[@]}" | "$PY" -c '
+import json, sys, time
+steps = [dict(zip(("step", "status", "seconds", "note"), line.rstrip("\n").split("|", 3))) for line in sys.stdin if line.strip()]
+json.dump({"failed": int(sys.argv[1]), "steps": steps, "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
+          open(sys.argv[2], "w"), indent=1)
+' "${#FAILED[@]}" "$RESULTS/npu_check.json"
+  if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
+    "$PY" bench/pack_results.py "$RESULTS" "$OUT" --archive npu_check_logs.tar.gz \
+      --keep npu_check.json,npu_check.md,bench_npu.json || echo "!! \$OUT holds more than comes back"
+  fi
+}
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  echo "carried wheels: $(ls .whl | tr '\n' ' ')"
+  mkdir -p /tmp/site
+  for whl in .whl/*.whl; do "$PY" -m zipfile -e "$whl" /tmp/site || echo "(could not unpack $whl)"; done
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if ! "$PY" -c "import pytest, hypothesis" 2>/dev/null; then
+  echo "!! pytest or hypothesis not importable: the test steps will fail (bash bench/carry_wheels.sh, carry .whl)"
+fi
 
 : "${ASCEND_HOME_PATH:?source <CANN>/set_env.sh first (ASCEND_HOME_PATH is not set)}"
 "$PY" - <<'PYEOF' || exit 1
@@ -69,11 +118,11 @@ else:
     raise SystemExit("no error for an out-of-range label")
 PYEOF
 
-mkdir -p bench/results
 step "benchmark vs the composite, eager and torch_npu.npu_cross_entropy_loss" \
-  "$PY" bench/bench_npu.py --out "bench/results/npu_$(hostname)_$(date +%Y%m%d).json"
+  "$PY" bench/bench_npu.py --out "$RESULTS/bench_npu.json"
 
 echo
+summary
 if [ ${#FAILED[@]} -gt 0 ]; then
   printf 'FAILED: %s\n' "${FAILED[@]}"
   exit 1

@@ -71,22 +71,24 @@ def check_inplace_backward_matches(device="cpu"):
 
 def opcheck_op_schemas(dtype, device="cpu"):
     """torch.library.opcheck of the forward, backward and in-place backward, on [N, V] rows and on
-    a padded [B, S, V] view with [.., k] labels (ignored positions included)."""
+    a padded [B, S, V] view with [.., k] labels (ignored positions included): the native ops (1/T a
+    float) and their wrappers that the public function calls (1/T a 0-dim tensor, ops.fwd_t)."""
     ops = torch.ops.twinkle_mem
     logits = torch.randn(6, 300, device=device).to(dtype)
     labels = torch.tensor([1, 299, -100, 5, 0, 77], device=device)
     padded = torch.randn(2, 4, 310, device=device).to(dtype)[:, :3, :300]  # [B, S, V] view, padded rows
     multi = torch.tensor([[[1, 2], [3, -100], [-100, -100]], [[0, 0], [299, 5], [7, 8]]], device=device)
-    for x, y in ((logits, labels), (padded, multi)):
-        for with_entropy in (False, True):
-            torch.library.opcheck(ops.selective_log_softmax_fwd.default,
-                                  (x.clone().requires_grad_(), y, 1.25, -100, 0, 300, with_entropy, False))
-        _logp, entropy, shift, log_sum = ops.selective_log_softmax_fwd(x, y, 1.25, -100, 0, 300, True, False)
-        g = torch.randn(y.shape, device=device)
-        g_h = torch.randn(x.shape[:-1], device=device)
-        torch.library.opcheck(ops.selective_log_softmax_bwd.default,
-                              (g, g_h, x, y, shift, log_sum, entropy, 1.25, -100, 0))
-        torch.library.opcheck(ops.selective_log_softmax_bwd.default,
-                              (g, None, x, y, shift, log_sum, None, 1.25, -100, 0))
-        torch.library.opcheck(ops.selective_log_softmax_bwd_.default,
-                              (g, g_h, x.clone(), y, shift, log_sum, entropy, 1.25, -100, 0))
+    op_sets = ((ops.selective_log_softmax_fwd.default, ops.selective_log_softmax_bwd.default,
+                ops.selective_log_softmax_bwd_.default, 1.25),
+               (ops.selective_log_softmax.default, ops.selective_log_softmax_backward.default,
+                ops.selective_log_softmax_backward_.default, torch.tensor(1.25, dtype=torch.float64)))
+    for fwd, bwd, bwd_, inv_t in op_sets:
+        for x, y in ((logits, labels), (padded, multi)):
+            for with_entropy in (False, True):
+                torch.library.opcheck(fwd, (x.clone().requires_grad_(), y, inv_t, -100, 0, 300, with_entropy, False))
+            _logp, entropy, shift, log_sum = fwd(x, y, inv_t, -100, 0, 300, True, False)
+            g = torch.randn(y.shape, device=device)
+            g_h = torch.randn(x.shape[:-1], device=device)
+            torch.library.opcheck(bwd, (g, g_h, x, y, shift, log_sum, entropy, inv_t, -100, 0))
+            torch.library.opcheck(bwd, (g, None, x, y, shift, log_sum, None, inv_t, -100, 0))
+            torch.library.opcheck(bwd_, (g, g_h, x.clone(), y, shift, log_sum, entropy, inv_t, -100, 0))

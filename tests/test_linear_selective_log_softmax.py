@@ -431,12 +431,13 @@ def test_opcheck():
     hidden, weight, bias, labels = make_head(9, 8, 200, torch.float32, ignore_frac=0.3, seed=14)
     chunk = block_bytes(9, 64, torch.float32)
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    torch.library.opcheck(linear_fwd, (h, w, b, labels.view(9, 1), 1.0, -100, True, chunk, 0, 200, ""))
-    torch.library.opcheck(linear_fwd, (h, w, None, labels.view(9, 1), 0.5, -100, False, chunk, 0, 200, ""))
-    _logp, ent, shift, log_sum = linear_fwd(hidden, weight, bias, labels.view(9, 1), 1.0, -100, True, chunk, 0,
+    one, two = torch.tensor(1.0, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64)  # 1/T
+    torch.library.opcheck(linear_fwd, (h, w, b, labels.view(9, 1), one, -100, True, chunk, 0, 200, ""))
+    torch.library.opcheck(linear_fwd, (h, w, None, labels.view(9, 1), two, -100, False, chunk, 0, 200, ""))
+    _logp, ent, shift, log_sum = linear_fwd(hidden, weight, bias, labels.view(9, 1), one, -100, True, chunk, 0,
                                             200, "")
     torch.library.opcheck(linear_bwd, (torch.randn(9, 1), torch.randn(9), hidden, weight, bias, labels.view(9, 1),
-                                       shift, log_sum, ent, 1.0, -100, chunk, 0, True, True, True))
+                                       shift, log_sum, ent, one, -100, chunk, 0, True, True, True))
 
 
 def test_composite_backend():

@@ -296,3 +296,76 @@ def test_reduce_loss_outside_forward_backward_is_twinkles(guard):
     _, _, report = model.strategy.reduce_loss(torch.tensor(1.0), torch.tensor(2), logits, None)
     assert report["logps"] is None and torch.equal(report["logits"], logits)
     assert isinstance(model.strategy, MegatronStrategy)
+
+
+# --- calls the guard does not concern: what twinkle-kit returns, structure and values --------------
+
+
+def _same(got, want, where="out"):
+    """Recursively equal: the same types, keys, lengths, None-ness; tensors bitwise (NaN equal)."""
+    assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, torch.Tensor):
+        assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(
+            got.nan_to_num(7.0), want.nan_to_num(7.0)), where
+    elif isinstance(want, dict):
+        assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
+        for k in want:
+            _same(got[k], want[k], f"{where}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{where}: length {len(got)} != {len(want)}"
+        for i, (a, b) in enumerate(zip(got, want)):
+            _same(a, b, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def _twinkle_call(install_kwargs, loss_cls, variable_seq_lengths, forward_only, return_logits):
+    """One MegatronModel call, shipped (install_kwargs None) or installed: (returned output, twinkle's status
+    outputs) as plain dicts, or the exception type it raised."""
+    from twinkle.loss import ChunkedCrossEntropyLoss, CrossEntropyLoss
+    from twinkle_mem.integrations import twinkle as integration
+    loss = ChunkedCrossEntropyLoss(chunk_size=8, reduction="sum") if loss_cls == "chunked_ce" else \
+        CrossEntropyLoss(reduction="sum")
+    model = th.twinkle_megatron_model(th.ToyLM(VOCAB), loss=loss, variable_seq_lengths=variable_seq_lengths)
+    if install_kwargs is not None:
+        integration.install(**install_kwargs)
+    try:
+        samples = th.lm_samples([SEQ, SEQ - 3], VOCAB)
+        call = model.forward_only if forward_only else model.forward_backward
+        try:
+            out = call(inputs=samples, micro_batch_size=1, return_logits=return_logits)
+        except Exception as e:  # noqa: BLE001 (twinkle-kit's own failure, compared below)
+            return type(e)
+    finally:
+        if install_kwargs is not None:
+            integration.uninstall()
+    group = model.optimizer_group[""]
+    status = group.eval_status if forward_only else group.train_status
+    return dict(out), dict(status.outputs)
+
+
+GUARD_ONLY = dict(log_softmax=False, mask_skip="never", logits_guard=True)
+
+
+@pytest.mark.parametrize("variable_seq_lengths", [False, True])
+@pytest.mark.parametrize("forward_only", [False, True])
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_twinkle_guarded_returns_what_twinkle_returns(cpu, variable_seq_lengths, forward_only, return_logits):
+    # A loss that needs log-probs: the same log-probs, logits (when asked), loss, and status outputs.
+    want = _twinkle_call(None, "ce", variable_seq_lengths, forward_only, return_logits)
+    _same(_twinkle_call(GUARD_ONLY, "ce", variable_seq_lengths, forward_only, return_logits), want)
+
+
+@pytest.mark.parametrize("install_kwargs", [GUARD_ONLY, {}], ids=["guard", "install()"])
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_twinkle_guarded_loss_without_logps_returns_twinkles_structure(cpu, install_kwargs, forward_only):
+    # ChunkedCrossEntropyLoss needs logits, not log-probs: twinkle-kit returns logps=[None, None] (variable
+    # sequence lengths) and so must the installed call (it returned None).
+    want = _twinkle_call(None, "chunked_ce", True, forward_only, False)
+    assert want[0]["logps"] == [None, None]
+    _same(_twinkle_call(install_kwargs, "chunked_ce", True, forward_only, False), want)
+    # With fixed lengths twinkle-kit 0.5.1 itself raises (torch.cat of those None: the defect the guard
+    # fixes); the installed call returns logps=None and the same loss.
+    assert _twinkle_call(None, "chunked_ce", False, forward_only, False) is TypeError
+    out, _status = _twinkle_call(install_kwargs, "chunked_ce", False, forward_only, False)
+    assert out["logps"] is None and out["logits"] is None and out["loss"] == want[0]["loss"]

@@ -2,6 +2,7 @@
 reference, gradients, opcheck, torch.compile, memory, in-place backward,
 determinism and bad input. Every test runs on each device in
 TWINKLE_MEM_TEST_DEVICES (default: cpu)."""
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import twinkle_mem
+from twinkle_mem import composite
 from helpers import (assert_stats_close, check_against_reference, check_inplace_backward_matches, make_case,
                      opcheck_op_schemas)
 from twinkle_mem.reference import selective_log_softmax_ref
@@ -83,6 +85,49 @@ def _no_warning(fn):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         return fn()
+
+
+def _readme_views_bullet():
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("- **Views, no copies:**")
+    return " ".join(text[start:text.index("\n- ", start + 1)].split())
+
+
+def test_views_accepted_and_rejected_as_the_readme_says(device):
+    # README: unit vocab stride + non-overlapping rows are read in place (no copy, no warning, the
+    # in-place gradient lands in the view's own storage); overlapping rows raise the quoted error.
+    bullet = _readme_views_bullet()
+    quoted = "twinkle_mem: logits rows must not overlap"
+    assert quoted in bullet and "expanded (stride-0)" in bullet
+    v = 40
+    base = torch.randn(6, 8, v + 3, device=device)
+    accepted = {"transposed [S, B, V]": lambda b: b[..., :v].transpose(0, 1),
+                "stepped and padded rows": lambda b: b[::2, 1::3, :v],
+                "as_strided, gaps between rows": lambda b: b.view(-1).as_strided((5, 7, v), (9 * (v + 3), v + 3, 1))}
+    for name, make in accepted.items():
+        storage = base.clone()
+        x = make(storage)
+        y = torch.randint(0, v, x.shape[:-1], device=device)
+        dense = x.contiguous().requires_grad_()
+        want = twinkle_mem.selective_log_softmax(dense, y.contiguous(), True)
+        want = (*want, *torch.autograd.grad(want[0].sum() + want[1].sum(), dense))
+        x.requires_grad_()
+        got = _no_warning(lambda: twinkle_mem.selective_log_softmax(x, y, True, inplace_backward=True))
+        got = (*got, *torch.autograd.grad(got[0].sum() + got[1].sum(), x))
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), name
+        assert torch.equal(x.detach(), want[2]), name  # the gradient was written through the view
+    rejected = {"expanded (stride-0) rows": torch.randn(1, v, device=device).expand(4, v),
+                "expanded sequence dim": torch.randn(2, 1, v, device=device).expand(2, 3, v),
+                "overlapping as_strided windows": torch.randn(200, device=device).as_strided((4, v), (10, 1))}
+    for name, x in rejected.items():
+        with pytest.raises(RuntimeError, match=quoted):
+            twinkle_mem.selective_log_softmax(x, torch.zeros(x.shape[:-1], dtype=torch.long, device=device))
+    # Labels may be expanded views.
+    x = torch.randn(4, v, device=device)
+    y = torch.tensor([3], device=device).expand(4)
+    assert torch.equal(twinkle_mem.selective_log_softmax(x, y), twinkle_mem.selective_log_softmax(x, y.contiguous()))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -236,6 +281,90 @@ def test_torch_compile_fullgraph(device):
     out.backward()
     torch.testing.assert_close(out, eager)
     torch.testing.assert_close(x2.grad, x1.grad)
+
+
+DOUBLE_BACKWARD = "twinkle_mem.selective_log_softmax does not support double backward"
+
+
+@pytest.mark.parametrize("variant", ["out_of_place", "inplace_backward", "entropy_from_logits", "composite"])
+def test_double_backward_raises_naming_the_op(device, variant):
+    # The first-order gradient under create_graph=True is the usual one; differentiating it again raises
+    # (it used to give zeros), also when the grad outputs require grad and another term joins the graph.
+    logits = torch.randn(6, 50, dtype=torch.float64, device=device)
+    labels = torch.tensor([0, 3, -100, 49, 7, 7], device=device)
+
+    def loss(x):
+        if variant == "entropy_from_logits":
+            return twinkle_mem.entropy_from_logits(x, temperature=0.8).pow(2).sum()
+        logp, entropy = twinkle_mem.selective_log_softmax(x, labels, True, temperature=0.8, ignore_index=-100,
+                                                          inplace_backward=variant == "inplace_backward")
+        return logp.pow(2).sum() + entropy.sum()  # pow: the grad outputs depend on x too
+
+    with composite.forced([device]) if variant == "composite" else contextlib.nullcontext():
+        x0 = (logits * 1.0).requires_grad_()
+        (want,) = torch.autograd.grad(loss(x0 * 1.0), x0)
+        x = logits.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(loss(x * 1.0), x, create_graph=True)
+        assert torch.equal(grad, want)
+        with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+            torch.autograd.grad(grad.pow(2).sum() + x.sum(), x)
+
+
+def test_double_backward_with_constant_grad_outputs_raises(device):
+    # Only the saved logits require grad in the backward (loss = logp.sum()): still an error, not a zero.
+    x = torch.randn(4, 30, dtype=torch.float64, device=device, requires_grad=True)
+    labels = torch.tensor([1, 2, 3, 29], device=device)
+    (grad,) = torch.autograd.grad(twinkle_mem.selective_log_softmax(x, labels).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        torch.autograd.grad(grad.pow(2).sum(), x, allow_unused=True)
+
+
+def _linear_head(n, h, v, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(v, h, generator=gen, dtype=dtype).to(device) / h ** 0.5
+    hidden = torch.randn(n, h, generator=gen, dtype=dtype).to(device)
+    labels = torch.randint(0, v, (n,), generator=gen).to(device)
+    labels[::5] = -100
+    return hidden, weight, labels
+
+
+@pytest.mark.parametrize("function", ["selective_log_softmax", "linear_selective_log_softmax"])
+def test_torch_compile_temperature_and_rows_change_without_recompiles(device, function):
+    # An RL temperature schedule under torch.compile (default dynamo settings): N and T change between
+    # calls. One recompile when T first changes, one when N first does, none after; outputs and gradients
+    # bitwise those of eager.
+    from torch._dynamo.testing import CompileCounterWithBackend
+    v, h = 300, 16
+    weight = _linear_head(1, h, v, torch.float32, device, seed=0)[1].requires_grad_()
+
+    def step(x, y, t):
+        if function == "selective_log_softmax":
+            return twinkle_mem.selective_log_softmax(x, y, True, temperature=t, ignore_index=-100)
+        return twinkle_mem.linear_selective_log_softmax(x, weight, y, True, temperature=t, ignore_index=-100)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    frames = []
+    for n, t in [(8, 0.7), (8, 1.0), (16, 1.0), (24, 0.5), (40, 1.3), (64, 0.9)]:
+        gen = torch.Generator().manual_seed(n)
+        x = torch.randn(n, v if function == "selective_log_softmax" else h, generator=gen).to(device)
+        y = torch.randint(0, v, (n,), generator=gen).to(device)
+        y[::3] = -100
+        results = []
+        for fn in (compiled, step):
+            xr = x.clone().requires_grad_()
+            logp, entropy = fn(xr, y, t)
+            inputs = (xr,) if function == "selective_log_softmax" else (xr, weight)
+            grads = torch.autograd.grad((logp * 2.0).sum() - 0.1 * entropy.sum(), inputs)
+            results.append((logp, entropy, *grads))
+        for got, want in zip(*results):
+            assert torch.equal(got, want)
+        frames.append(counter.frame_count)
+    assert frames[0] == 1
+    assert frames[1] <= 2, frames  # T changed: at most one recompile
+    assert frames[2] <= frames[1] + 1, frames  # N changed: at most one more
+    assert frames[3:] == [frames[2]] * 3, frames  # both changing again: none
 
 
 # ----------------------------------------------------------------- memory

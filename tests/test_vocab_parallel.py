@@ -153,6 +153,17 @@ def inplace_backward_bf16(rank, world):
 
 
 @case()
+def double_backward_raises(rank, world):
+    import twinkle_mem
+    full, labels = _full_case(world, 53, 6, torch.float64, seed=11)
+    x = _shard_of(full, rank, world).clone().requires_grad_()
+    logp = twinkle_mem.selective_log_softmax(x, labels, process_group=dist.group.WORLD)
+    (grad,) = torch.autograd.grad(logp.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="twinkle_mem.selective_log_softmax does not support double backward"):
+        torch.autograd.grad(grad.pow(2).sum(), x, allow_unused=True)
+
+
+@case()
 def leading_dims_and_int32_labels(rank, world):
     full, labels = _full_case(world, 97, 2 * 7, torch.float32, seed=5)
     run_and_check(rank, world, full_and_labels=(full.view(2, 7, -1), labels.view(2, 7).int()))

@@ -44,7 +44,9 @@ def check_index_and_options(index, rows, rows_name, temperature, ignore_index) -
         raise ValueError(f"index is on {index.device} but {rows_name} are on {rows.device}")
     if isinstance(temperature, torch.Tensor):
         raise ValueError("temperature must be a Python number, not a tensor")
-    if not (math.isfinite(temperature) and temperature > 0):
+    # Comparisons, not math.isfinite: under torch.compile a temperature that changed between calls is a
+    # SymFloat, which the comparisons keep symbolic (NaN fails both).
+    if not (0 < temperature < math.inf):
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
     if ignore_index is not None and not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index must be an int or None, got {type(ignore_index).__name__}")
@@ -55,10 +57,12 @@ def selective_log_softmax(logits, index, return_entropy=False, *, temperature=1.
                           inplace_backward=False, process_group=None):
     """Log-probabilities of the indexed tokens, and optionally the entropy, per row.
 
-    logits: [..., V] bf16/fp16/fp32/fp64, any strides on the leading dims (unit
-    stride on V avoids a copy); index: [...] int64/int32 labels, or [..., k] for
-    k labels per row. Returns fp32 ``logp`` of the index's shape (fp64 for fp64
-    logits), or ``(logp, entropy)`` with entropy [...] when ``return_entropy``.
+    logits: [..., V] bf16/fp16/fp32/fp64, read in place with any strides on the
+    leading dims whose rows do not overlap (overlapping rows, e.g. an expanded
+    dim, raise RuntimeError; a vocab stride other than 1 costs a copy); index:
+    [...] int64/int32 labels, or [..., k] for k labels per row. Returns fp32
+    ``logp`` of the index's shape (fp64 for fp64 logits), or ``(logp, entropy)``
+    with entropy [...] when ``return_entropy``.
     ``temperature`` divides the logits (in-register). An index equal to
     ``ignore_index`` gives logp 0 and no gradient; a row whose indices are all
     ignored gives entropy 0 too. Nothing full-vocab is kept for backward beyond
@@ -73,15 +77,16 @@ def selective_log_softmax(logits, index, return_entropy=False, *, temperature=1.
     multi = check_args(logits, index, temperature, ignore_index)
     rows = to_op_rows(logits, index, multi)
     ignore = NO_IGNORE_INDEX if ignore_index is None else int(ignore_index)
-    inv_temperature = 1.0 / float(temperature)
     if process_group is not None and torch.distributed.get_world_size(process_group) > 1:
         from .vocab_parallel import vocab_parallel_selective_log_softmax
         logp, entropy = vocab_parallel_selective_log_softmax(rows.logits, rows.labels, return_entropy,
-                                                             inv_temperature, ignore, inplace_backward, process_group)
+                                                             1.0 / temperature, ignore, inplace_backward,
+                                                             process_group)
     else:
         vocab = rows.logits.shape[-1]
-        logp, entropy, _shift, _log_sum = ops.fwd(rows.logits, rows.labels, inv_temperature, ignore, 0, vocab,
-                                                  bool(return_entropy), bool(inplace_backward))
+        # 1/T as a tensor: a temperature that changes between torch.compile'd calls then costs no recompile.
+        logp, entropy, _shift, _log_sum = ops.fwd_t(rows.logits, rows.labels, ops.inv_temperature_tensor(temperature),
+                                                    ignore, 0, vocab, bool(return_entropy), bool(inplace_backward))
     logp = logp.view(rows.logp_shape)
     if return_entropy:
         return logp, entropy.view(rows.lead_shape)

@@ -186,13 +186,15 @@ def _shard_stats(hidden, weight, bias, labels, inv_temperature, ignore_index, wi
 
 
 @torch.library.custom_op("twinkle_mem::linear_selective_log_softmax_fwd", mutates_args=())
-def linear_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, inv_temperature: float,
+def linear_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, inv_temperature: Tensor,
                ignore_index: int, with_entropy: bool, chunk_bytes: int, vocab_start: int, vocab_size: int,
                group_name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """hidden [N, H], weight [Vs, H] (the vocab [vocab_start, vocab_start + Vs) of vocab_size),
     bias [Vs] or None, labels [N, k] global ids. Returns fp32 (fp64 for fp64 hidden) full-vocab
     logp [N, k], entropy [N] (or [0]), shift [N], log_sum [N]; the rows whose labels are all
-    ignore_index give 0 everywhere. group_name: the TP group ('' for none)."""
+    ignore_index give 0 everywhere. group_name: the TP group ('' for none). inv_temperature: 1/T as
+    a 0-dim CPU tensor (ops.inv_temperature_tensor: no recompile when T changes under torch.compile)."""
+    inv_temperature = inv_temperature.item()
     n, k = labels.shape
     acc = ops.stats_dtype(hidden)
     logp = hidden.new_zeros((n, k), dtype=acc)
@@ -235,11 +237,12 @@ def _linear_fwd_fake(hidden, weight, bias, labels, inv_temperature, ignore_index
 @torch.library.custom_op("twinkle_mem::linear_selective_log_softmax_bwd", mutates_args=())
 def linear_bwd(grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor, weight: Tensor,
                bias: Optional[Tensor], labels: Tensor, shift: Tensor, log_sum: Tensor, entropy: Optional[Tensor],
-               inv_temperature: float, ignore_index: int, chunk_bytes: int, vocab_start: int, need_hidden: bool,
+               inv_temperature: Tensor, ignore_index: int, chunk_bytes: int, vocab_start: int, need_hidden: bool,
                need_weight: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden [N, H], grad_weight [Vs, H], grad_bias [Vs]); an empty [0] for a gradient not needed.
     shift, log_sum, entropy: the forward's full-vocab statistics. grad_hidden is this weight's
     (shard's) term of d_logits @ weight."""
+    inv_temperature = inv_temperature.item()
     n, h_size = hidden.shape
     shard = weight.shape[0]
     none = lambda: hidden.new_empty(0)  # noqa: E731  (a fresh one each: outputs may not alias)
@@ -378,7 +381,8 @@ def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *,
     if process_group is not None and dist.get_world_size(process_group) > 1:
         rank, world = rank_and_world(process_group, shard, "weight")
         group_name = process_group.group_name
-    logp, entropy, _shift, _log_sum = linear_fwd(rows, weight, bias, labels, 1.0 / float(temperature), ignore,
+    inv_temperature = ops.inv_temperature_tensor(temperature)
+    logp, entropy, _shift, _log_sum = linear_fwd(rows, weight, bias, labels, inv_temperature, ignore,
                                                  bool(return_entropy), int(chunk_bytes), rank * shard, world * shard,
                                                  group_name)
     logp = logp.view(index.shape)

@@ -1,9 +1,10 @@
 """How the Python API's tensors reach the op: rows without copies.
 
 The native op (csrc/ops.cpp) takes logits [N, V] or [B, S, V] with unit stride
-on the vocab and any strides on the one or two leading dims, and labels of the
-same leading shape (any strides), optionally with a trailing dim of k labels
-per row. This module brings the API's ``logits [..., V]`` and
+on the vocab and any strides on the one or two leading dims as long as no two
+rows overlap (csrc/common/op_checks.h: an expanded, stride-0, dim of size > 1
+raises), and labels of the same leading shape (any strides), optionally with a
+trailing dim of k labels per row. This module brings the API's ``logits [..., V]`` and
 ``index [...]`` / ``index [..., k]`` to that form:
 
 - up to two leading dims: passed as they are, whatever their strides

@@ -500,7 +500,15 @@ def _guarded_reduce_loss(original):
             return original(self, local_loss, local_count, logits, logps)
         loss, count, report = original(self, local_loss, local_count, logits if keep_logits else None, logps)
         # Leaving out None entries makes twinkle's `'logps' in report` collection skip failed micro-batches.
-        return loss, count, guard_report(report, keep_logits)
+        report = guard_report(report, keep_logits)
+        steps = _STEPS.get()
+        if logps is None and steps is not None and not steps.expects_logps \
+                and getattr(steps.model, "variable_seq_lengths", False):
+            # No log-probs wanted (a None here is no failure): twinkle's own `logps`, a list of None per
+            # micro-batch. (With fixed lengths twinkle-kit 0.5.1 hands those None to torch.cat, which raises:
+            # the guard's fix, `logps` None, stands there.)
+            report["logps"] = None
+        return loss, count, report
 
     return reduce_loss
 
