@@ -29,6 +29,7 @@ from ``outputs['logits']``), or labels that do not match, raise RuntimeError.
 Zero-width logits cannot yield a loss silently.
 """
 import contextlib
+import dataclasses
 import sys
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -51,6 +52,9 @@ class _Deferred:
     logp: torch.Tensor
     entropy: Optional[torch.Tensor]
     labels: torch.Tensor
+    # Handed again to a loss that computes its log-probs from outputs['logits'] because twinkle lost
+    # them (TWINKLE_FAIL_FAST=0): it may ask for the log-probs alone.
+    loss_fallback: bool = False
 
 
 class FusedCall:
@@ -65,6 +69,8 @@ class FusedCall:
         self.labels_from_processor = labels_from_processor  # else set per micro-batch by the step hooks
         self.labels: Optional[torch.Tensor] = None  # the micro-batch's labels, IGNORE_INDEX where ignored
         self.pending: Optional[_Deferred] = None
+        self.taken: Optional[_Deferred] = None  # the last result handed to twinkle
+        self.refused: Optional[str] = None  # why take()/defer() last refused (twinkle may catch the error)
         self.deferred = 0  # results computed by deferred heads
 
     @classmethod
@@ -84,14 +90,35 @@ class FusedCall:
         """Keep (logp, entropy) for twinkle's call; return the placeholder standing for the logits."""
         if self.pending is not None:
             self.pending = None
-            raise RuntimeError("twinkle-mem fused LM head: the output layer ran twice before twinkle computed the "
-                               "log-probs of the first call (multi-token prediction or a second head?); refusing "
-                               "to go on. install(fused_lm_head=False) runs twinkle-kit unchanged.")
-        # fp32, so that Float16Module's upcast and a model's own `.float()` return it unchanged.
-        placeholder = hidden.new_empty((*hidden.shape[:-1], 0), dtype=torch.float32)
+            raise self.refuse("the output layer ran twice before twinkle computed the log-probs of the first call "
+                              "(multi-token prediction or a second head?); refusing to go on. "
+                              "install(fused_lm_head=False) runs twinkle-kit unchanged.")
+        # fp32, so that Float16Module's upcast and a model's own `.float()` return it unchanged; in the
+        # graph of the hidden states, so that a zero loss made from it (twinkle's SafeLossWrapper after an
+        # error) still sends a gradient back through the pipeline.
+        placeholder = hidden[..., :0].to(torch.float32) * 1.0
         self.pending = _Deferred(placeholder, logp, entropy, self.labels)
         self.deferred += 1
         return placeholder
+
+    def refuse(self, message: str) -> RuntimeError:
+        """The error for a refusal, remembered: twinkle's TWINKLE_FAIL_FAST=0 catch may swallow it."""
+        self.refused = message
+        return RuntimeError(f"twinkle-mem fused LM head: {message}")
+
+    def rearmed(self, loss_func, result: "_Deferred"):
+        """``loss_func`` with ``result`` pending while it runs: twinkle lost a micro-batch's log-probs
+        after computing them (``TWINKLE_FAIL_FAST=0``), and its loss then computes them from
+        ``outputs['logits']`` (the placeholder), as it would from the logits unfused."""
+
+        def loss_func_with_result(*args, **kwargs):
+            self.pending = dataclasses.replace(result, loss_fallback=True)
+            try:
+                return loss_func(*args, **kwargs)
+            finally:
+                self.pending = None
+
+        return loss_func_with_result
 
     def check_taken(self, where: str) -> None:
         """Raise if a deferred result was not taken by twinkle's ``selective_log_softmax``."""
@@ -116,21 +143,24 @@ def take(logits: torch.Tensor, index: torch.Tensor, return_entropy: bool):
     call = _CALL.get()
     pending = call.pending if call is not None else None
     if pending is None or not (logits is pending.placeholder or logits._base is pending.placeholder):
-        raise RuntimeError(
-            f"twinkle-mem fused LM head: selective_log_softmax got logits of shape {tuple(logits.shape)} (zero "
-            "width) that are not the output layer's pending placeholder: something transformed the output layer's "
-            "result, or a loss is computing from outputs['logits'] after the log-probs were lost. The logits do not "
-            "exist on the fused path. install(fused_lm_head=False) runs twinkle-kit unchanged.")
+        message = (f"selective_log_softmax got logits of shape {tuple(logits.shape)} (zero width) that are not the "
+                   "output layer's pending placeholder: something transformed the output layer's result, or a loss "
+                   "is computing from outputs['logits'] after the log-probs were lost. The logits do not exist on "
+                   "the fused path. install(fused_lm_head=False) runs twinkle-kit unchanged.")
+        if call is None:
+            raise RuntimeError(f"twinkle-mem fused LM head: {message}")
+        raise call.refuse(message)
     masked = pending.labels.masked_fill(pending.labels == IGNORE_INDEX, 0)
     if index.shape != masked.shape or not torch.equal(index.to(masked.dtype), masked):
         call.pending = None
-        raise RuntimeError(f"twinkle-mem fused LM head: twinkle asked for the log-probs of labels {tuple(index.shape)} "
-                           f"that are not the micro-batch's labels {tuple(masked.shape)} with -100 masked to 0")
-    if bool(return_entropy) != (pending.entropy is not None):
+        raise call.refuse(f"twinkle asked for the log-probs of labels {tuple(index.shape)} that are not the "
+                          f"micro-batch's labels {tuple(masked.shape)} with -100 masked to 0")
+    if bool(return_entropy) != (pending.entropy is not None) and not (pending.loss_fallback and not return_entropy):
         call.pending = None
-        raise RuntimeError(f"twinkle-mem fused LM head: entropy {'asked for' if return_entropy else 'not asked for'} "
-                           "but the loss's require_entropy said otherwise")
+        raise call.refuse(f"entropy {'asked for' if return_entropy else 'not asked for'} but the loss's "
+                          "require_entropy said otherwise")
     call.pending = None
+    call.taken = pending
     return (pending.logp, pending.entropy) if return_entropy else pending.logp
 
 
