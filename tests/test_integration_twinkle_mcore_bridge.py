@@ -1,0 +1,191 @@
+"""twinkle's ``MegatronModel(model_id=...)`` built through mcore_bridge from a local tiny Qwen3 (random
+weights, tied and untied; its tokenizer with a chat template; no download), as a user builds it, with the
+CPU stand-ins of tests/mcore_bridge_models.py (each named and justified there and in
+docs/twinkle_integration.md). World size 1 here; TP = 2, PP = 2, sequence parallelism, MTP and packed
+batches: tests/test_integration_twinkle_mcore_bridge_dist.py.
+
+GRPO ``forward_backward`` and ``forward_only`` (entropy bonus, T = 0.7), twinkle-kit as shipped vs
+``install()`` vs ``install(fused_lm_head=True)`` on the same model:
+- fp32: loss, log-probs at the label positions, entropy, every parameter gradient within 1e-4 relative;
+- bf16 (twinkle's ``mixed_precision='bf16'``: bf16 parameters, the whole model in bf16 at world size 1):
+  each judged against an exact fp32 run of the same bf16 weights; twinkle-mem's errors are no larger
+  than shipped twinkle-kit's (the fused head's log-probs come from bf16 hidden states and weights with
+  fp32 accumulation, shipped twinkle's from bf16 logits);
+- the fused runs make no tensor with the vocab as a dim, the shipped run does (the control).
+"""
+import contextlib
+import copy
+
+import pytest
+import torch
+
+try:
+    from . import mcore_bridge_models as mb
+    from . import twinkle_helpers as th
+    from .test_integration_twinkle_fused import (ADVANTAGES, CHUNK, VOCAB, VocabTensors, assert_close,  # noqa: F401
+                                                  fused_calls, grpo)
+except ImportError:
+    import mcore_bridge_models as mb
+    import twinkle_helpers as th
+    from test_integration_twinkle_fused import (ADVANTAGES, CHUNK, VOCAB, VocabTensors, assert_close,  # noqa: F401
+                                                fused_calls, grpo)
+
+from twinkle_mem.integrations import twinkle as integration
+
+SEQ, PROMPT = 40, 12
+LENGTHS = [SEQ, SEQ - 7, SEQ - 3, SEQ - 11]
+MODES = {"shipped": None, "install": dict(), "fused": dict(fused_lm_head=True, fused_chunk_bytes=CHUNK)}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Local tiny Qwen3 checkpoints: fp32 weights that are exact in bf16 (so that an fp32 run of the bf16
+    weights is exact), untied and tied."""
+    paths = {}
+    for tied in (False, True):
+        path = str(tmp_path_factory.mktemp("tied" if tied else "untied"))
+        model = mb.save_tiny_qwen3(path, vocab=VOCAB, tied=tied, seed=1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        model.save_pretrained(path)
+        paths[tied] = path
+    return paths
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu():
+    import torch.distributed as dist
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{th.free_port()}", rank=0, world_size=1)
+    try:
+        with mb.mcore_bridge_on_cpu():
+            yield
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def uninstalled():
+    integration.uninstall()
+    yield
+    integration.uninstall()
+
+
+def build(path, mixed_precision="no", **kwargs):
+    from megatron.core import parallel_state as mpu
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()  # twinkle's strategy initialises it for each model
+    return mb.megatron_model(path, mixed_precision=mixed_precision, variable_seq_lengths=False, **kwargs)
+
+
+def step(model, mode, *, forward_only=False, spy=None, samples=None):
+    """One GRPO step of ``model`` in ``mode``: loss, log-probs, the loss's (log-probs, entropies),
+    labels and every parameter gradient (fp32)."""
+    loss = grpo(True)
+    model.set_loss(loss)
+    for p in model.model[0].parameters():
+        p.grad = None
+    if MODES[mode] is not None:
+        integration.install(mask_skip="never", **MODES[mode])
+    samples = samples or th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT)
+    kwargs = dict(inputs=copy.deepcopy(samples), micro_batch_size=2, temperature=0.7)
+    try:
+        with spy if spy is not None else contextlib.nullcontext():
+            if forward_only:
+                out = model.forward_only(**kwargs)
+            else:
+                out = model.forward_backward(advantages=ADVANTAGES, **kwargs)
+    finally:
+        integration.uninstall()
+    group = model.optimizer_group[""]
+    status = group.eval_status if forward_only else group.train_status
+    labels = torch.cat([inp["labels"] for inp in status.inputs])
+    grads = {n: p.grad.detach().float().clone() for n, p in model.model[0].named_parameters() if p.grad is not None}
+    return dict(loss=out["loss"], logps=out["logps"], seen=loss.seen, labels=labels, grads=grads)
+
+
+def _entropies(result):
+    return torch.cat([ent for _, ent in result["seen"]])
+
+
+def assert_same(got, want, tol=1e-4, what=""):
+    mask = want["labels"] != -100
+    assert torch.equal(got["labels"], want["labels"])
+    assert got["loss"] == pytest.approx(want["loss"], rel=tol, abs=1e-6), what
+    assert_close(got["logps"][mask], want["logps"][mask], torch.float32, f"{what} logps")
+    assert len(got["seen"]) == len(want["seen"]) == 2
+    assert_close(_entropies(got)[mask], _entropies(want)[mask], torch.float32, f"{what} entropy")
+    assert got["grads"].keys() == want["grads"].keys()
+    for name, ref in want["grads"].items():
+        assert_close(got["grads"][name], ref, torch.float32, f"{what} grad of {name}")
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_fp32_same_as_shipped(checkpoints, tied, fused_calls):
+    model = build(checkpoints[tied])
+    from mcore_bridge.model.gpt_model import GPTModel
+    chunk = model.model[0]
+    assert type(chunk) is GPTModel and chunk.share_embeddings_and_output_weights == tied
+    assert {p.dtype for p in chunk.parameters()} == {torch.float32}
+    runs = {mode: step(model, mode) for mode in MODES}
+    assert len(fused_calls) == 2  # the fused run: once per micro-batch
+    assert len(runs["shipped"]["grads"]) == len(list(chunk.parameters())) > 10  # every parameter has a gradient
+    for mode in ("install", "fused"):
+        assert_same(runs[mode], runs["shipped"], what=mode)
+    only = {mode: step(model, mode, forward_only=True) for mode in MODES}
+    for mode in ("install", "fused"):
+        mask = only["shipped"]["labels"] != -100
+        assert_close(only[mode]["logps"][mask], only["shipped"]["logps"][mask], torch.float32, f"{mode} forward_only")
+        assert only[mode]["grads"] == {}
+
+
+def _errors(run, exact):
+    """The error of each quantity against the exact run: the norm of the difference relative to the
+    norm of the exact values (the gradients: all parameters' together)."""
+    mask = exact["labels"] != -100
+
+    def err(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    errors = {"loss": abs(run["loss"] - exact["loss"]) / abs(exact["loss"]),
+              "logps": err(run["logps"][mask], exact["logps"][mask]),
+              "entropy": err(_entropies(run)[mask], _entropies(exact)[mask])}
+    names = sorted(exact["grads"])
+    errors["grads"] = err(torch.cat([run["grads"][n].flatten() for n in names]),
+                          torch.cat([exact["grads"][n].flatten() for n in names]))
+    return errors
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_bf16_at_least_as_accurate_as_shipped(checkpoints, tied):
+    exact = step(build(checkpoints[tied]), "shipped")  # fp32 parameters, the same values
+    model = build(checkpoints[tied], mixed_precision="bf16")
+    # bf16 everywhere but in the local spec's torch norms (stand-in 4), which keep fp32 weights
+    assert {p.dtype for n, p in model.model[0].named_parameters() if "layernorm" not in n} == {torch.bfloat16}
+    runs = {mode: step(model, mode) for mode in MODES}
+    errors = {mode: _errors(run, exact) for mode, run in runs.items()}
+    assert errors["shipped"]["logps"] > 1e-3  # bf16 rounding is visible: the comparison can tell
+    for mode in ("install", "fused"):
+        for what in ("loss", "logps", "entropy"):
+            assert errors[mode][what] <= errors["shipped"][what], (mode, what, errors)
+        # shipped's log-softmax rounds in bf16, twinkle-mem's in fp32: several times more accurate
+        assert errors[mode]["logps"] < 0.25 * errors["shipped"]["logps"], errors
+        # the gradients' error is the backbone's bf16 rounding, the same in all three runs (~6e-3):
+        # no worse than shipped's, up to a tenth of it
+        assert errors[mode]["grads"] <= 1.1 * errors["shipped"]["grads"], (mode, errors)
+
+
+@pytest.mark.parametrize("forward_only", [False, True], ids=["forward_backward", "forward_only"])
+def test_no_vocab_sized_tensor_in_fused_runs(checkpoints, forward_only):
+    model = build(checkpoints[False])
+    rows = 2 * SEQ  # one micro-batch
+    shipped = VocabTensors((VOCAB, ), rows * VOCAB // 2)
+    step(model, "shipped", forward_only=forward_only, spy=shipped)
+    assert shipped.last_dim and shipped.large  # control: the logits are seen where they exist
+    fused = VocabTensors((VOCAB, ), rows * VOCAB // 2)
+    got = step(model, "fused", forward_only=forward_only, spy=fused)
+    assert fused.ops > 300 and fused.last_dim == [] and fused.large == []
+    assert got["logps"].shape == got["labels"].shape
