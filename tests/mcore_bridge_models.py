@@ -122,8 +122,9 @@ def mcore_bridge_on_cpu(fp32_params: bool = True):
     from twinkle.model.megatron.strategy.megatron import MegatronStrategy
 
     def local_spec(original):
-        def spec(config, use_transformer_engine, *args, **kwargs):
-            return original(config, False, *args, **kwargs)
+        def spec(*args, **kwargs):
+            kwargs["use_transformer_engine"] = False  # register.py passes it by keyword
+            return original(*args, **kwargs)
         return spec
 
     set_state_dict = GPTBridge._set_state_dict

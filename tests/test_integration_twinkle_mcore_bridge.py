@@ -189,3 +189,60 @@ def test_no_vocab_sized_tensor_in_fused_runs(checkpoints, forward_only):
     got = step(model, "fused", forward_only=forward_only, spy=fused)
     assert fused.ops > 300 and fused.last_dim == [] and fused.large == []
     assert got["logps"].shape == got["labels"].shape
+
+
+# --- multi-token prediction ------------------------------------------------------
+
+
+@pytest.fixture
+def output_layer_calls():
+    """Count the output layer's calls of a model (its module hooks fire whatever forward it has)."""
+    counts, handles = [], []
+
+    def watch(model):
+        layer = model.model[0].output_layer
+        handles.append(layer.register_forward_hook(lambda *_: counts.append(1)))
+        return counts
+
+    yield watch
+    for handle in handles:
+        handle.remove()
+
+
+def test_mtp_eligible_when_called_without_labels(checkpoints, fused_calls, output_layer_calls):
+    """mcore_bridge's GPTModel runs its MTP head only with labels; twinkle's forward step pops them: the
+    output layer runs once per micro-batch and the fused head applies, with the shipped results."""
+    model = build(checkpoints[False], mtp_num_layers=1)
+    assert model.model[0].mtp_process and model.model[0].config.mtp_num_layers == 1
+    calls = output_layer_calls(model)
+    want = step(model, "shipped")
+    assert len(calls) == 2  # two micro-batches, once each
+    got = step(model, "fused")
+    assert len(calls) == 4 and len(fused_calls) == 2
+    assert any("mtp" in name for name in got["grads"]) is False  # the MTP head did not run
+    assert_same(got, want, what="fused MTP")
+
+
+def test_mtp_model_called_with_labels_runs_unchanged(checkpoints, fused_calls, output_layer_calls):
+    """The same model called with labels inside a fused call (not twinkle's forward step): the MTP head
+    runs, the output layer runs once more for it, and the deferred head steps aside (the model's own loss)."""
+    from twinkle_mem.integrations import twinkle_lm_head as lm_head
+    model = build(checkpoints[False], mtp_num_layers=1)
+    chunk = model.model[0].eval()  # in training mode MTP's loss logging asks for a CUDA device
+    calls = output_layer_calls(model)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=gen)
+    labels = torch.roll(ids, -1, dims=1)
+    causal = torch.ones(24, 24, dtype=torch.bool).triu(1).expand(2, 1, 24, 24)  # True: masked
+    kwargs = dict(input_ids=ids, position_ids=torch.arange(24).expand(2, 24), attention_mask=causal, labels=labels)
+    want = chunk(**kwargs)
+    assert len(calls) == 2  # main head + one MTP layer
+    call = lm_head.FusedCall(1.0, False, CHUNK)
+    call.labels = labels
+    with lm_head.deferred([chunk.output_layer], lm_head.megatron_forward, call), \
+            lm_head.mtp_called_without_labels([chunk], call):
+        got = chunk(**kwargs)
+        assert call.model_has_labels is False and call.pending is None
+    assert len(calls) == 4 and fused_calls == []
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert lm_head.megatron_output_layers([chunk]) == ([chunk.output_layer], None)

@@ -334,7 +334,8 @@ def _fused_megatron(model, kwargs, loss, chunk_bytes):
         yield None
         return
     call = lm_head.FusedCall.for_call(kwargs, loss, chunk_bytes)
-    with lm_head.deferred(layers, lm_head.megatron_forward, call):
+    with lm_head.deferred(layers, lm_head.megatron_forward, call), \
+            lm_head.mtp_called_without_labels(model.model, call):
         yield call
 
 

@@ -71,6 +71,7 @@ class FusedCall:
         self.pending: Optional[_Deferred] = None
         self.taken: Optional[_Deferred] = None  # the last result handed to twinkle
         self.refused: Optional[str] = None  # why take()/defer() last refused (twinkle may catch the error)
+        self.model_has_labels = False  # an MTP model called with labels (mtp_called_without_labels)
         self.deferred = 0  # results computed by deferred heads
 
     @classmethod
@@ -219,10 +220,12 @@ def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
     from twinkle.patch.megatron_emb import _find_post_process_owner
     known_postprocess = {GPTModel._postprocess}
     known_output_layer = set()
+    labels_free_mtp = set()  # post-processings that run no MTP head when the model is called without labels
     bridge = sys.modules.get("mcore_bridge.model.gpt_model")  # twinkle builds real models with mcore_bridge
     if bridge is not None and hasattr(bridge, "GPTModel"):
         known_postprocess.add(bridge.GPTModel._postprocess)
         known_output_layer.add(getattr(bridge.GPTModel, "_forward_output_layer", None))
+        labels_free_mtp.add(bridge.GPTModel._postprocess)
     layers = []
     for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
         owner = _find_post_process_owner(chunk)
@@ -237,8 +240,8 @@ def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
             return [], "the output layer has a bias"
         if layer.gather_output or layer.explicit_expert_comm:
             return [], "the output layer gathers its output"
-        if getattr(config, "mtp_num_layers", None):
-            return [], "multi-token prediction"
+        if getattr(config, "mtp_num_layers", None) and cls._postprocess not in labels_free_mtp:
+            return [], "multi-token prediction"  # megatron-core's GPTModel runs its MTP head without labels too
         if getattr(config, "defer_embedding_wgrad_compute", False):
             return [], "defer_embedding_wgrad_compute"
         if getattr(config, "task_type", "causal_lm") != "causal_lm":
@@ -251,6 +254,37 @@ def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
             return [], reason
         layers.append(layer)
     return layers, None
+
+
+@contextlib.contextmanager
+def mtp_called_without_labels(model_chunks, call: FusedCall) -> Iterator[None]:
+    """Keep the fused head to model calls without labels on models with multi-token prediction.
+
+    mcore_bridge's GPTModel runs its MTP head (and the output layer once more per MTP layer) only when
+    called with labels; twinkle's forward step pops them, so there the output layer runs once per
+    micro-batch. A call with labels (not twinkle's) runs unchanged: the deferred forward steps aside.
+    """
+    from twinkle.patch.megatron_emb import _find_post_process_owner
+    handles = []
+
+    def before(module, args, kwargs):
+        labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
+        call.model_has_labels = labels is not None
+
+    def after(module, args, kwargs, output):
+        call.model_has_labels = False
+
+    try:
+        for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
+            owner = _find_post_process_owner(chunk)
+            if owner is not None and getattr(owner.config, "mtp_num_layers", None):
+                handles.append(owner.register_forward_pre_hook(before, with_kwargs=True))
+                handles.append(owner.register_forward_hook(after, with_kwargs=True, always_call=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        call.model_has_labels = False
 
 
 def transformers_lm_head(wrapped_model, unwrapped) -> Tuple[Optional[torch.nn.Module], Optional[str]]:
@@ -301,7 +335,7 @@ def megatron_forward(original):
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         call = _CALL.get()
-        if call is None or call.labels is None or runtime_gather_output:
+        if call is None or call.labels is None or runtime_gather_output or call.model_has_labels:
             return original(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                             gather_from_sequence_parallel_region)
