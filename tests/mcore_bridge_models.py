@@ -29,11 +29,16 @@ docs/twinkle_integration.md ("mcore_bridge on the CPU"):
    (``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``); the local
    spec calls them ``input_layernorm.weight`` and ``pre_mlp_layernorm.weight``.
 6. RoPE's frequencies: megatron-core's ``RotaryEmbedding.get_emb`` moves them to
-   ``torch.cuda.current_device()``, answered with "cpu" in that module.
+   ``torch.cuda.current_device()``, answered with "cpu" in that module; likewise for the gradient
+   buffers of Megatron's DDP (``param_and_grad_buffer``), which twinkle wraps the model in at world
+   size > 1.
 7. CUDA RNG seeding: twinkle's ``MegatronStrategy`` calls megatron-core's
    ``model_parallel_cuda_manual_seed``, which reads ``torch.cuda.get_rng_state()``. A no-op here: the
    models have no dropout and the RNG tracker's ``fork`` is a no-op on the CPU (twinkle_helpers).
-8. twinkle-kit defect (not a CPU matter): ``MegatronStrategy.params_type`` looks a ``torch.dtype`` up in
+8. Not a stand-in but a clean-up: mcore_bridge's ``get_rope_inv_freq`` writes its own ``"default"`` into
+   transformers' process-wide ``ROPE_INIT_FUNCTIONS``, after which transformers' own Qwen3 no longer
+   builds; ``megatron_model`` puts the table back after each build.
+9. twinkle-kit defect (not a CPU matter): ``MegatronStrategy.params_type`` looks a ``torch.dtype`` up in
    a dict keyed by strings and so returns bf16 for ``mixed_precision='no'``; with ``fp32_params=True``
    (the default of ``megatron_model``) it returns the dtype twinkle chose (fp32 for 'no').
 
@@ -115,6 +120,7 @@ def mcore_bridge_on_cpu(fp32_params: bool = True):
     """Stand-ins 4-8 (1-3 are done once, at import), and the CPU pieces of twinkle_helpers; undone on exit."""
     import twinkle_helpers as th
     _import_mcore_bridge()
+    from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.tensor_parallel import random as tp_random
     from mcore_bridge.bridge.gpt_bridge import GPTBridge
@@ -133,7 +139,7 @@ def mcore_bridge_on_cpu(fp32_params: bool = True):
         return set_state_dict(self, mg_module, _LOCAL_NAMES.get(mg_key, mg_key), *args, **kwargs)
 
     saved = [(register, "get_gpt_decoder_block_spec"), (register, "get_gpt_mtp_block_spec"),
-             (GPTBridge, "_set_state_dict"), (rotary_pos_embedding, "torch"),
+             (GPTBridge, "_set_state_dict"), (rotary_pos_embedding, "torch"), (param_and_grad_buffer, "torch"),
              (tp_random, "model_parallel_cuda_manual_seed")]
     if fp32_params:
         saved.append((MegatronStrategy, "params_type"))
@@ -141,7 +147,7 @@ def mcore_bridge_on_cpu(fp32_params: bool = True):
     register.get_gpt_decoder_block_spec = local_spec(register.get_gpt_decoder_block_spec)
     register.get_gpt_mtp_block_spec = local_spec(register.get_gpt_mtp_block_spec)
     GPTBridge._set_state_dict = local_names
-    rotary_pos_embedding.torch = th._CpuCudaTorch(torch)
+    rotary_pos_embedding.torch = param_and_grad_buffer.torch = th._CpuCudaTorch(torch)
     tp_random.model_parallel_cuda_manual_seed = lambda seed, *args, **kwargs: None
     if fp32_params:
         MegatronStrategy.params_type = property(lambda self: self._params_dtype)
@@ -189,13 +195,23 @@ def megatron_model(path, *, tp=1, pp=1, sequence_parallel=False, mixed_precision
     import twinkle
     from twinkle import DeviceMesh
     from twinkle.model.megatron.megatron import MegatronModel
+    import torch.distributed as dist
     world = tp * pp
+    if dist.is_initialized():  # what torchrun sets for each rank; twinkle's Platform reads it
+        os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(dist.get_rank()),
+                          LOCAL_RANK=str(dist.get_rank()), LOCAL_WORLD_SIZE=str(dist.get_world_size()))
     mesh = DeviceMesh.from_sizes(world_size=world, dp_size=1, tp_size=tp, pp_size=pp,
                                  sequence_parallel=sequence_parallel)
     twinkle.initialize(mode="local", global_device_mesh=mesh)
     kwargs.setdefault("recompute_granularity", None)
-    model = MegatronModel(model_id=path, device_mesh=mesh, mixed_precision=mixed_precision,
-                          persist_layer_norm=False, **kwargs)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    rope_inits = dict(ROPE_INIT_FUNCTIONS)
+    try:
+        model = MegatronModel(model_id=path, device_mesh=mesh, mixed_precision=mixed_precision,
+                              persist_layer_norm=False, **kwargs)
+    finally:  # mcore_bridge's get_rope_inv_freq puts its own "default" there, which transformers' models then fail on
+        ROPE_INIT_FUNCTIONS.clear()
+        ROPE_INIT_FUNCTIONS.update(rope_inits)
     if loss is not None:
         model.set_loss(loss)
     return model
