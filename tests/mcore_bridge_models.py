@@ -116,6 +116,42 @@ _LOCAL_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.
 
 
 @contextlib.contextmanager
+def sequence_parallel_on_cpu():
+    """Stand-ins 10 and 11, for sequence parallelism only. 10: megatron-core's ``WrappedTorchNorm`` (the
+    local spec's norm without Apex / TE) asserts ``not config.sequence_parallel``; here it builds the same
+    torch norm and marks its weights ``sequence_parallel``, as megatron's TE and Apex norms do, so that
+    ``finalize_model_grads`` sums their gradients over the TP ranks (each rank saw its sequence shard).
+    11: megatron-core's SP gather / scatter (``tensor_parallel/mappings.py``, and the linear layers'
+    backward in ``tensor_parallel/layers.py``) allocate their buffers on ``torch.cuda.current_device()``,
+    answered with "cpu" in those modules."""
+    import copy
+
+    import twinkle_helpers as th
+    from megatron.core.tensor_parallel import layers, mappings
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    original = WrappedTorchNorm.__new__
+    real_torch = mappings.torch
+    mappings.torch = layers.torch = th._CpuCudaTorch(real_torch)
+
+    def __new__(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original(cls, plain, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = __new__
+    try:
+        yield
+    finally:
+        WrappedTorchNorm.__new__ = original
+        mappings.torch = layers.torch = real_torch
+
+
+@contextlib.contextmanager
 def mcore_bridge_on_cpu(fp32_params: bool = True):
     """Stand-ins 4-8 (1-3 are done once, at import), and the CPU pieces of twinkle_helpers; undone on exit."""
     import twinkle_helpers as th

@@ -6,7 +6,9 @@ ranks: gloo worlds of 2 CPU processes, each against the same layout of twinkle-k
   logits' gradient to bf16 in megatron-core's fused vocab-parallel cross entropy, so its gradients are
   compared at that level (against TP = 1: tests/test_integration_twinkle_fused_tp.py, hand-built
   GPTModel); entropy (which shipped refuses under TP > 1) against install();
-  sequence parallelism with TP = 2: what megatron-core does on the CPU, see ``sequence_parallel``.
+- TP = 2 with sequence parallelism, run for real with two more stand-ins (megatron-core's torch norm
+  refuses SP; its SP buffers ask for a CUDA device): log-probs as shipped SP, gradients and entropy as
+  install() without SP.
 - PP = 2 (1F1B): loss, log-probs and entropy on the last stage and every stage's gradients equal shipped
   PP = 2; bf16 with Float16Module (a user gets it by passing ``bf16=True`` to ``MegatronModel``, which
   twinkle hands to the model config; twinkle's ``wrap_model`` then wraps each chunk in Float16Module
@@ -148,6 +150,31 @@ def tp2_same_as_shipped(rank, world):
     _assert_entropy(tp2_entropy["fused"], tp2_entropy["install"], "TP=2 fused")
     for name, (grad, _, _) in tp2_entropy["install"]["grads"].items():
         assert_close(tp2_entropy["fused"]["grads"][name][0], grad, torch.float32, f"TP=2 entropy grad of {name}")
+
+
+@case
+def tp2_sequence_parallel(rank, world):
+    """TP = 2 with sequence parallelism, run for real (stand-ins 10-11 of tests/mcore_bridge_models.py):
+    the same log-probs as shipped with SP, and every gradient shard as install() without SP."""
+    import mcore_bridge_models as mb
+    from test_integration_twinkle_fused import assert_close
+    with mb.sequence_parallel_on_cpu():
+        sp = _steps(MODES, tp=2, sequence_parallel=True)
+        sp_entropy = _steps(["install", "fused"], tp=2, sequence_parallel=True, entropy=True)
+    plain = _steps(["install"], tp=2)
+    plain_entropy = _steps(["install"], tp=2, entropy=True)
+    # collectives done
+    assert sp["model"].strategy.config.sequence_parallel
+    chunk = sp["model"].strategy.unwrap_model(sp["model"].model)[0]
+    assert chunk.output_layer.sequence_parallel
+    for mode in ("install", "fused"):
+        _assert_logps(sp[mode], sp["shipped"], f"SP {mode}")
+        _assert_logps(sp[mode], plain["install"], f"SP {mode} vs no SP")
+        for name, (grad, _, _) in plain["install"]["grads"].items():
+            assert_close(sp[mode]["grads"][name][0], grad, torch.float32, f"SP {mode} grad of {name} (rank {rank})")
+    _assert_entropy(sp_entropy["fused"], plain_entropy["install"], "SP fused")
+    for name, (grad, _, _) in plain_entropy["install"]["grads"].items():
+        assert_close(sp_entropy["fused"]["grads"][name][0], grad, torch.float32, f"SP entropy grad of {name}")
 
 
 def _pp2_checks(rank, want, got, what, entropy):
