@@ -116,6 +116,37 @@ _LOCAL_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.
 
 
 @contextlib.contextmanager
+def packed_attention_on_cpu():
+    """Stand-in 12, for packed (padding-free) batches only: megatron-core's local ``DotProductAttention``
+    asserts ``packed_seq_params is None`` ("Packed sequence is not supported by DotProductAttention.
+    Please use TEDotProductAttention instead."); TE's is the attention that runs packed batches. Here a
+    packed micro-batch (``qkv_format='thd'``: [tokens, heads, dim]) goes through the same attention as one
+    sequence with a block-diagonal causal mask built from ``cu_seqlens_q``: each token sees the earlier
+    tokens of its own sample only, as TE's varlen attention computes."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    original = DotProductAttention.forward
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None:
+            return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                            attention_bias=attention_bias)
+        assert packed_seq_params.qkv_format == "thd" and query.dim() == 3
+        cu_seqlens = packed_seq_params.cu_seqlens_q.long()
+        tokens = torch.arange(query.shape[0])
+        sample = torch.searchsorted(cu_seqlens[1:], tokens, right=True)
+        masked = (sample[:, None] != sample[None, :]) | (tokens[None, :] > tokens[:, None])  # True: masked
+        return original(self, query[:, None], key[:, None], value[:, None], masked[None, None],
+                        attn_mask_type=attn_mask_type, attention_bias=attention_bias)
+
+    DotProductAttention.forward = forward
+    try:
+        yield
+    finally:
+        DotProductAttention.forward = original
+
+
+@contextlib.contextmanager
 def sequence_parallel_on_cpu():
     """Stand-ins 10 and 11, for sequence parallelism only. 10: megatron-core's ``WrappedTorchNorm`` (the
     local spec's norm without Apex / TE) asserts ``not config.sequence_parallel``; here it builds the same

@@ -102,13 +102,20 @@ def step(model, mode, *, forward_only=False, spy=None, samples=None):
         integration.uninstall()
     group = model.optimizer_group[""]
     status = group.eval_status if forward_only else group.train_status
-    labels = torch.cat([inp["labels"] for inp in status.inputs])
+    labels = _rows([inp["labels"] for inp in status.inputs], -100)
+    logps = _rows(out["logps"], 0) if isinstance(out["logps"], list) else out["logps"]
     grads = {n: p.grad.detach().float().clone() for n, p in model.model[0].named_parameters() if p.grad is not None}
-    return dict(loss=out["loss"], logps=out["logps"], seen=loss.seen, labels=labels, grads=grads)
+    return dict(loss=out["loss"], logps=logps, seen=loss.seen, labels=labels, grads=grads)
+
+
+def _rows(tensors, fill):
+    """Micro-batches' [rows, width] tensors (widths differ with variable_seq_lengths) as one [rows, max width]."""
+    width = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) for t in tensors])
 
 
 def _entropies(result):
-    return torch.cat([ent for _, ent in result["seen"]])
+    return _rows([ent for _, ent in result["seen"]], 0)
 
 
 def assert_same(got, want, tol=1e-4, what=""):
@@ -246,3 +253,27 @@ def test_mtp_model_called_with_labels_runs_unchanged(checkpoints, fused_calls, o
     assert len(calls) == 4 and fused_calls == []
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert lm_head.megatron_output_layers([chunk]) == ([chunk.output_layer], None)
+
+
+# --- packed (padding-free) batches ----------------------------------------------
+
+
+def test_packed_batches_same_as_padded(checkpoints, fused_calls):
+    """twinkle's ``InputProcessor(padding_free=True)`` packs each micro-batch into one [1, tokens] row with
+    ``packed_seq_params``; twinkle unpacks the log-probs per sample after the loss's selective_log_softmax.
+    With the packed attention run by stand-in 12 (tests/mcore_bridge_models.py): shipped, install() and the
+    fused head on packed micro-batches give the padded run's loss, log-probs under the loss mask, entropy
+    and gradients."""
+    from megatron.core import parallel_state as mpu
+    from twinkle.processor import InputProcessor
+    mpu.destroy_model_parallel()
+    model = mb.megatron_model(checkpoints[False], mixed_precision="no", variable_seq_lengths=True)  # packing needs it
+    padded = step(model, "shipped")
+    model.set_processor(InputProcessor, padding_free=True)
+    with mb.packed_attention_on_cpu():
+        runs = {mode: step(model, mode) for mode in MODES}
+    # the fused op saw one packed row per micro-batch: hidden [tokens, 1, H]
+    assert [shape[:2] for shape, _ in fused_calls] == [(2 * SEQ - 7, 1), (2 * SEQ - 14, 1)], fused_calls
+    for mode, run in runs.items():
+        assert run["labels"].shape == padded["labels"].shape, mode  # unpacked by twinkle, one row per sample
+        assert_same(run, padded, what=f"packed {mode}")
