@@ -32,9 +32,12 @@ docs/twinkle_integration.md ("mcore_bridge on the CPU"):
    ``torch.cuda.current_device()``, answered with "cpu" in that module; likewise for the gradient
    buffers of Megatron's DDP (``param_and_grad_buffer``), which twinkle wraps the model in at world
    size > 1.
-7. CUDA RNG seeding: twinkle's ``MegatronStrategy`` calls megatron-core's
-   ``model_parallel_cuda_manual_seed``, which reads ``torch.cuda.get_rng_state()``. A no-op here: the
-   models have no dropout and the RNG tracker's ``fork`` is a no-op on the CPU (twinkle_helpers).
+7. CUDA RNG states: twinkle's ``MegatronStrategy`` calls megatron-core's
+   ``model_parallel_cuda_manual_seed``, which reads ``torch.cuda.get_rng_state()``: a no-op here (the
+   models have no dropout and the RNG tracker's ``fork`` is a no-op on the CPU, twinkle_helpers); full
+   recompute (twinkle's default, ``recompute_granularity='full'``) saves and restores the CUDA RNG state
+   around each recomputed layer (``tensor_parallel/random.py`` ``_get_cuda_rng_state`` /
+   ``_set_cuda_rng_state``): nothing to save here, the CPU state megatron saves itself.
 8. Not a stand-in but a clean-up: mcore_bridge's ``get_rope_inv_freq`` writes its own ``"default"`` into
    transformers' process-wide ``ROPE_INIT_FUNCTIONS``, after which transformers' own Qwen3 no longer
    builds; ``megatron_model`` puts the table back after each build.
@@ -207,7 +210,8 @@ def mcore_bridge_on_cpu(fp32_params: bool = True):
 
     saved = [(register, "get_gpt_decoder_block_spec"), (register, "get_gpt_mtp_block_spec"),
              (GPTBridge, "_set_state_dict"), (rotary_pos_embedding, "torch"), (param_and_grad_buffer, "torch"),
-             (tp_random, "model_parallel_cuda_manual_seed")]
+             (tp_random, "model_parallel_cuda_manual_seed"), (tp_random, "_get_cuda_rng_state"),
+             (tp_random, "_set_cuda_rng_state")]
     if fp32_params:
         saved.append((MegatronStrategy, "params_type"))
     saved = [(owner, name, vars(owner)[name]) for owner, name in saved]
@@ -216,6 +220,8 @@ def mcore_bridge_on_cpu(fp32_params: bool = True):
     GPTBridge._set_state_dict = local_names
     rotary_pos_embedding.torch = param_and_grad_buffer.torch = th._CpuCudaTorch(torch)
     tp_random.model_parallel_cuda_manual_seed = lambda seed, *args, **kwargs: None
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
     if fp32_params:
         MegatronStrategy.params_type = property(lambda self: self._params_dtype)
     try:

@@ -277,3 +277,18 @@ def test_packed_batches_same_as_padded(checkpoints, fused_calls):
     for mode, run in runs.items():
         assert run["labels"].shape == padded["labels"].shape, mode  # unpacked by twinkle, one row per sample
         assert_same(run, padded, what=f"packed {mode}")
+
+
+def test_full_recompute_same_as_shipped(checkpoints, fused_calls):
+    """twinkle's default activation checkpointing (recompute_granularity='full', uniform, 1 layer): each
+    layer's forward runs again in the backward; the fused head gives shipped's results."""
+    model = build(checkpoints[False], recompute_granularity="full", recompute_method="uniform",
+                  recompute_num_layers=1)
+    assert model.strategy.config.recompute_granularity == "full"
+    layer_calls = []
+    model.model[0].decoder.layers[0].register_forward_hook(lambda *_: layer_calls.append(1))
+    runs = {mode: step(model, mode) for mode in MODES}
+    assert len(layer_calls) == 3 * 2 * 2  # 3 runs x 2 micro-batches x (forward + recompute)
+    assert len(fused_calls) == 2
+    for mode in ("install", "fused"):
+        assert_same(runs[mode], runs["shipped"], what=f"recompute {mode}")
