@@ -261,7 +261,7 @@ def save_tiny_qwen3(path, *, vocab=512, hidden=32, layers=2, heads=4, kv_heads=2
     return model
 
 
-def megatron_model(path, *, tp=1, pp=1, sequence_parallel=False, mixed_precision="no", loss=None,
+def megatron_model(path, *, tp=1, pp=1, vpp=None, sequence_parallel=False, mixed_precision="no", loss=None,
                    **kwargs):
     """twinkle's ``MegatronModel(model_id=path, ...)`` as a user builds it (``twinkle.initialize`` with a
     ``DeviceMesh``), without recompute unless asked (``recompute_granularity``)."""
@@ -273,7 +273,7 @@ def megatron_model(path, *, tp=1, pp=1, sequence_parallel=False, mixed_precision
     if dist.is_initialized():  # what torchrun sets for each rank; twinkle's Platform reads it
         os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(dist.get_rank()),
                           LOCAL_RANK=str(dist.get_rank()), LOCAL_WORLD_SIZE=str(dist.get_world_size()))
-    mesh = DeviceMesh.from_sizes(world_size=world, dp_size=1, tp_size=tp, pp_size=pp,
+    mesh = DeviceMesh.from_sizes(world_size=world, dp_size=1, tp_size=tp, pp_size=pp, vpp_size=vpp,
                                  sequence_parallel=sequence_parallel)
     twinkle.initialize(mode="local", global_device_mesh=mesh)
     kwargs.setdefault("recompute_granularity", None)

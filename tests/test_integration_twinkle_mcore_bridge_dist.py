@@ -9,8 +9,8 @@ ranks: gloo worlds of 2 CPU processes, each against the same layout of twinkle-k
 - TP = 2 with sequence parallelism, run for real with two more stand-ins (megatron-core's torch norm
   refuses SP; its SP buffers ask for a CUDA device): log-probs as shipped SP, gradients and entropy as
   install() without SP.
-- PP = 2 (1F1B): loss, log-probs and entropy on the last stage and every stage's gradients equal shipped
-  PP = 2; bf16 with Float16Module (a user gets it by passing ``bf16=True`` to ``MegatronModel``, which
+- PP = 2 (1F1B) and PP = 2 x VPP = 2 (interleaved): loss, log-probs and entropy on the last stage and
+  every stage's gradients equal shipped; bf16 with Float16Module (a user gets it by passing ``bf16=True`` to ``MegatronModel``, which
   twinkle hands to the model config; twinkle's ``wrap_model`` then wraps each chunk in Float16Module
   before DDP): against an exact fp32 PP = 2 run of the same bf16 weights, twinkle-mem no less accurate
   than shipped.
@@ -41,25 +41,26 @@ case = cases.register(WORLD)
 _CHECKPOINTS = {}
 
 
-def _checkpoint(tied=False):
+def _checkpoint(tied=False, layers=2):
     """The tiny Qwen3 (weights exact in bf16), saved once per world by rank 0."""
     import torch.distributed as dist
 
     import mcore_bridge_models as mb
-    if tied not in _CHECKPOINTS:
+    if (tied, layers) not in _CHECKPOINTS:
         path = [tempfile.mkdtemp(prefix="tiny-qwen3-") if dist.get_rank() == 0 else None]
         if dist.get_rank() == 0:
-            model = mb.save_tiny_qwen3(path[0], vocab=VOCAB, tied=tied, seed=1)
+            model = mb.save_tiny_qwen3(path[0], vocab=VOCAB, tied=tied, layers=layers, seed=1)
             with torch.no_grad():
                 for p in model.parameters():
                     p.copy_(p.to(torch.bfloat16).float())
             model.save_pretrained(path[0])
         dist.broadcast_object_list(path, src=0)
-        _CHECKPOINTS[tied] = path[0]
-    return _CHECKPOINTS[tied]
+        _CHECKPOINTS[tied, layers] = path[0]
+    return _CHECKPOINTS[tied, layers]
 
 
-def _steps(modes, *, tp=1, pp=1, entropy=False, tied=False, mixed_precision="no", forward_only=False, **kwargs):
+def _steps(modes, *, tp=1, pp=1, entropy=False, tied=False, layers=2, mixed_precision="no", forward_only=False,
+           **kwargs):
     """One model (twinkle's strategy sets up megatron's parallel state for it) and one GRPO step per mode."""
     import copy
 
@@ -72,14 +73,14 @@ def _steps(modes, *, tp=1, pp=1, entropy=False, tied=False, mixed_precision="no"
     from twinkle_mem.integrations import twinkle as integration
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
-    model = mb.megatron_model(_checkpoint(tied), tp=tp, pp=pp, mixed_precision=mixed_precision,
+    model = mb.megatron_model(_checkpoint(tied, layers), tp=tp, pp=pp, mixed_precision=mixed_precision,
                               variable_seq_lengths=False, **kwargs)
     samples = th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT)
     runs = {}
     for mode in modes:
         loss = grpo(entropy)
         model.set_loss(loss)
-        for p in model.model[0].parameters():
+        for p in (p for chunk in model.model for p in chunk.parameters()):
             p.grad = None
             if hasattr(p, "main_grad"):
                 p.main_grad.zero_()
@@ -91,9 +92,9 @@ def _steps(modes, *, tp=1, pp=1, entropy=False, tied=False, mixed_precision="no"
             out = model.forward_only(**call) if forward_only else model.forward_backward(advantages=ADVANTAGES, **call)
         finally:
             integration.uninstall()
-        unwrapped = model.strategy.unwrap_model(model.model)[0]
+        chunks = model.strategy.unwrap_model(model.model)  # more than one with virtual pipeline stages
         grads = {}
-        for name, p in unwrapped.named_parameters():
+        for name, p in ((f"{i}.{n}", p) for i, chunk in enumerate(chunks) for n, p in chunk.named_parameters()):
             g = getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
             if g is not None:
                 grads[name] = (g.detach().float().clone(), getattr(p, "tensor_model_parallel", False),
@@ -201,6 +202,16 @@ def pp2_same_as_shipped(rank, world):
         _pp2_checks(rank, runs["shipped"], runs[mode], f"PP=2 {mode}", True)
         if rank == WORLD - 1:
             _assert_logps(only[mode], only["shipped"], f"PP=2 forward_only {mode}")
+
+
+@case
+def pp2_vpp2_same_as_shipped(rank, world):
+    """Interleaved pipeline, PP = 2 x VPP = 2 (4 layers, a model chunk per virtual stage): the last
+    virtual stage's output layer is fused."""
+    runs = _steps(MODES, pp=2, vpp=2, layers=4, entropy=True)
+    assert len(runs["model"].model) == 2
+    for mode in ("install", "fused"):
+        _pp2_checks(rank, runs["shipped"], runs[mode], f"PP=2 x VPP=2 {mode}", True)
 
 
 @case
