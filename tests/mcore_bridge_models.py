@@ -45,6 +45,10 @@ docs/twinkle_integration.md ("mcore_bridge on the CPU"):
    a dict keyed by strings and so returns bf16 for ``mixed_precision='no'``; with ``fp32_params=True``
    (the default of ``megatron_model``) it returns the dtype twinkle chose (fp32 for 'no').
 
+Only for the layouts that need them, as their own context managers: 10-11 ``sequence_parallel_on_cpu()``
+(megatron-core's torch norm refuses sequence parallelism; its SP buffers ask for a CUDA device), 12
+``packed_attention_on_cpu()`` (megatron-core's local attention refuses packed sequences).
+
 Plus what every CPU run of twinkle's Megatron path needs (tests/twinkle_helpers.py): megatron's
 scheduler's one CUDA allocation, its p2p buffers, its attention scratch buffer and RNG-tracker forks,
 twinkle's ``Platform`` on the CPU.

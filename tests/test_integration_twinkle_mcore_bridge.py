@@ -1,8 +1,8 @@
 """twinkle's ``MegatronModel(model_id=...)`` built through mcore_bridge from a local tiny Qwen3 (random
 weights, tied and untied; its tokenizer with a chat template; no download), as a user builds it, with the
 CPU stand-ins of tests/mcore_bridge_models.py (each named and justified there and in
-docs/twinkle_integration.md). World size 1 here; TP = 2, PP = 2, sequence parallelism, MTP and packed
-batches: tests/test_integration_twinkle_mcore_bridge_dist.py.
+docs/twinkle_integration.md). World size 1 here (also: MTP, packed batches, full recompute); TP = 2,
+sequence parallelism, PP = 2, VPP, Float16Module: tests/test_integration_twinkle_mcore_bridge_dist.py.
 
 GRPO ``forward_backward`` and ``forward_only`` (entropy bonus, T = 0.7), twinkle-kit as shipped vs
 ``install()`` vs ``install(fused_lm_head=True)`` on the same model:

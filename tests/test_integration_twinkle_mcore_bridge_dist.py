@@ -1,7 +1,8 @@
 """twinkle's ``MegatronModel(model_id=...)`` built through mcore_bridge (tests/mcore_bridge_models.py) across
 ranks: gloo worlds of 2 CPU processes, each against the same layout of twinkle-kit as shipped.
 
-- TP = 2 (twinkle wraps the model in Megatron's DDP): loss and log-probs equal shipped TP = 2; every
+- TP = 2 (twinkle wraps the model in Megatron's DDP): no tensor with the vocab (1018) or its shard (509)
+  as last dim on the fused run, where shipped's has them; loss and log-probs equal shipped TP = 2; every
   rank's gradient shard of the fused run equals install()'s (exact in fp32); shipped TP = 2 rounds the
   logits' gradient to bf16 in megatron-core's fused vocab-parallel cross entropy, so its gradients are
   compared at that level (against TP = 1: tests/test_integration_twinkle_fused_tp.py, hand-built
@@ -60,7 +61,7 @@ def _checkpoint(tied=False, layers=2):
 
 
 def _steps(modes, *, tp=1, pp=1, entropy=False, tied=False, layers=2, mixed_precision="no", forward_only=False,
-           **kwargs):
+           spies=None, **kwargs):
     """One model (twinkle's strategy sets up megatron's parallel state for it) and one GRPO step per mode."""
     import copy
 
@@ -89,7 +90,9 @@ def _steps(modes, *, tp=1, pp=1, entropy=False, tied=False, layers=2, mixed_prec
                                 fused_chunk_bytes=CHUNK if mode == "fused" else None)
         try:
             call = dict(inputs=copy.deepcopy(samples), micro_batch_size=2, temperature=0.7)
-            out = model.forward_only(**call) if forward_only else model.forward_backward(advantages=ADVANTAGES, **call)
+            with (spies or {}).get(mode, contextlib.nullcontext()):
+                out = model.forward_only(**call) if forward_only else model.forward_backward(advantages=ADVANTAGES,
+                                                                                             **call)
         finally:
             integration.uninstall()
         chunks = model.strategy.unwrap_model(model.model)  # more than one with virtual pipeline stages
@@ -129,8 +132,11 @@ def _norm_err(a, b):
 
 @case
 def tp2_same_as_shipped(rank, world):
-    from test_integration_twinkle_fused import assert_close
-    tp2 = _steps(MODES, tp=2)
+    from test_integration_twinkle_fused import VocabTensors, assert_close
+    from test_integration_twinkle_mcore_bridge import SEQ
+    # the vocab or its shard as last dim, or half a micro-batch's logits shard
+    spies = {mode: VocabTensors((VOCAB, VOCAB // WORLD), 2 * SEQ * VOCAB // WORLD // 2) for mode in ("shipped", "fused")}
+    tp2 = _steps(MODES, tp=2, spies=spies)
     tp2_entropy = _steps(["install", "fused"], tp=2, entropy=True)
     tp2_only = _steps(MODES, tp=2, forward_only=True)
     # collectives done
@@ -147,6 +153,12 @@ def tp2_same_as_shipped(rank, world):
     for name, (grad, sharded, _) in tp2["install"]["grads"].items():
         assert_close(tp2["fused"]["grads"][name][0], grad, torch.float32, f"TP=2 fused grad of {name} (rank {rank})")
         assert _norm_err(tp2["shipped"]["grads"][name][0], grad) < 2**-7, name
+    # Megatron DDP's flat gradient buffer (1-D, all of a rank's parameters) is larger than a logits shard
+    # here: only tensors of two or more dims count as large
+    large = {mode: [t for t in spy.large if len(t[1]) > 1] for mode, spy in spies.items()}
+    assert spies["shipped"].last_dim and large["shipped"]  # control: the logits shards are seen
+    assert spies["fused"].ops > 300 and spies["fused"].last_dim == [] and large["fused"] == [], (
+        spies["fused"].last_dim[:5], large["fused"][:5])
     _assert_logps(tp2_entropy["fused"], tp2_entropy["install"], "TP=2 fused, entropy")
     _assert_entropy(tp2_entropy["fused"], tp2_entropy["install"], "TP=2 fused")
     for name, (grad, _, _) in tp2_entropy["install"]["grads"].items():
