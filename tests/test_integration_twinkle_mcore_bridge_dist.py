@@ -11,9 +11,10 @@ ranks: gloo worlds of 2 CPU processes, each against the same layout of twinkle-k
   refuses SP; its SP buffers ask for a CUDA device): log-probs as shipped SP, gradients and entropy as
   install() without SP.
 - PP = 2 (1F1B) and PP = 2 x VPP = 2 (interleaved): loss, log-probs and entropy on the last stage and
-  every stage's gradients equal shipped; bf16 with Float16Module (a user gets it by passing ``bf16=True`` to ``MegatronModel``, which
+  every stage's gradients equal shipped; bf16 with Float16Module at PP = 2 and TP = 2 (a user gets it by
+  passing ``bf16=True`` to ``MegatronModel``, which
   twinkle hands to the model config; twinkle's ``wrap_model`` then wraps each chunk in Float16Module
-  before DDP): against an exact fp32 PP = 2 run of the same bf16 weights, twinkle-mem no less accurate
+  before DDP): against an exact fp32 run of the same layout and bf16 weights, twinkle-mem no less accurate
   than shipped.
 
 Rank 0 saves the checkpoint to a temporary directory that every rank reads.
@@ -226,12 +227,8 @@ def pp2_vpp2_same_as_shipped(rank, world):
         _pp2_checks(rank, runs["shipped"], runs[mode], f"PP=2 x VPP=2 {mode}", True)
 
 
-@case
-def pp2_bf16_float16module(rank, world):
-    from megatron.core.transformer.module import Float16Module
-    exact = _steps(["shipped"], pp=2, entropy=True)["shipped"]
-    runs = _steps(MODES, pp=2, entropy=True, mixed_precision="bf16", bf16=True)
-    assert isinstance(runs["model"].model[0].module, Float16Module)  # DDP(Float16Module(GPTModel))
+def _bf16_no_less_accurate(rank, exact, runs, last_stage):
+    """Each mode's error against the exact fp32 run; twinkle-mem's no larger than shipped's."""
     errors = {}
     for mode in MODES:
         run = runs[mode]
@@ -239,7 +236,7 @@ def pp2_bf16_float16module(rank, world):
         err = {"grads": _norm_err(torch.cat([run["grads"][n][0].flatten() for n in names]),
                                   torch.cat([exact["grads"][n][0].flatten() for n in names])),
                "loss": abs(run["loss"] - exact["loss"]) / abs(exact["loss"])}
-        if rank == WORLD - 1:
+        if last_stage:
             mask = exact["labels"] != -100
             err["logps"] = _norm_err(run["logps"][mask], exact["logps"][mask])
         errors[mode] = err
@@ -251,6 +248,24 @@ def pp2_bf16_float16module(rank, world):
         for what, e in errors[mode].items():
             bound = errors["shipped"][what] * (1.1 if what == "grads" else 1.001) + 1e-9
             assert e <= bound, (rank, mode, what, errors)
+
+
+@case
+def pp2_bf16_float16module(rank, world):
+    from megatron.core.transformer.module import Float16Module
+    exact = _steps(["shipped"], pp=2, entropy=True)["shipped"]
+    runs = _steps(MODES, pp=2, entropy=True, mixed_precision="bf16", bf16=True)
+    assert isinstance(runs["model"].model[0].module, Float16Module)  # DDP(Float16Module(GPTModel))
+    _bf16_no_less_accurate(rank, exact, runs, last_stage=rank == WORLD - 1)
+
+
+@case
+def tp2_bf16_float16module(rank, world):
+    from megatron.core.transformer.module import Float16Module
+    exact = _steps(["install"], tp=2)["install"]  # exact in fp32 (shipped's TP gradients are bf16-rounded)
+    runs = _steps(MODES, tp=2, mixed_precision="bf16", bf16=True)
+    assert isinstance(runs["model"].model[0].module, Float16Module)
+    _bf16_no_less_accurate(rank, exact, runs, last_stage=True)
 
 
 @pytest.mark.parametrize("world,name", cases.params(), ids=lambda v: f"w{v}" if isinstance(v, int) else v)

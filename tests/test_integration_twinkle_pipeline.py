@@ -32,7 +32,7 @@ cases = Cases(__name__, timeout_s=180, setup=_megatron_on_cpu)
 case = cases.register(WORLD)
 
 
-def _pp_step(fused, failing, *, entropy, forward_only=False, micro_batch_size=1):
+def _pp_step(fused, failing, *, entropy, forward_only=False, micro_batch_size=1, edit=None):
     """One twinkle step at PP = 2 on a fresh two-layer GPTModel (the same seed: the same weights):
     (output, this stage's gradients, FailedMicroBatchWarnings, labels)."""
     import twinkle_helpers as th
@@ -49,6 +49,8 @@ def _pp_step(fused, failing, *, entropy, forward_only=False, micro_batch_size=1)
         # only the last stage unpacks in its forward steps (the other stages' calls come after the schedule)
         th.fail_unpacking(monkeypatch, InputProcessor, failing=failing if mpu.is_pipeline_last_stage() else set())
         chunk = th.gpt_model(VOCAB, layers=2)
+        if edit is not None:
+            edit(chunk)
         model = th.twinkle_megatron_model(chunk, loss=SafeLossWrapper(grpo(entropy)), pp_size=WORLD)
         samples = th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT)
         kwargs = dict(inputs=samples, micro_batch_size=micro_batch_size, temperature=0.7)
@@ -110,6 +112,27 @@ def pp2_failed_micro_batch_entropy(rank, world):
 @case
 def pp2_failed_micro_batch_forward_only(rank, world):
     _fused_failure_as_unfused(rank, entropy=True, forward_only=True, micro_batch_size=1, failing={1})
+
+
+@case
+def pp2_refusal_raises_after_the_step(rank, world):
+    """The fused head's own refusal on the last stage (its output transformed after the layer), swallowed by
+    twinkle's catch and SafeLossWrapper: the last stage raises once the schedule has returned, the first
+    stage finishes the step."""
+    from megatron.core import parallel_state as mpu
+    from test_integration_twinkle_fused import _scale_output
+    edit = _scale_output if rank == WORLD - 1 else None  # the last stage's GPTModel returns the logits
+    error = None
+    try:
+        out = _pp_step(True, set(), entropy=False, edit=edit)
+    except RuntimeError as e:
+        error = str(e)
+    assert mpu is not None
+    if rank == WORLD - 1:
+        assert error is not None and "where the fused head refused: micro-batch 0:" in error, error
+        assert "not the output layer's pending placeholder" in error
+    else:
+        assert error is None and out["grads"] and out["out"]["logps"] is None
 
 
 @pytest.mark.parametrize("world,name", cases.params(), ids=lambda v: f"pp{v}" if isinstance(v, int) else v)

@@ -397,6 +397,8 @@ class _MegatronSteps:
         def forward_step(data_iterator, model):
             call = self.fused
             deferred = call.deferred if call is not None else 0
+            if call is not None:
+                call.refused = None  # a refusal inside the previous micro-batch's loss is not this one's
             self.labels = None
             try:
                 output, loss_func = forward_step_func(_LabelsOfNextBatch(data_iterator, self), model)
