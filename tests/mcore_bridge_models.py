@@ -21,6 +21,10 @@ docs/twinkle_integration.md ("mcore_bridge on the CPU"):
    ``inference/contexts/attention_context/triton/tensor_ops.py`` (through ``ssm/mamba_mixer.py``, for
    Nemotron-H). Neither runs for Qwen3: placeholders of those modules, whose functions raise, while
    mcore_bridge is imported.
+3b. peft's LoRA: mcore_bridge's ``tuners/patcher.py`` replaces peft's ``dispatch_megatron`` with one
+   that calls ``isinstance`` with megatron-core's TE classes, which are ``MagicMock`` instances without
+   TE: any LoRA in the process (a transformers model's too) then raises ``TypeError``. peft's own is
+   put back after the import (no Megatron LoRA runs in these tests).
 4. The layer spec: mcore_bridge's ``register.py`` passes ``use_transformer_engine=True`` to
    megatron-core's ``get_gpt_decoder_block_spec`` (and the MTP block spec), which then asks for
    ``TENorm``. Here it gets ``use_transformer_engine=False``: megatron-core's local spec (its torch
@@ -104,6 +108,8 @@ def _import_mcore_bridge():
         te_ext.TEGroupedLinear = type("TEGroupedLinearPlaceholder", (), {})
     sys.modules.update({"transformer_engine": te, "transformer_engine.pytorch": te.pytorch})
     sys.modules.update({name: _TritonKernelPlaceholder(name) for name in _TRITON_KERNELS})
+    from peft.tuners.lora import model as peft_lora
+    peft_dispatch = peft_lora.dispatch_megatron
     try:
         import mcore_bridge
         for name in ("mcore_bridge.model.register", "mcore_bridge.model.gpt_model", "mcore_bridge.bridge.gpt_bridge"):
@@ -116,6 +122,7 @@ def _import_mcore_bridge():
             te_ext.TEGroupedLinear = None
         import peft.import_utils
         peft.import_utils.is_te_available.cache_clear()  # peft must not remember the stand-in
+        peft_lora.dispatch_megatron = peft_dispatch  # 3b
 
 
 _LOCAL_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",

@@ -63,6 +63,9 @@ def cpu():
         with mb.mcore_bridge_on_cpu():
             yield
     finally:
+        from megatron.core import parallel_state as mpu
+        if mpu.model_parallel_is_initialized():
+            mpu.destroy_model_parallel()  # twinkle's strategy set it up; later tests set up their own
         if own:
             dist.destroy_process_group()
 
