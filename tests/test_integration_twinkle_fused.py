@@ -10,7 +10,9 @@ layer's input (python/twinkle_mem/integrations/twinkle_lm_head.py), on the CPU:
 - no tensor whose last dim is the vocab (1018, no other dim of these models) is created, seen
   by a dispatch mode that also runs inside twinkle-mem's Python custom ops; the unfused run,
   and every ineligible call under install(fused_lm_head=True), do create the logits;
-- failures after the switch raise, also under TWINKLE_FAIL_FAST=0.
+- a micro-batch that fails in twinkle's forward step under TWINKLE_FAIL_FAST=0 gives what it gives
+  unfused (NaN rows, a FailedMicroBatchWarning, the same loss and gradients); the fused head's own
+  refusals raise, under TWINKLE_FAIL_FAST=0 once megatron's schedule has returned.
 """
 import functools
 import logging
@@ -392,15 +394,75 @@ def test_call_eligibility_reasons():
 # --- failures after the switch are loud ----------------------------------------
 
 
-def test_megatron_lost_log_probs_raise_under_fail_fast_0(monkeypatch):
+def failed_run(monkeypatch, fused, failing, entropy, **kwargs):
+    """A Megatron run under TWINKLE_FAIL_FAST=0 whose micro-batches in ``failing`` lose their log-probs in
+    twinkle's forward step (after selective_log_softmax), with twinkle's SafeLossWrapper as twinkle's
+    ``set_loss`` puts it: (the run, the FailedMicroBatchWarnings)."""
     from twinkle.processor.base import InputProcessor
     from twinkle.utils.nccl_safe import SafeLossWrapper
-    # TWINKLE_FAIL_FAST=0: twinkle's forward step catches the second micro-batch's error
-    real_unpack = th.fail_unpacking(monkeypatch, InputProcessor, failing={1})
-    # twinkle's SafeLossWrapper would turn a loss's error (e.g. GRPOLoss computing from the placeholder) into 0
-    with pytest.raises(RuntimeError, match="micro-batch 1 lost its log-probs"):
-        run("megatron", True, loss=SafeLossWrapper(grpo(True)))
-    monkeypatch.setattr(InputProcessor, "unpack_packed_sequences", real_unpack)
+    real_unpack = th.fail_unpacking(monkeypatch, InputProcessor, failing=failing)
+    loss = grpo(entropy)
+    try:
+        with pytest.warns(integration.FailedMicroBatchWarning) as caught:
+            got = run("megatron", fused, loss=SafeLossWrapper(loss), **kwargs)
+    finally:
+        monkeypatch.setattr(InputProcessor, "unpack_packed_sequences", real_unpack)
+    got["seen"] = loss.seen
+    return got, [w.message for w in caught if isinstance(w.message, integration.FailedMicroBatchWarning)]
+
+
+@pytest.mark.parametrize("forward_only", [False, True], ids=["forward_backward", "forward_only"])
+@pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])
+def test_megatron_failed_micro_batch_fused_as_unfused(monkeypatch, entropy, forward_only, fused_calls):
+    """TWINKLE_FAIL_FAST=0, micro-batch 1 of 2 fails after its log-probs were computed: on the fused path
+    as on the unfused one, NaN rows at its place, a warning naming it, the same loss and gradients (the
+    loss computes its log-probs from "logits": the logits unfused, the placeholder's results fused; with
+    an entropy bonus it raises, and SafeLossWrapper makes a zero loss of it on both)."""
+    want, want_warnings = failed_run(monkeypatch, False, {1}, entropy, forward_only=forward_only)
+    got, got_warnings = failed_run(monkeypatch, True, {1}, entropy, forward_only=forward_only)
+    assert len(fused_calls) == 2
+    assert [(w.micro_batches, w.rows) for w in got_warnings] == [(w.micro_batches, w.rows)
+                                                                 for w in want_warnings] == [([1], [range(2, 4)])]
+    logps, ref_logps = got["out"]["logps"], want["out"]["logps"]
+    assert logps.shape == ref_logps.shape == (len(LENGTHS), SEQ)
+    assert torch.isnan(logps[2:]).all() and torch.isnan(ref_logps[2:]).all()
+    mask = want["labels"][:2] != -100
+    assert_close(logps[:2][mask], ref_logps[:2][mask], torch.float32, "logps of the micro-batch that did not fail")
+    assert got["out"]["loss"] == pytest.approx(want["out"]["loss"], rel=1e-4, abs=1e-6)
+    assert (forward_only or want["out"]["loss"] != 0) and len(got["seen"]) == len(want["seen"]) == 2
+    assert got["grads"].keys() == want["grads"].keys() and (forward_only or want["grads"])
+    for name, ref in want["grads"].items():
+        assert_close(got["grads"][name], ref, torch.float32, f"grad of {name}")
+
+
+def test_megatron_refusal_raises_after_the_step(monkeypatch):
+    """The fused head's own refusal (here: the output transformed after the layer), swallowed by twinkle's
+    TWINKLE_FAIL_FAST=0 catch and SafeLossWrapper: raised once megatron's schedule has returned."""
+    from twinkle.utils.nccl_safe import SafeLossWrapper
+    monkeypatch.setenv("TWINKLE_FAIL_FAST", "0")
+    monkeypatch.setattr(logging.getLogger("twinkle"), "disabled", True)
+    returned = []
+    real_get = integration._scheduler_with_step_hooks
+
+    def watched(original):
+        hooked = real_get(original)
+
+        def get_forward_backward_func(*args, **kwargs):
+            schedule = hooked(*args, **kwargs)
+
+            def run_schedule(*a, **kw):
+                out = schedule(*a, **kw)
+                returned.append(True)
+                return out
+
+            return run_schedule
+
+        return get_forward_backward_func
+
+    monkeypatch.setattr(integration, "_scheduler_with_step_hooks", watched)
+    with pytest.raises(RuntimeError, match="micro-batch 0: .*not the output layer's pending placeholder"):
+        run("megatron", True, edit=_scale_output, loss=SafeLossWrapper(grpo(False)))
+    assert returned == [True]  # the schedule ran to its end first
     assert run("megatron", True)["out"]["logps"].shape == (len(LENGTHS), SEQ)  # nothing left behind
 
 

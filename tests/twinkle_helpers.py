@@ -65,6 +65,45 @@ def cpu_schedules():
         schedules.torch = real_torch
 
 
+class _CpuCudaTorch:
+    """``torch`` for a megatron module: ``torch.cuda.current_device()`` answers "cpu" (the p2p module's
+    receive buffers and shape tensors, RoPE's frequencies) and ``torch.cuda.synchronize()`` does nothing."""
+
+    class _Cuda:
+        def __init__(self, real):
+            self._real = real
+
+        def __getattr__(self, name):
+            return getattr(self._real, name)
+
+        @staticmethod
+        def current_device():
+            return "cpu"
+
+        @staticmethod
+        def synchronize(device=None):
+            pass
+
+    def __init__(self, real):
+        self._real = real
+        self.cuda = self._Cuda(real.cuda)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@contextlib.contextmanager
+def cpu_p2p():
+    """megatron-core's pipeline p2p communication on the CPU (gloo carries the traffic); undone on exit."""
+    from megatron.core.pipeline_parallel import p2p_communication
+    real_torch = p2p_communication.torch
+    p2p_communication.torch = _CpuCudaTorch(real_torch)
+    try:
+        yield
+    finally:
+        p2p_communication.torch = real_torch
+
+
 @contextlib.contextmanager
 def megatron_cpu():
     import torch.distributed as dist
@@ -200,7 +239,7 @@ def cpu_platform(device_prefix: str = "cpu"):
 
 
 def twinkle_megatron_model(toy: nn.Module, loss=None, variable_seq_lengths: bool = False, tp_size: int = 1,
-                           sequence_parallel: bool = False):
+                           sequence_parallel: bool = False, pp_size: int = 1):
     """twinkle's ``MegatronModel`` with the state its ``forward_backward`` reads, around ``toy``
     (a ``ToyLM``, or a megatron-core model chunk).
 
@@ -213,7 +252,7 @@ def twinkle_megatron_model(toy: nn.Module, loss=None, variable_seq_lengths: bool
     from twinkle.model.megatron.strategy.megatron import MegatronStrategy
     from twinkle.processor import InputProcessor
 
-    mesh = DeviceMesh.from_sizes(world_size=tp_size, dp_size=1, tp_size=tp_size,
+    mesh = DeviceMesh.from_sizes(world_size=tp_size * pp_size, dp_size=1, tp_size=tp_size, pp_size=pp_size,
                                  sequence_parallel=sequence_parallel)
     strategy = MegatronStrategy.__new__(MegatronStrategy)
     strategy.device_mesh = mesh
@@ -267,7 +306,8 @@ def megatron_gpt_cpu():
 def gpt_model(vocab: int, hidden: int = 32, heads: int = 4, layers: int = 1, max_seq: int = 128, tied: bool = False,
               dtype: torch.dtype = torch.float32, sequence_parallel: bool = False, seed: int = 0) -> nn.Module:
     """A small megatron-core ``GPTModel`` (local layer spec, learned positions: RoPE needs CUDA)
-    for the current model-parallel state; ``dtype=torch.bfloat16`` wraps it in ``Float16Module``,
+    for the current model-parallel state (under pipeline parallelism: this stage's layers, with the
+    embedding on the first stage and the output layer on the last); ``dtype=torch.bfloat16`` wraps it in ``Float16Module``,
     as Megatron trains in bf16. The same seed gives the same full weights whatever the TP size
     (``use_cpu_initialization`` initialises the full matrix, then takes this rank's part)."""
     from megatron.core.models.gpt import GPTModel
@@ -277,15 +317,19 @@ def gpt_model(vocab: int, hidden: int = 32, heads: int = 4, layers: int = 1, max
 
     from megatron.core import parallel_state
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
     config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                                use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                                calculate_per_token_loss=True, tensor_model_parallel_size=tp,
+                               pipeline_model_parallel_size=pp, pipeline_dtype=dtype,
                                sequence_parallel=sequence_parallel, bf16=dtype == torch.bfloat16)
     torch.manual_seed(seed)
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=max_seq,
-                     position_embedding_type="learned_absolute", share_embeddings_and_output_weights=tied)
-    # twinkle pads position_ids with -1; a learned position table needs an index there.
-    model.embedding.position_embeddings.register_forward_pre_hook(lambda _, args: (args[0].clamp(min=0), ))
+                     position_embedding_type="learned_absolute", share_embeddings_and_output_weights=tied,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
+    if model.pre_process:  # twinkle pads position_ids with -1; a learned position table needs an index there.
+        model.embedding.position_embeddings.register_forward_pre_hook(lambda _, args: (args[0].clamp(min=0), ))
     if dtype == torch.bfloat16:
         model = Float16Module(config, model)
     return model

@@ -311,6 +311,8 @@ def _megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: 
             token = _STEPS.set(steps)
             stack.callback(_STEPS.reset, token)
             out = original(self, *args, **kwargs)
+        if steps.refused:
+            _refusals_after_the_step(steps.refused)
         if guard and steps.failed:
             _report_failed_micro_batches(self, kwargs, out, steps.failed)
         return out
@@ -332,7 +334,8 @@ def _fused_megatron(model, kwargs, loss, chunk_bytes):
         yield None
         return
     call = lm_head.FusedCall.for_call(kwargs, loss, chunk_bytes)
-    with lm_head.deferred(layers, lm_head.megatron_forward, call):
+    with lm_head.deferred(layers, lm_head.megatron_forward, call), \
+            lm_head.mtp_called_without_labels(model.model, call):
         yield call
 
 
@@ -386,6 +389,7 @@ class _MegatronSteps:
         self.labels = None
         self.loss_steps = 0  # micro-batches seen by the last pipeline stage
         self.failed: List[int] = []
+        self.refused: List[Tuple[int, str]] = []  # (micro-batch, why) where the fused head refused
 
     def wrap(self, forward_step_func):
 
@@ -393,6 +397,8 @@ class _MegatronSteps:
         def forward_step(data_iterator, model):
             call = self.fused
             deferred = call.deferred if call is not None else 0
+            if call is not None:
+                call.refused = None  # a refusal inside the previous micro-batch's loss is not this one's
             self.labels = None
             try:
                 output, loss_func = forward_step_func(_LabelsOfNextBatch(data_iterator, self), model)
@@ -404,26 +410,43 @@ class _MegatronSteps:
             index = self.loss_steps
             self.loss_steps += 1
             keywords = getattr(loss_func, "keywords", {})  # twinkle's partial(post_loss_function, ...)
+            lost = self.expects_logps and self.labels is not None and "logps" in keywords and keywords["logps"] is None
             if call is not None and call.deferred != deferred:
-                if call.pending is not None or keywords.get("logps") is None:
-                    call.pending = None
-                    # twinkle caught an error (TWINKLE_FAIL_FAST=0) and would compute the loss from its
-                    # "logits": the placeholder. Nothing sound can follow.
-                    raise RuntimeError(f"twinkle-mem fused LM head: micro-batch {index} lost its log-probs in "
-                                       "twinkle's forward step (see twinkle's '[nccl_safe]' warning above); "
-                                       "refusing to compute a loss without them. install(fused_lm_head=False) runs "
-                                       "twinkle-kit unchanged.")
-            elif self.expects_logps and self.labels is not None and "logps" in keywords \
-                    and keywords["logps"] is None:
+                # This micro-batch went through the fused head. Never raise here: under pipeline parallelism
+                # the other stages would wait in their p2p receives (see _refusals_after_the_step).
+                refused, pending, taken = call.refused, call.pending, call.taken
+                call.refused = call.pending = call.taken = None
+                if refused is None and pending is not None and not lost:
+                    refused = ("the output layer's log-probs were computed but twinkle did not ask for them; its "
+                               "logits (a zero-width placeholder) must not reach a loss")
+                if refused is not None:
+                    self.refused.append((index, refused))
+                elif lost:
+                    # twinkle's TWINKLE_FAIL_FAST=0 catch dropped the log-probs it had been handed (a data-processing
+                    # error after selective_log_softmax): its loss computes them from "logits" as it does unfused,
+                    # and gets the same results from the placeholder.
+                    loss_func = call.rearmed(loss_func, taken if taken is not None else pending)
+            if lost:
                 self.failed.append(index)
             return output, loss_func
-
         return forward_step
 
     def _last_stage(self, chunk) -> bool:
         from megatron.core import parallel_state as mpu
         unwrapped = self.model.strategy.unwrap_model([chunk])[0]
         return mpu.is_pipeline_last_stage(False, getattr(unwrapped, "vp_stage", None))
+
+
+def _refusals_after_the_step(refused: List[Tuple[int, str]]) -> None:
+    """Raise for the micro-batches whose fused head refused (twinkle's TWINKLE_FAIL_FAST=0 catch had
+    swallowed the error). Raised after megatron's schedule has returned, so that every pipeline stage
+    finished the step; the refused micro-batches' log-probs reached no loss (twinkle's SafeLossWrapper
+    made a zero loss of them, or the loss raised)."""
+    where = "; ".join(f"micro-batch {i}: {why}" for i, why in refused)
+    raise RuntimeError(f"twinkle-mem fused LM head: {len(refused)} micro-batch(es) lost their log-probs in twinkle's "
+                       f"forward step (see twinkle's '[nccl_safe]' warning), where the fused head refused: {where}. "
+                       "No result of this step can be trusted; install(fused_lm_head=False) runs twinkle-kit "
+                       "unchanged.")
 
 
 def _report_failed_micro_batches(model, kwargs, out, failed: List[int]) -> None:

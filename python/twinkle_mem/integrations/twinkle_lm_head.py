@@ -29,6 +29,7 @@ from ``outputs['logits']``), or labels that do not match, raise RuntimeError.
 Zero-width logits cannot yield a loss silently.
 """
 import contextlib
+import dataclasses
 import sys
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -51,6 +52,9 @@ class _Deferred:
     logp: torch.Tensor
     entropy: Optional[torch.Tensor]
     labels: torch.Tensor
+    # Handed again to a loss that computes its log-probs from outputs['logits'] because twinkle lost
+    # them (TWINKLE_FAIL_FAST=0): it may ask for the log-probs alone.
+    loss_fallback: bool = False
 
 
 class FusedCall:
@@ -65,6 +69,9 @@ class FusedCall:
         self.labels_from_processor = labels_from_processor  # else set per micro-batch by the step hooks
         self.labels: Optional[torch.Tensor] = None  # the micro-batch's labels, IGNORE_INDEX where ignored
         self.pending: Optional[_Deferred] = None
+        self.taken: Optional[_Deferred] = None  # the last result handed to twinkle
+        self.refused: Optional[str] = None  # why take()/defer() last refused (twinkle may catch the error)
+        self.model_has_labels = False  # an MTP model called with labels (mtp_called_without_labels)
         self.deferred = 0  # results computed by deferred heads
 
     @classmethod
@@ -84,14 +91,35 @@ class FusedCall:
         """Keep (logp, entropy) for twinkle's call; return the placeholder standing for the logits."""
         if self.pending is not None:
             self.pending = None
-            raise RuntimeError("twinkle-mem fused LM head: the output layer ran twice before twinkle computed the "
-                               "log-probs of the first call (multi-token prediction or a second head?); refusing "
-                               "to go on. install(fused_lm_head=False) runs twinkle-kit unchanged.")
-        # fp32, so that Float16Module's upcast and a model's own `.float()` return it unchanged.
-        placeholder = hidden.new_empty((*hidden.shape[:-1], 0), dtype=torch.float32)
+            raise self.refuse("the output layer ran twice before twinkle computed the log-probs of the first call "
+                              "(multi-token prediction or a second head?); refusing to go on. "
+                              "install(fused_lm_head=False) runs twinkle-kit unchanged.")
+        # fp32, so that Float16Module's upcast and a model's own `.float()` return it unchanged; in the
+        # graph of the hidden states, so that a zero loss made from it (twinkle's SafeLossWrapper after an
+        # error) still sends a gradient back through the pipeline.
+        placeholder = hidden[..., :0].to(torch.float32) * 1.0
         self.pending = _Deferred(placeholder, logp, entropy, self.labels)
         self.deferred += 1
         return placeholder
+
+    def refuse(self, message: str) -> RuntimeError:
+        """The error for a refusal, remembered: twinkle's TWINKLE_FAIL_FAST=0 catch may swallow it."""
+        self.refused = message
+        return RuntimeError(f"twinkle-mem fused LM head: {message}")
+
+    def rearmed(self, loss_func, result: "_Deferred"):
+        """``loss_func`` with ``result`` pending while it runs: twinkle lost a micro-batch's log-probs
+        after computing them (``TWINKLE_FAIL_FAST=0``), and its loss then computes them from
+        ``outputs['logits']`` (the placeholder), as it would from the logits unfused."""
+
+        def loss_func_with_result(*args, **kwargs):
+            self.pending = dataclasses.replace(result, loss_fallback=True)
+            try:
+                return loss_func(*args, **kwargs)
+            finally:
+                self.pending = None
+
+        return loss_func_with_result
 
     def check_taken(self, where: str) -> None:
         """Raise if a deferred result was not taken by twinkle's ``selective_log_softmax``."""
@@ -116,21 +144,24 @@ def take(logits: torch.Tensor, index: torch.Tensor, return_entropy: bool):
     call = _CALL.get()
     pending = call.pending if call is not None else None
     if pending is None or not (logits is pending.placeholder or logits._base is pending.placeholder):
-        raise RuntimeError(
-            f"twinkle-mem fused LM head: selective_log_softmax got logits of shape {tuple(logits.shape)} (zero "
-            "width) that are not the output layer's pending placeholder: something transformed the output layer's "
-            "result, or a loss is computing from outputs['logits'] after the log-probs were lost. The logits do not "
-            "exist on the fused path. install(fused_lm_head=False) runs twinkle-kit unchanged.")
+        message = (f"selective_log_softmax got logits of shape {tuple(logits.shape)} (zero width) that are not the "
+                   "output layer's pending placeholder: something transformed the output layer's result, or a loss "
+                   "is computing from outputs['logits'] after the log-probs were lost. The logits do not exist on "
+                   "the fused path. install(fused_lm_head=False) runs twinkle-kit unchanged.")
+        if call is None:
+            raise RuntimeError(f"twinkle-mem fused LM head: {message}")
+        raise call.refuse(message)
     masked = pending.labels.masked_fill(pending.labels == IGNORE_INDEX, 0)
     if index.shape != masked.shape or not torch.equal(index.to(masked.dtype), masked):
         call.pending = None
-        raise RuntimeError(f"twinkle-mem fused LM head: twinkle asked for the log-probs of labels {tuple(index.shape)} "
-                           f"that are not the micro-batch's labels {tuple(masked.shape)} with -100 masked to 0")
-    if bool(return_entropy) != (pending.entropy is not None):
+        raise call.refuse(f"twinkle asked for the log-probs of labels {tuple(index.shape)} that are not the "
+                          f"micro-batch's labels {tuple(masked.shape)} with -100 masked to 0")
+    if bool(return_entropy) != (pending.entropy is not None) and not (pending.loss_fallback and not return_entropy):
         call.pending = None
-        raise RuntimeError(f"twinkle-mem fused LM head: entropy {'asked for' if return_entropy else 'not asked for'} "
-                           "but the loss's require_entropy said otherwise")
+        raise call.refuse(f"entropy {'asked for' if return_entropy else 'not asked for'} but the loss's "
+                          "require_entropy said otherwise")
     call.pending = None
+    call.taken = pending
     return (pending.logp, pending.entropy) if return_entropy else pending.logp
 
 
@@ -189,10 +220,12 @@ def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
     from twinkle.patch.megatron_emb import _find_post_process_owner
     known_postprocess = {GPTModel._postprocess}
     known_output_layer = set()
+    labels_free_mtp = set()  # post-processings that run no MTP head when the model is called without labels
     bridge = sys.modules.get("mcore_bridge.model.gpt_model")  # twinkle builds real models with mcore_bridge
     if bridge is not None and hasattr(bridge, "GPTModel"):
         known_postprocess.add(bridge.GPTModel._postprocess)
         known_output_layer.add(getattr(bridge.GPTModel, "_forward_output_layer", None))
+        labels_free_mtp.add(bridge.GPTModel._postprocess)
     layers = []
     for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
         owner = _find_post_process_owner(chunk)
@@ -207,8 +240,8 @@ def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
             return [], "the output layer has a bias"
         if layer.gather_output or layer.explicit_expert_comm:
             return [], "the output layer gathers its output"
-        if getattr(config, "mtp_num_layers", None):
-            return [], "multi-token prediction"
+        if getattr(config, "mtp_num_layers", None) and cls._postprocess not in labels_free_mtp:
+            return [], "multi-token prediction"  # megatron-core's GPTModel runs its MTP head without labels too
         if getattr(config, "defer_embedding_wgrad_compute", False):
             return [], "defer_embedding_wgrad_compute"
         if getattr(config, "task_type", "causal_lm") != "causal_lm":
@@ -221,6 +254,37 @@ def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
             return [], reason
         layers.append(layer)
     return layers, None
+
+
+@contextlib.contextmanager
+def mtp_called_without_labels(model_chunks, call: FusedCall) -> Iterator[None]:
+    """Keep the fused head to model calls without labels on models with multi-token prediction.
+
+    mcore_bridge's GPTModel runs its MTP head (and the output layer once more per MTP layer) only when
+    called with labels; twinkle's forward step pops them, so there the output layer runs once per
+    micro-batch. A call with labels (not twinkle's) runs unchanged: the deferred forward steps aside.
+    """
+    from twinkle.patch.megatron_emb import _find_post_process_owner
+    handles = []
+
+    def before(module, args, kwargs):
+        labels = kwargs.get("labels", args[4] if len(args) > 4 else None)
+        call.model_has_labels = labels is not None
+
+    def after(module, args, kwargs, output):
+        call.model_has_labels = False
+
+    try:
+        for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
+            owner = _find_post_process_owner(chunk)
+            if owner is not None and getattr(owner.config, "mtp_num_layers", None):
+                handles.append(owner.register_forward_pre_hook(before, with_kwargs=True))
+                handles.append(owner.register_forward_hook(after, with_kwargs=True, always_call=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        call.model_has_labels = False
 
 
 def transformers_lm_head(wrapped_model, unwrapped) -> Tuple[Optional[torch.nn.Module], Optional[str]]:
@@ -271,7 +335,7 @@ def megatron_forward(original):
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         call = _CALL.get()
-        if call is None or call.labels is None or runtime_gather_output:
+        if call is None or call.labels is None or runtime_gather_output or call.model_has_labels:
             return original(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                             gather_from_sequence_parallel_region)
