@@ -5,10 +5,25 @@ entropy within 1e-6 absolute + 1e-6 relative of float64, gradients within
 2 ulp + 2^-22 of the row's largest + the subnormal step, or no worse than 2x
 torch's own fp32 path on the same input.
 """
+import contextlib
+
 import torch
 
 import twinkle_mem
 from numerics import check_outputs
+
+
+@contextlib.contextmanager
+def saved_for_backward():
+    """``with saved_for_backward() as saved: ...``: every tensor autograd saves inside the block, in order."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield saved
 
 
 def assert_stats_close(got, ref, what):

@@ -43,7 +43,7 @@ def _composite_forward(*args):
 IMPLS = [
     Impl("cpu", ops.selective_log_softmax_fwd, _native_backward),
     Impl("composite", _composite_forward, _composite_backward),
-    Impl("npu_emulated", npu_emulation.forward, npu_emulation.backward),
+    Impl("npu_emulated", npu_emulation.forward, npu_emulation.backward, checks_arguments=False),
 ]
 
 
@@ -52,7 +52,8 @@ IMPLS = [
 import cuda_emulation  # noqa: E402
 
 if cuda_emulation.compiler() is not None:
-    IMPLS.append(Impl("cuda_emulated", cuda_emulation.forward, cuda_emulation.backward, max_elements=1 << 20))
+    IMPLS.append(Impl("cuda_emulated", cuda_emulation.forward, cuda_emulation.backward, max_elements=1 << 20,
+                      checks_arguments=False))
 
 
 # The CUDA kernels on a GPU, when there is one: CPU tensors in, CPU tensors out.

@@ -19,7 +19,7 @@ import torch
 
 import twinkle_mem
 from helpers import (assert_stats_close, check_against_reference, check_inplace_backward_matches, make_case,
-                     opcheck_op_schemas)
+                     opcheck_op_schemas, saved_for_backward)
 from numerics import check_outputs
 from twinkle_mem import composite
 from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
@@ -227,45 +227,13 @@ def test_opcheck(forced, dtype):
     opcheck_op_schemas(dtype)
 
 
-def test_bad_input_raises(forced):
-    logits, labels = make_case(4, 10, torch.float32)
-    for bad_label in (10, -1, 2**40):
-        bad = labels.clone()
-        bad[2] = bad_label
-        with pytest.raises(RuntimeError, match=r"label out of range: labels.flatten\(\)\[2\]"):
-            twinkle_mem.selective_log_softmax(logits, bad)
-    bad = labels.clone()
-    bad[2] = -100
-    twinkle_mem.selective_log_softmax(logits, bad, ignore_index=-100)  # ignore_index is exempt
-    with pytest.raises(RuntimeError, match="labels must have the logits' leading shape"):
-        ops.selective_log_softmax_fwd(logits, labels[:2], 1.0, -100, 0, 10, False)
-    with pytest.raises(RuntimeError, match="vocab_size"):
-        ops.selective_log_softmax_fwd(logits, labels, 1.0, -100, 5, 10, False)
-    with pytest.raises(RuntimeError, match="unit stride"):
-        ops.selective_log_softmax_fwd(logits.t(), labels.repeat(3)[:10], 1.0, -100, 0, 10, False)
-    with pytest.raises(RuntimeError, match="inv_temperature"):
-        ops.selective_log_softmax_fwd(logits, labels, -1.0, -100, 0, 10, False)
-    with pytest.raises(RuntimeError, match="int64 or int32"):
-        ops.selective_log_softmax_fwd(logits, labels.float(), 1.0, -100, 0, 10, False)
-    with pytest.raises(RuntimeError, match="overlap"):
-        ops.selective_log_softmax_fwd(logits[:1].expand(4, 10), labels, 1.0, -100, 0, 10, False)
-    _, entropy, shift, log_sum = ops.selective_log_softmax_fwd(logits, labels, 1.0, -100, 0, 10, True)
-    with pytest.raises(RuntimeError, match="shift"):
-        ops.selective_log_softmax_bwd(shift, None, logits, labels, shift[:3], log_sum, None, 1.0, -100, 0)
-    with pytest.raises(RuntimeError, match="entropy"):
-        ops.selective_log_softmax_bwd(shift, shift, logits, labels, shift, log_sum, None, 1.0, -100, 0)
-    with pytest.raises(RuntimeError, match="grad_logp"):
-        ops.selective_log_softmax_bwd(shift.double(), None, logits, labels, shift, log_sum, None, 1.0, -100, 0)
-
-
 # ----------------------------------------------------------------- memory
 def test_saves_only_the_logits_reference_and_row_stats(forced):
     per_token = {}
     for n in (256, 2048):
         logits = torch.randn(n, 4096, dtype=torch.bfloat16).requires_grad_()
         labels = torch.randint(0, 4096, (n,))
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with saved_for_backward() as saved:
             twinkle_mem.selective_log_softmax(logits, labels, True)
         refs = [t for t in saved if t.data_ptr() == logits.data_ptr()]
         others = [t for t in saved if t.data_ptr() != logits.data_ptr()]

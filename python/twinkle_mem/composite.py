@@ -34,7 +34,9 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from .ops import new_grad_like, stats_dtype  # (importing ops loads the schemas)
+from . import _contract as contract
+from ._contract import stats_dtype
+from .ops import new_grad_like  # (importing ops loads the schemas)
 from .row_stats import label_matrix, output_shift
 
 DEFAULT_BUDGET_BYTES = 64 << 20
@@ -79,73 +81,6 @@ def _blocks(n: int, v: int, rows: int, cols: int) -> Iterator[tuple[int, int, in
     for r0 in range(0, n, rows):
         for c0 in range(0, v, cols):
             yield r0, min(r0 + rows, n), c0, min(c0 + cols, v)
-
-
-# ------------------------------------------------------------ argument checks
-# The checks of csrc/common/op_checks.h, with the same messages (RuntimeError).
-def _fail(msg: str) -> None:
-    raise RuntimeError("twinkle_mem: " + msg)
-
-
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-
-
-def _check_logits(logits: torch.Tensor) -> None:
-    if logits.dim() not in (2, 3):
-        _fail(f"logits must be [N, V] or [B, S, V] (the Python API flattens other leading dims), got "
-              f"{logits.dim()}-D")
-    if logits.dtype not in _FLOAT_DTYPES:
-        _fail("logits must be bfloat16, float16, float32 or float64")
-    v = logits.shape[-1]
-    if v < 1 and logits.numel() == 0 and math.prod(logits.shape[:-1]) != 0:
-        _fail("logits must have a vocab dim of size >= 1")
-    if v > 1 and logits.stride(-1) != 1:
-        _fail(f"logits must have unit stride on the vocab dim, got stride {logits.stride(-1)}")
-    dims = sorted((d for d in range(logits.dim() - 1) if logits.shape[d] > 1), key=logits.stride)
-    extent = v
-    for d in dims:
-        if logits.stride(d) < extent:
-            _fail(f"logits rows must not overlap (stride {logits.stride(d)} of dim {d} < {extent} elements inside it)")
-        extent += (logits.shape[d] - 1) * logits.stride(d)
-
-
-def _check_labels(labels: torch.Tensor, logits: torch.Tensor) -> None:
-    lead = logits.shape[:-1]
-    if labels.dim() not in (len(lead), len(lead) + 1) or labels.shape[:len(lead)] != lead:
-        _fail("labels must have the logits' leading shape, optionally with a trailing dim of k labels per row "
-              f"(labels {labels.dim()}-D, logits {logits.dim()}-D)")
-    if labels.dtype not in (torch.int64, torch.int32):
-        _fail("labels must be int64 or int32")
-    if labels.device != logits.device:
-        _fail("labels and logits must be on the same device")
-
-
-def _check_stats(t: torch.Tensor, name: str, shape, what: str, logits: torch.Tensor) -> None:
-    if tuple(t.shape) != tuple(shape):
-        _fail(f"{name} must have the shape of {what}")
-    if t.dtype != stats_dtype(logits):
-        _fail(f"{name} must be float32 (float64 for float64 logits)")
-    if t.device != logits.device:
-        _fail(f"{name} must be on the logits' device")
-
-
-def _check_inv_temperature(inv_temperature: float) -> None:
-    if not (math.isfinite(inv_temperature) and inv_temperature > 0):
-        _fail(f"inv_temperature must be finite and > 0 (temperature > 0), got {inv_temperature}")
-
-
-def _check_label_range(y: torch.Tensor, ignored: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
-    bad = ~ignored & ((y < 0) | (y >= vocab_size))
-    if y.numel() == 0:
-        return
-    if y.device.type != "cpu":
-        # No host synchronisation on an accelerator: a device-side assert, as nll_loss does.
-        torch._assert_async(~bad.any(), "twinkle_mem: label out of range (not in [0, vocab_size), not ignore_index)")
-        return
-    if bool(bad.any()):
-        i = int(bad.flatten().nonzero()[0, 0])
-        raise RuntimeError(f"twinkle_mem: label out of range: labels.flatten()[{i}] = {int(y.flatten()[i])} is not "
-                           f"in [0, {vocab_size}) and is not ignore_index ({ignore_index})")
 
 
 def _row_labels(labels: torch.Tensor, lead_dims: int, ignore_index: int, vocab_start: int, v: int):
@@ -211,16 +146,14 @@ _U_FLOOR = {torch.float32: -150.0, torch.float64: -1100.0}
 def selective_log_softmax_fwd(logits, labels, inv_temperature, ignore_index, vocab_start, vocab_size,
                               with_entropy, inplace_backward=False, *, budget_bytes: Optional[int] = None):
     """Composite twinkle_mem::selective_log_softmax_fwd (same arguments and results)."""
-    _check_logits(logits)
-    _check_labels(labels, logits)
-    _check_inv_temperature(inv_temperature)
+    contract.check_op_logits(logits)
+    contract.check_op_labels(labels, logits)
+    contract.check_op_inv_temperature(inv_temperature)
     lead = logits.shape[:-1]
     v = logits.shape[-1]
-    if vocab_start < 0 or vocab_start + v > vocab_size:
-        _fail(f"the logits' vocab shard [vocab_start, vocab_start + V) = [{vocab_start}, {vocab_start + v}) must "
-              f"lie within [0, vocab_size = {vocab_size})")
+    contract.check_op_vocab_shard(vocab_start, v, vocab_size)
     y, ignored, target, skipped = _row_labels(labels, len(lead), ignore_index, vocab_start, v)
-    _check_label_range(y, ignored, vocab_size, ignore_index)
+    contract.check_op_label_range(y, ignored, vocab_size, ignore_index)
 
     acc = stats_dtype(logits)
     inv_t = float(inv_temperature)
@@ -256,21 +189,6 @@ def selective_log_softmax_fwd(logits, labels, inv_temperature, ignore_index, voc
                     lp = (x_t - row_shift.double().unsqueeze(1)) * inv_t - row_log_sum.double().unsqueeze(1)
                     logp[rs] = torch.where(tgt >= 0, lp.to(acc), zero)
     return logp.view(labels.shape), entropy.view(lead if with_entropy else (0,)), shift.view(lead), log_sum.view(lead)
-
-
-def _check_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature):
-    _check_logits(logits)
-    _check_labels(labels, logits)
-    lead = logits.shape[:-1]
-    _check_stats(grad_logp, "grad_logp", labels.shape, "the labels", logits)
-    _check_stats(shift, "shift", lead, "the logits' leading dims", logits)
-    _check_stats(log_sum, "log_sum", lead, "the logits' leading dims", logits)
-    if grad_entropy is not None:
-        _check_stats(grad_entropy, "grad_entropy", lead, "the logits' leading dims", logits)
-        if entropy is None:
-            _fail("grad_entropy needs entropy (run the forward with_entropy)")
-        _check_stats(entropy, "entropy", lead, "the logits' leading dims", logits)
-    _check_inv_temperature(inv_temperature)
 
 
 def _block_grad(out, x, shift, log_sum, entropy, a, b, target, g_here, g_other, skipped, inv_t, acc):
@@ -336,7 +254,7 @@ def _backward_into(out, grad_logp, grad_entropy, logits, labels, shift, log_sum,
 def selective_log_softmax_bwd(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
                               ignore_index, vocab_start, *, budget_bytes: Optional[int] = None):
     """Composite twinkle_mem::selective_log_softmax_bwd: returns d logits (logits' dtype, layout as native)."""
-    _check_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature)
+    contract.check_op_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature)
     grad = new_grad_like(logits)
     _backward_into(grad, grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
                    ignore_index, vocab_start, resolve_budget(budget_bytes))
@@ -347,7 +265,7 @@ def selective_log_softmax_bwd(grad_logp, grad_entropy, logits, labels, shift, lo
 def selective_log_softmax_bwd_(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
                                ignore_index, vocab_start, *, budget_bytes: Optional[int] = None):
     """Composite twinkle_mem::selective_log_softmax_bwd_: writes d logits over the logits."""
-    _check_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature)
+    contract.check_op_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature)
     _backward_into(logits, grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
                    ignore_index, vocab_start, resolve_budget(budget_bytes))
 

@@ -7,51 +7,11 @@ shapes on the outputs.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import ops
+from ._contract import check_logits_args, ignore_value
 from .rows import to_op_rows
-
-# A label value no int32/int64 label can take when the caller ignores nothing.
-NO_IGNORE_INDEX = -(2**63)
-
-
-def check_args(logits, index, temperature, ignore_index) -> bool:
-    """Raises ValueError naming the bad argument; returns whether ``index`` is ``[..., k]``."""
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise ValueError(f"logits must be a floating-point tensor, got {getattr(logits, 'dtype', type(logits))}")
-    if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-        raise ValueError(f"logits dtype {logits.dtype} is not supported (bf16, fp16, fp32, fp64)")
-    if logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits must have a vocab dim of size >= 1, got shape {tuple(logits.shape)}")
-    return check_index_and_options(index, logits, "logits", temperature, ignore_index)
-
-
-def check_index_and_options(index, rows, rows_name, temperature, ignore_index) -> bool:
-    """The checks shared by every public function whose rows are ``rows [..., X]`` (the logits, or the
-    hidden states of linear_selective_log_softmax): index of the leading shape (+ [k]) on the same device,
-    temperature, ignore_index. Returns whether ``index`` is ``[..., k]``."""
-    if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"index must be an int64 or int32 tensor, got {getattr(index, 'dtype', type(index))}")
-    lead = tuple(rows.shape[:-1])
-    multi = index.dim() == rows.dim()
-    if not (tuple(index.shape) == lead or (multi and tuple(index.shape[:-1]) == lead)):
-        raise ValueError(f"index shape {tuple(index.shape)} must be {rows_name}.shape[:-1] = {lead}, or that plus a "
-                         "trailing dim of k indices per row")
-    if index.device != rows.device:
-        raise ValueError(f"index is on {index.device} but {rows_name} are on {rows.device}")
-    if isinstance(temperature, torch.Tensor):
-        raise ValueError("temperature must be a Python number, not a tensor")
-    # Comparisons, not math.isfinite: under torch.compile a temperature that changed between calls is a
-    # SymFloat, which the comparisons keep symbolic (NaN fails both).
-    if not (0 < temperature < math.inf):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-    if ignore_index is not None and not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int or None, got {type(ignore_index).__name__}")
-    return multi
-
 
 def selective_log_softmax(logits, index, return_entropy=False, *, temperature=1.0, ignore_index=None,
                           inplace_backward=False, process_group=None):
@@ -74,9 +34,9 @@ def selective_log_softmax(logits, index, return_entropy=False, *, temperature=1.
     ids: the outputs are the full-vocab ones, the same on every rank
     (``twinkle_mem.vocab_parallel``; docs/vocab_parallel.md).
     """
-    multi = check_args(logits, index, temperature, ignore_index)
+    multi = check_logits_args(logits, index, temperature, ignore_index)
     rows = to_op_rows(logits, index, multi)
-    ignore = NO_IGNORE_INDEX if ignore_index is None else int(ignore_index)
+    ignore = ignore_value(ignore_index)
     if process_group is not None and torch.distributed.get_world_size(process_group) > 1:
         from .vocab_parallel import vocab_parallel_selective_log_softmax
         logp, entropy = vocab_parallel_selective_log_softmax(rows.logits, rows.labels, return_entropy,

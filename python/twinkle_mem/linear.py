@@ -64,12 +64,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
-from .functional import NO_IGNORE_INDEX, check_index_and_options
+from ._contract import check_float_tensor, check_index_and_options, ignore_value
 from .row_stats import combine_shard_stats, output_shift
 from .vocab_parallel import gather_combine_shard_stats, rank_and_world
 
 DEFAULT_CHUNK_BYTES = 256 << 20
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 # ------------------------------------------------------------------ planning
@@ -325,9 +324,8 @@ linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ------------------------------------------------------------------ public function
 def _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_bytes) -> bool:
     """Raises ValueError naming the bad argument; returns whether ``index`` is ``[..., k]``."""
-    for name, t in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} must be a bf16/fp16/fp32/fp64 tensor, got {getattr(t, 'dtype', type(t))}")
+    check_float_tensor("hidden", hidden)
+    check_float_tensor("weight", weight)
     if hidden.dim() < 1 or hidden.shape[-1] < 1:
         raise ValueError(f"hidden must be [..., H] with H >= 1, got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
@@ -375,7 +373,7 @@ def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *,
     block_columns(n, h_size, weight.shape[0], hidden.dtype, chunk_bytes, backward=True)
     rows = hidden.reshape(n, h_size)  # a view unless the leading dims cannot be merged
     labels = index.reshape(n, index.shape[-1] if multi else 1)
-    ignore = NO_IGNORE_INDEX if ignore_index is None else int(ignore_index)
+    ignore = ignore_value(ignore_index)
     shard = weight.shape[0]
     rank, world, group_name = 0, 1, ""
     if process_group is not None and dist.get_world_size(process_group) > 1:

@@ -15,57 +15,13 @@ import torch
 from torch import Tensor
 
 from . import _native
+from ._contract import OpOptions, new_grad_like, stats_dtype  # noqa: F401  (used by composite, linear)
 
 _native.load()
 
 fwd = torch.ops.twinkle_mem.selective_log_softmax_fwd.default
 bwd = torch.ops.twinkle_mem.selective_log_softmax_bwd.default
 bwd_inplace = torch.ops.twinkle_mem.selective_log_softmax_bwd_.default
-
-
-def stats_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
-def strided_grad_alloc(sizes, strides):
-    """csrc/common/layout.h strided_grad_alloc(): sizes to allocate for a gradient
-    with the logits' strides, or None for a contiguous gradient."""
-    ndim = len(sizes)
-    if ndim not in (2, 3) or any(s < 1 for s in sizes):
-        return None
-    vocab = sizes[-1]
-    if vocab > 1 and strides[-1] != 1:
-        return None
-    if strides[-2] < vocab:
-        return None
-    alloc = [0] * ndim
-    alloc[-1] = strides[-2]
-    for d in range(ndim - 2, 0, -1):
-        if strides[d] <= 0 or strides[d - 1] % strides[d] != 0:
-            return None
-        alloc[d] = strides[d - 1] // strides[d]
-        if alloc[d] < sizes[d]:
-            return None
-    alloc[0] = sizes[0]
-    numel = 1
-    span = 1
-    for s, a in zip(sizes, alloc):
-        numel *= s
-        span *= a
-    return alloc if numel < span and span - numel <= numel // 8 else None
-
-
-def new_grad_like(logits: torch.Tensor) -> torch.Tensor:
-    """The out-of-place gradient's layout, as the native backends allocate it."""
-    sizes = list(logits.shape)
-    alloc = strided_grad_alloc(sizes, list(logits.stride()))
-    if alloc is None:
-        return logits.new_empty(sizes)
-    grad = logits.new_empty(alloc)
-    for d, (s, a) in enumerate(zip(sizes, alloc)):
-        if s != a:
-            grad = grad.narrow(d, 0, s)
-    return grad
 
 
 @torch.library.register_fake("twinkle_mem::selective_log_softmax_fwd")
@@ -93,14 +49,10 @@ def _bwd_inplace_fake(grad_logp, grad_entropy, logits, labels, shift, log_sum, e
 
 
 def _setup_context(ctx, inputs, output):
-    logits, labels, inv_temperature, ignore_index, vocab_start, _vocab_size, with_entropy, *rest = inputs
+    logits, labels, *_ = inputs
     _logp, entropy, shift, log_sum = output
-    ctx.save_for_backward(logits, labels, shift, log_sum, entropy if with_entropy else None)
-    ctx.inv_temperature = inv_temperature
-    ctx.ignore_index = ignore_index
-    ctx.vocab_start = vocab_start
-    ctx.with_entropy = with_entropy
-    ctx.inplace_backward = bool(rest[0]) if rest else False
+    ctx.options = OpOptions.of_forward(inputs)
+    ctx.save_for_backward(logits, labels, shift, log_sum, entropy if ctx.options.with_entropy else None)
     ctx.mark_non_differentiable(shift, log_sum)
 
 
@@ -119,31 +71,31 @@ class _NotTwiceDifferentiable(torch.autograd.Function):
                            "backward is one native op without a derivative of its own")
 
 
-def backward_into_logits(logits, labels, shift, log_sum, entropy, grad_logp, grad_entropy, inv_temperature,
-                         ignore_index, vocab_start, inplace):
-    """One native backward call; returns the gradient (the logits themselves when ``inplace``).
+def backward_into_logits(logits, labels, shift, log_sum, entropy, grad_logp, grad_entropy, options: OpOptions):
+    """One native backward call; returns the gradient (the logits themselves with
+    ``options.inplace_backward``; ``grad_entropy`` is used only with ``options.with_entropy``).
 
     Under ``create_graph=True`` the gradient is computed without a graph and returned through an alias
     whose backward raises, so that a second backward fails loudly instead of seeing a zero derivative."""
+    grad_entropy = grad_entropy if options.with_entropy else None
     depends_on = [t for t in (logits, grad_logp, grad_entropy) if t is not None and t.requires_grad]
     double_backward_wanted = torch.is_grad_enabled() and depends_on
     with torch.no_grad():
-        grad = _native_backward(logits, labels, shift, log_sum, entropy, grad_logp, grad_entropy, inv_temperature,
-                                ignore_index, vocab_start, inplace)
+        grad = _native_backward(logits, labels, shift, log_sum, entropy, grad_logp, grad_entropy, options)
     if double_backward_wanted:
         grad = _NotTwiceDifferentiable.apply(grad, *depends_on)
     return grad
 
 
-def _native_backward(logits, labels, shift, log_sum, entropy, grad_logp, grad_entropy, inv_temperature,
-                     ignore_index, vocab_start, inplace):
+def _native_backward(logits, labels, shift, log_sum, entropy, grad_logp, grad_entropy, options: OpOptions):
     if grad_logp is None:
         grad_logp = shift.new_zeros(labels.shape)
     use_entropy = entropy is not None and grad_entropy is not None
     args = (grad_logp, grad_entropy if use_entropy else None)
-    rest = (labels, shift, log_sum, entropy if use_entropy else None, inv_temperature, ignore_index, vocab_start)
-    tensor_temperature = isinstance(inv_temperature, Tensor)  # the fwd_t path
-    if inplace:
+    rest = (labels, shift, log_sum, entropy if use_entropy else None, options.inv_temperature, options.ignore_index,
+            options.vocab_start)
+    tensor_temperature = isinstance(options.inv_temperature, Tensor)  # the fwd_t path
+    if options.inplace_backward:
         (bwd_t_ if tensor_temperature else bwd_inplace)(*args, logits, *rest)
         # The dispatcher does not bump the version of a tensor a native op
         # mutates: do it, so that any other saved use of the logits raises
@@ -155,9 +107,7 @@ def _native_backward(logits, labels, shift, log_sum, entropy, grad_logp, grad_en
 
 def _backward(ctx, grad_logp, grad_entropy, _grad_shift, _grad_log_sum):
     logits, labels, shift, log_sum, entropy = ctx.saved_tensors
-    grad_logits = backward_into_logits(logits, labels, shift, log_sum, entropy, grad_logp,
-                                       grad_entropy if ctx.with_entropy else None, ctx.inv_temperature,
-                                       ctx.ignore_index, ctx.vocab_start, ctx.inplace_backward)
+    grad_logits = backward_into_logits(logits, labels, shift, log_sum, entropy, grad_logp, grad_entropy, ctx.options)
     return grad_logits, None, None, None, None, None, None, None
 
 

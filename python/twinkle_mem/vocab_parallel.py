@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
+from ._contract import OpOptions
 from .row_stats import combine_shard_stats, label_matrix
 
 # The all_gather without the FutureWarning of newer torch; the same collective.
@@ -139,11 +140,7 @@ class _VocabParallelSelectiveLogSoftmax(torch.autograd.Function):
         shift, log_sum = shift.view(lead), log_sum.view(lead)
         entropy = entropy.view(lead) if with_entropy else None
         ctx.save_for_backward(rows, labels, shift, log_sum, entropy)
-        ctx.inv_temperature = inv_temperature
-        ctx.ignore_index = ignore_index
-        ctx.vocab_start = rank * shard
-        ctx.with_entropy = with_entropy
-        ctx.inplace_backward = inplace_backward
+        ctx.options = OpOptions(inv_temperature, ignore_index, rank * shard, with_entropy, inplace_backward)
         logp = logp.view(labels.shape)
         if entropy is None:
             entropy = logp.new_empty(0)
@@ -155,9 +152,7 @@ class _VocabParallelSelectiveLogSoftmax(torch.autograd.Function):
         rows, labels, shift, log_sum, entropy = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return (None, ) * 9
-        grad = ops.backward_into_logits(rows, labels, shift, log_sum, entropy, grad_logp,
-                                        grad_entropy if ctx.with_entropy else None, ctx.inv_temperature,
-                                        ctx.ignore_index, ctx.vocab_start, ctx.inplace_backward)
+        grad = ops.backward_into_logits(rows, labels, shift, log_sum, entropy, grad_logp, grad_entropy, ctx.options)
         return grad, None, None, None, None, None, None, None, None
 
 

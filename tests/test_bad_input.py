@@ -1,0 +1,48 @@
+"""Bad arguments to the ops raise RuntimeError naming them, on every implementation of the contract
+(tests/impls.py: the native CPU kernels, the composite, the CUDA and AscendC kernels' emulations), before
+any kernel touches memory. The public functions' own checks (ValueError) are in test_selective_log_softmax.py
+and test_linear_selective_log_softmax.py."""
+import pytest
+import torch
+
+from helpers import make_case
+from impls import IMPLS
+
+N, V, IGNORE = 4, 10, -100
+
+
+def _forward_cases(logits, labels, label_range=True):
+    yield "labels must have the logits' leading shape", (logits, labels[:2], 1.0, IGNORE, 0, V, False)
+    yield "vocab_size", (logits, labels, 1.0, IGNORE, 5, V, False)  # the shard runs past vocab_size
+    yield "unit stride", (logits.t(), labels.repeat(3)[:V], 1.0, IGNORE, 0, V, False)
+    yield "overlap", (logits[:1].expand(N, V), labels, 1.0, IGNORE, 0, V, False)
+    yield r"\[N, V\] or \[B, S, V\]", (logits.view(1, 2, 2, V), labels.view(1, 2, 2), 1.0, IGNORE, 0, V, False)
+    yield "inv_temperature", (logits, labels, -1.0, IGNORE, 0, V, False)
+    yield "int64 or int32", (logits, labels.float(), 1.0, IGNORE, 0, V, False)
+    # On CUDA an out-of-range label is a device-side assert (no host sync), which leaves the context
+    # unusable: tests/test_cuda.py checks it in a child process.
+    for bad_label in (V, -1, 2**40) if label_range else ():
+        bad = labels.clone()
+        bad[2] = bad_label
+        yield r"label out of range: labels.flatten\(\)\[2\]", (logits, bad, 1.0, IGNORE, 0, V, False)
+
+
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i.checks_arguments], ids=lambda i: i.name)
+def test_bad_op_arguments_raise(impl):
+    logits, labels = make_case(N, V, torch.float32)
+    for match, args in _forward_cases(logits, labels, label_range=impl.name != "cuda"):
+        with pytest.raises(RuntimeError, match=match):
+            impl.forward(*args)
+    ignored = labels.clone()
+    ignored[2] = IGNORE
+    impl.forward(logits, ignored, 1.0, IGNORE, 0, V, False)  # ignore_index is exempt from the range check
+
+    _, entropy, shift, log_sum = impl.forward(logits, labels, 1.0, IGNORE, 0, V, True)
+    for match, args in [
+        ("shift", (shift, None, logits, labels, shift[:3], log_sum, None)),
+        ("entropy", (shift, shift, logits, labels, shift, log_sum, None)),  # grad_entropy without entropy
+        ("grad_logp", (shift.double(), None, logits, labels, shift, log_sum, None)),
+    ]:
+        for inplace in (False, True):
+            with pytest.raises(RuntimeError, match=match):
+                impl.backward(*args, 1.0, IGNORE, 0, inplace)
