@@ -1,9 +1,11 @@
 """What the benchmarks in bench/ share: the run's metadata record, writing results as JSON,
 running one measurement in a fresh process and reading back its JSON line, numbered progress
-lines, Markdown tables, and matplotlib figures written as PNG files. Measuring itself (peak RSS,
-the CPU's name) lives in ``twinkle_mem.measure``, which the tests use too.
+lines, Markdown tables, matplotlib figures written as PNG files, and the step table of the device
+checks (gpu_check.sh, npu_check.sh: ``python bench/bench_common.py steps ...``). Measuring itself
+(peak RSS, the CPU's name) lives in ``twinkle_mem.measure``, which the tests use too.
 
-The scripts import it as ``bench_common`` (Python puts a script's own folder on ``sys.path``).
+The scripts import it as ``bench_common`` (Python puts a script's own folder on ``sys.path``). At
+import it needs only the standard library: the device checks run it before anything is built.
 """
 from __future__ import annotations
 
@@ -140,3 +142,44 @@ def save_png(fig, path: str, dpi: int = 110) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=dpi)
     return path
+
+
+# ------------------------------------------------------------------ the device checks' step table
+STEP_FIELDS = ("step", "status", "seconds", "note")
+
+
+def write_steps(lines: list[str], md_path: str, json_path: str, fields: dict) -> str:
+    """The step table of a device check from its ``name|status|seconds|note`` lines: Markdown to
+    ``md_path`` (returned, for the console), JSON ``{**fields, "steps": [...], "time": ...}`` to
+    ``json_path``."""
+    steps = [dict(zip(STEP_FIELDS, line.rstrip("\n").split("|", 3))) for line in lines if line.strip()]
+    table = markdown_table(list(STEP_FIELDS), [[s.get(k, "") for k in STEP_FIELDS] for s in steps])
+    with open(md_path, "w") as f:
+        f.write(table)
+    write_json(json_path, {**fields, "steps": steps, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="The device checks' step table: reads name|status|seconds|note "
+                                            "lines on stdin, writes MD and JSON, prints the table.")
+    sub = p.add_subparsers(dest="command", required=True)
+    steps = sub.add_parser("steps")
+    steps.add_argument("md")
+    steps.add_argument("json")
+    steps.add_argument("fields", nargs="*", metavar="KEY=VALUE", help="top-level JSON fields; VALUE read as JSON")
+    args = p.parse_args(argv)
+    fields = {}
+    for item in args.fields:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"field {item!r}: expected KEY=VALUE")
+        fields[key] = json.loads(value)
+    print(write_steps(sys.stdin.readlines(), args.md, args.json, fields), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -80,3 +80,23 @@ def test_recorded_vocab_parallel_table_renders_unchanged():
     vocab_parallel = importlib.import_module("bench_vocab_parallel")
     recorded = bench_common.read_json(str(BENCH / "results" / "vocab_parallel.json"))
     assert vocab_parallel._table(recorded["rows"], recorded["meta"]) == (BENCH / "results" / "vocab_parallel.md").read_text()
+
+
+def test_steps_command_writes_the_device_checks_table(tmp_path):
+    # gpu_check.sh / npu_check.sh pipe their "name|status|seconds|note" lines here.
+    md, out = tmp_path / "check.md", tmp_path / "check.json"
+    lines = "build|PASS|12|build.log\nbenchmark|FAIL|3|rc=3, a|b.log\n\n"
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_common.py"), "steps", str(md), str(out), "dry_run=true",
+                           "failed=1"], input=lines, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    table = ("| step | status | seconds | note |\n|---|---|---|---|\n| build | PASS | 12 | build.log |\n"
+             "| benchmark | FAIL | 3 | rc=3, a|b.log |\n")
+    assert md.read_text() == table and proc.stdout == table
+    summary = json.loads(out.read_text())
+    assert list(summary) == ["dry_run", "failed", "steps", "time"]
+    assert summary["dry_run"] is True and summary["failed"] == 1
+    assert summary["steps"] == [{"step": "build", "status": "PASS", "seconds": "12", "note": "build.log"},
+                                {"step": "benchmark", "status": "FAIL", "seconds": "3", "note": "rc=3, a|b.log"}]
+    bad = subprocess.run([sys.executable, str(BENCH / "bench_common.py"), "steps", str(md), str(out), "failed"],
+                         input=lines, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "expected KEY=VALUE" in bad.stderr
