@@ -24,14 +24,16 @@ ROOT = os.path.dirname(HERE)
 # ------------------------------------------------------------------ the run's record
 def git_commit() -> str | None:
     """The commit checked out in this source tree (uncommitted changes are not recorded), or None
-    outside a git checkout."""
+    where the tree is not a git checkout of its own (a copy without .git, even inside another repository)."""
     try:
-        done = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        done = subprocess.run(["git", "-C", ROOT, "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if done.returncode != 0:
+    lines = done.stdout.split()
+    if done.returncode != 0 or len(lines) != 2 or os.path.realpath(lines[0]) != os.path.realpath(ROOT):
         return None
-    return done.stdout.strip() or None
+    return lines[1]
 
 
 def run_metadata(**fields) -> dict:
@@ -41,16 +43,15 @@ def run_metadata(**fields) -> dict:
     name (``threads=1`` where the measured processes run with one thread)."""
     import torch
 
-    from twinkle_mem.measure import cpu_name
-
     try:
         import twinkle_mem
+        from twinkle_mem.measure import cpu_name
 
-        twinkle_mem_version = twinkle_mem.__version__
+        twinkle_mem_version, cpu = twinkle_mem.__version__, cpu_name()
     except Exception:  # a broken build still gets its timings recorded, without a version
-        twinkle_mem_version = None
+        twinkle_mem_version, cpu = None, platform.processor() or platform.machine()
     meta = {"torch": torch.__version__, "twinkle_mem": twinkle_mem_version, "python": platform.python_version(),
-            "machine": platform.machine(), "cpu": cpu_name(), "cores": os.cpu_count(),
+            "machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "git_commit": git_commit(),
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
     meta.update(fields)

@@ -33,6 +33,13 @@ def test_run_metadata_has_every_key_and_the_run_fields_override():
     json.dumps(meta)  # goes into a JSON file as it is
 
 
+def test_run_metadata_without_an_importable_twinkle_mem(monkeypatch):
+    # bench_cuda.py on a GPU whose build failed still writes its JSON (peers' timings, no version).
+    monkeypatch.setitem(sys.modules, "twinkle_mem", None)  # `import twinkle_mem` raises ImportError
+    meta = bench_common.run_metadata()
+    assert METADATA_KEYS == set(meta) and meta["twinkle_mem"] is None and meta["cpu"]
+
+
 def test_write_json_creates_the_folder_and_reads_back(tmp_path):
     data = {"meta": {"torch": "x"}, "rows": [{"n": 1, "s": 0.5}]}
     path = bench_common.write_json(str(tmp_path / "new" / "r.json"), data, indent=1)
