@@ -31,7 +31,6 @@ Writes a table to stdout, and bench_cuda.json + bench_cuda.png to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -40,6 +39,8 @@ import time
 import traceback
 
 import torch
+
+from bench_common import new_figure, run_metadata, save_png, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -377,31 +378,18 @@ def main() -> int:
               f"{'PASS' if v['meets_bandwidth'] else 'FAIL'}); faster than every peer: "
               f"{'PASS' if v['fastest'] else 'FAIL'}")
 
-    # ---- JSON
-    try:
-        import twinkle_mem
-
-        tm_version = twinkle_mem.__version__
-    except Exception:
-        tm_version = None
-    result = {
-        "shape": {"n": args.n, "v": args.v, "dtype": args.dtype},
-        "device": device_name, "sms": sms, "torch": torch.__version__,
-        "cuda": torch.version.cuda, "twinkle_mem": tm_version, "python": platform.python_version(),
-        "copy_gbps": copy_gbps, "edge_rows_vs_float64": edge, "rows": rows, "skipped": skipped, "max_abs_diff_vs_naive": check,
-        "verdicts": verdicts, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    with open(os.path.join(args.out, "bench_cuda.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    # ---- JSON (flat: the run's metadata beside the results)
+    result = run_metadata(
+        shape={"n": args.n, "v": args.v, "dtype": args.dtype}, device=device_name, sms=sms, cuda=torch.version.cuda,
+        copy_gbps=copy_gbps, edge_rows_vs_float64=edge, rows=rows, skipped=skipped, max_abs_diff_vs_naive=check,
+        verdicts=verdicts, time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
+    write_json(os.path.join(args.out, "bench_cuda.json"), result)
 
     # ---- PNG
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+        fig = new_figure((6 * len(modes), 4))
+        axes = fig.subplots(1, len(modes), squeeze=False)
         for ax, mode in zip(axes[0], modes):
             sel = [r for r in rows if r["mode"] == mode]
             ax.bar([r["peer"] for r in sel], [r["gbps"] for r in sel],
@@ -417,7 +405,7 @@ def main() -> int:
             ax.tick_params(axis="x", labelrotation=20)
         fig.suptitle(f"selective log-softmax on {device_name}")
         fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "bench_cuda.png"), dpi=110)
+        save_png(fig, os.path.join(args.out, "bench_cuda.png"))
     except Exception as e:
         print(f"(no PNG: {e})")
     print(f"wrote {os.path.join(args.out, 'bench_cuda.json')} and bench_cuda.png")

@@ -9,14 +9,14 @@ around a one-layer bf16 toy LM (``tests/twinkle_helpers.ToyLM``), ``return_logit
 Per case: logits bytes still alive when the scheduler returns (weak references to
 the logits' storages), the most logits bytes alive at once, the rise of the
 resident-set high-water mark over the call, and its time.
-Writes bench/results/bench_logits_guard.json and .png.
+Writes bench/results/bench_logits_guard.json and .png (another stem: --out).
 """
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
+
+from bench_common import new_figure, run_metadata, save_png, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -60,10 +60,11 @@ def main():
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=16)
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_logits_guard"),
+                        help="results file stem: writes OUT.json and OUT.png")
     args = parser.parse_args()
 
     import megatron.core
-    import torch
     import twinkle.version
     logits_bytes = args.seq * args.vocab * 2  # one micro-batch, bf16
     rows = []
@@ -83,23 +84,17 @@ def main():
                   f"  peak RSS rise {r['peak_rss_bytes'] / 2**20:7.1f} MiB  {r['s_median']:6.2f} s"
                   f"  loss {r['loss']:.4f}", flush=True)
 
-    meta = dict(seq=args.seq, vocab=args.vocab, hidden=args.hidden, micro_batches=2, micro_batch_size=1,
-                dtype="bfloat16", logits_bytes_per_micro_batch=logits_bytes, reps=args.reps, threads=1,
-                torch=torch.__version__, twinkle_kit=twinkle.version.__version__,
-                megatron_core=megatron.core.__version__, python=platform.python_version(), cores=os.cpu_count())
-    out_dir = os.path.join(HERE, "results")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench_logits_guard.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=2)
-    _plot(rows, meta, os.path.join(out_dir, "bench_logits_guard.png"))
+    meta = run_metadata(seq=args.seq, vocab=args.vocab, hidden=args.hidden, micro_batches=2, micro_batch_size=1,
+                        dtype="bfloat16", logits_bytes_per_micro_batch=logits_bytes, reps=args.reps, threads=1,
+                        twinkle_kit=twinkle.version.__version__, megatron_core=megatron.core.__version__)
+    write_json(args.out + ".json", dict(meta=meta, rows=rows))
+    _plot(rows, meta, args.out + ".png")
 
 
 def _plot(rows, meta, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     modes = ["forward_backward", "forward_only"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    fig = new_figure((12, 4.5))
+    axes = fig.subplots(1, 2, sharey=True)
     for ax, mode in zip(axes, modes):
         sel = [r for r in rows if r["mode"] == mode]
         x = range(len(sel))
@@ -118,7 +113,7 @@ def _plot(rows, meta, path):
     fig.suptitle(f"twinkle-kit Megatron forward_backward, 2 micro-batches of [1, {meta['seq']}, {meta['vocab']}] "
                  f"bf16 logits, return_logits=False")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

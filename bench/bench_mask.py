@@ -7,19 +7,18 @@ Two levels: the mask builder alone, and twinkle's whole ``InputProcessor`` call 
 ``MegatronModel.forward_backward`` makes it (a simulated NPU for the skip, CUDA for
 the dense path, tensors on the CPU). Peak = rise of the resident-set high-water mark
 during one call (``/proc/self/status`` VmHWM, reset through ``clear_refs``).
-Writes bench/results/bench_mask.json and .png.
+Writes bench/results/bench_mask.json and .png (another stem: --out).
 """
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
+
+from bench_common import new_figure, run_metadata, save_png, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import twinkle_helpers as th  # noqa: E402
-from twinkle_mem.measure import cpu_name  # noqa: E402
 
 BUILDER_SETUP = """
 import torch
@@ -69,9 +68,10 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=16384)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_mask"),
+                        help="results file stem: writes OUT.json and OUT.png")
     args = parser.parse_args()
 
-    import torch
     import twinkle.version
     mask_bytes = args.batch * args.seq * args.seq
     rows = []
@@ -86,21 +86,15 @@ def main():
         print(f"{level:8} {name:48} peak {r['peak_bytes'] / 2**20:8.1f} MiB ({r['peak_x_mask']:4.2f}x mask)"
               f"  median {r['ms_median']:8.2f} ms  [min {r['ms_min']:.2f}, max {r['ms_max']:.2f}]", flush=True)
 
-    meta = dict(batch=args.batch, seq=args.seq, mask_bytes=mask_bytes, reps=args.reps, threads=1,
-                torch=torch.__version__, twinkle_kit=twinkle.version.__version__, python=platform.python_version(),
-                machine=platform.machine(), cpu=cpu_name(), cores=os.cpu_count())
-    out_dir = os.path.join(HERE, "results")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bench_mask.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=2)
-    _plot(rows, meta, os.path.join(out_dir, "bench_mask.png"))
+    meta = run_metadata(batch=args.batch, seq=args.seq, mask_bytes=mask_bytes, reps=args.reps, threads=1,
+                        twinkle_kit=twinkle.version.__version__)
+    write_json(args.out + ".json", dict(meta=meta, rows=rows))
+    _plot(rows, meta, args.out + ".png")
 
 
 def _plot(rows, meta, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig = new_figure((12, 4.5))
+    ax_mem, ax_time = fig.subplots(1, 2)
     labels = [f"{r['level']}: {r['case']}" for r in rows]
     colors = ["tab:red" if "twinkle-kit" in r["case"] else "tab:green" for r in rows]
     ax_mem.barh(labels, [r["peak_bytes"] / 2**20 for r in rows], color=colors)
@@ -112,7 +106,7 @@ def _plot(rows, meta, path):
     ax_time.set_yticklabels([])
     fig.suptitle(f"[B={meta['batch']}, 1, S={meta['seq']}, S] bool mask, CPU, 1 thread, torch {meta['torch']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 import torch_npu  # noqa: F401
 
 import twinkle_mem
+from bench_common import run_metadata, write_json
 from twinkle_mem import composite
 from twinkle_mem.reference import selective_log_softmax_ref
 
@@ -118,10 +119,9 @@ def main():
     parser.add_argument("--out", default="bench_npu.json")
     args = parser.parse_args()
     rows = run(args)
-    meta = {"device": torch.npu.get_device_name(0), "torch": torch.__version__, "torch_npu": torch_npu.__version__,
-            "twinkle_mem": twinkle_mem.__version__, "backends": twinkle_mem.backends(), "host": platform.node()}
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    meta = run_metadata(device=torch.npu.get_device_name(0), torch_npu=torch_npu.__version__,
+                        backends=twinkle_mem.backends(), host=platform.node())
+    write_json(args.out, {"meta": meta, "rows": rows}, indent=1)
     print(f"wrote {args.out}")
 
 

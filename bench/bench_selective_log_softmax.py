@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
+
+from bench_common import ChildFailed, Progress, new_figure, read_json, run_child, run_metadata, save_png, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = ["naive", "twinkle_loop", "chunked_fp32", "compiled", "twinkle_mem", "twinkle_mem_inplace"]
@@ -162,13 +163,11 @@ def run_peer(peer, n, v, reps, timeout):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", peer, "--sizes", str(n), "--vocab", str(v),
            "--reps", str(reps)]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return run_child(cmd, timeout)
     except subprocess.TimeoutExpired:
         return {"peer": peer, "n": n, "v": v, "error": f"timed out after {timeout}s"}
-    if out.returncode != 0:
-        tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["?"]
-        return {"peer": peer, "n": n, "v": v, "error": tail[0][:200]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    except ChildFailed as e:
+        return {"peer": peer, "n": n, "v": v, "error": e.last_line[:200]}
 
 
 def main():
@@ -190,27 +189,24 @@ def main():
         print(json.dumps(child(args.child, sizes[0], args.vocab, args.reps)))
         return
 
-    import torch
-
     peers = args.peers.split(",")
     results = []
-    total = len(peers) * len(sizes)
-    t_start = time.time()
-    for i, (n, peer) in enumerate((n, p) for n in sizes for p in peers):
+    progress = Progress(len(peers) * len(sizes))
+    for n, peer in ((n, p) for n in sizes for p in peers):
         reps = args.reps if n == max(sizes) else 1
-        print(f"[{i + 1}/{total}] {peer:20s} N={n:6d} V={args.vocab} ... ", end="", flush=True)
+        progress.step(f"{peer:20s} N={n:6d} V={args.vocab}")
         r = run_peer(peer, n, args.vocab, reps, args.timeout)
         results.append(r)
-        print(r.get("error") or f"{r['time_s']:.3f} s, extra peak {r['extra_peak_bytes'] / 2**20:.0f} MiB "
-              f"({time.time() - t_start:.0f} s elapsed)", flush=True)
+        progress.done(r.get("error") or f"{r['time_s']:.3f} s, extra peak {r['extra_peak_bytes'] / 2**20:.0f} MiB")
 
     n_table = max(sizes)
     rows = [r for r in results if r["n"] == n_table]
     ok = {r["peer"]: r for r in rows if "error" not in r}
     ref_time = ok.get("compiled", {}).get("time_s")
+    meta = run_metadata(vocab=args.vocab)
     print(f"\nselective log-softmax + entropy, fwd+bwd, N={n_table}, V={args.vocab}, bf16 logits "
-          f"({rows[0].get('logits_bytes', 0) / 2**30:.2f} GiB), torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+          f"({rows[0].get('logits_bytes', 0) / 2**30:.2f} GiB), torch {meta['torch']}, "
+          f"{meta['threads']} threads, {meta['cpu']}")
     header = f"{'peer':22s} {'fwd+bwd s':>10s} {'vs compiled':>11s} {'peak beyond logits+grad':>24s} " \
              f"{'saved bytes':>12s} {'err logp':>9s} {'err H':>9s}"
     print(header)
@@ -224,11 +220,7 @@ def main():
         print(f"{r['peer']:22s} {r['time_s']:10.3f} {ratio:>11s} {peak:>24s} {r['saved_bytes']:12d} "
               f"{r['err_logp']:9.1e} {r['err_entropy']:9.1e}")
 
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
-            "cpu": platform.processor(), "vocab": args.vocab, "date": time.strftime("%Y-%m-%d %H:%M")}
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+    write_json(args.out + ".json", {"meta": meta, "results": results}, indent=1)
     print(f"\nwrote {args.out}.json")
     write_plot(args.out)
 
@@ -237,11 +229,9 @@ def main():
 def results_figure(data):
     """One figure, two panels against N: fwd+bwd time (log-log) and peak memory beyond logits + grad
     (symlog: twinkle-mem's 0 stays on the axis), a line per peer. ``data``: the JSON this script writes."""
-    from matplotlib.figure import Figure
-
     results = [r for r in data["results"] if "error" not in r]
     peers = list(dict.fromkeys(r["peer"] for r in results))
-    fig = Figure(figsize=(12, 4.5))
+    fig = new_figure((12, 4.5))
     ax_time, ax_mem = fig.subplots(1, 2)
     markers = "osD^vP*X"
     for i, peer in enumerate(peers):
@@ -276,14 +266,13 @@ def results_figure(data):
 
 def write_plot(out):
     """``out``.png from ``out``.json (no measurement)."""
-    with open(out + ".json") as f:
-        data = json.load(f)
+    data = read_json(out + ".json")
     try:
         fig = results_figure(data)
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    fig.savefig(out + ".png", dpi=110)
+    save_png(fig, out + ".png")
     print(f"wrote {out}.png")
 
 if __name__ == "__main__":

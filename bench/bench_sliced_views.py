@@ -19,13 +19,13 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import torch
 
 import twinkle_mem
+from bench_common import Progress, new_figure, run_child, run_metadata, save_png, write_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -79,16 +79,17 @@ def main():
     b, s, v = args.b, args.s, args.vocab
     names = {"trl": "trl logits[:, :-1]", "verl": "verl logits[:, -r-1:-1]"}
     rows = []
+    progress = Progress(8, stream=sys.stderr)
     for layout in ("trl", "verl"):
         for inplace in (False, True):
             best = {}
             for dense in (False, True):
                 spec = dict(b=b, s=s, vocab=v, layout=layout, inplace=inplace, dense=dense, reps=args.reps)
-                print(f"  {names[layout]:24s} {'in place' if inplace else 'out of place':12s} "
-                      f"{'contiguous' if dense else 'view'}", file=sys.stderr, flush=True)
-                out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True,
-                                     text=True, check=True).stdout
-                best["contiguous" if dense else "view"] = json.loads(out.strip().splitlines()[-1])["s"]
+                progress.step(f"{names[layout]:24s} {'in place' if inplace else 'out of place':12s} "
+                              f"{'contiguous' if dense else 'view'}")
+                best["contiguous" if dense else "view"] = run_child([sys.executable, __file__, "--child",
+                                                                     json.dumps(spec)])["s"]
+                progress.done(f"{best['contiguous' if dense else 'view']:.3f} s")
             rows_n = b * (s if layout == "trl" else s // 4)
             rows.append({"layout": names[layout], "inplace": inplace, "rows": rows_n, "view_s": best["view"],
                          "contiguous_s": best["contiguous"], "ratio": best["view"] / best["contiguous"],
@@ -103,14 +104,11 @@ def main():
         print(f"{row['layout']:26s}{'in place' if row['inplace'] else 'out of place':>14s}{row['rows']:>7d}"
               f"{row['view_s']:>9.3f}{row['contiguous_s']:>10.3f}{row['ratio']:>13.3f}"
               f"{str(row['bitwise_equal']):>9s}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"title": title, "rows": rows}, f, indent=1)
+    meta = run_metadata(b=b, s=s, vocab=v, dtype="bfloat16", reps=args.reps)
+    write_json(args.out + ".json", {"title": title, "meta": meta, "rows": rows}, indent=1)
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 3))
+        fig = new_figure((7, 3))
+        ax = fig.subplots()
         labels_ = [f"{r_['layout']}\n{'in place' if r_['inplace'] else 'out of place'}" for r_ in rows]
         ax.barh(labels_, [r_["ratio"] for r_ in rows], color="tab:green")
         ax.axvline(1.0, color="k", lw=0.8)
@@ -118,7 +116,7 @@ def main():
         ax.set_xlabel("time of the view / time of the contiguous copy (fwd+bwd)")
         ax.set_title(title, fontsize=7)
         fig.tight_layout()
-        fig.savefig(args.out + ".png", dpi=120)
+        save_png(fig, args.out + ".png", dpi=120)
     except ImportError:
         print("(matplotlib not installed: no PNG)")
 

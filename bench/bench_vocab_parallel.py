@@ -18,13 +18,12 @@ the slowest rank's, median over --reps after one warm-up; peak is the largest
 rise of a rank's resident-set high-water mark over one forward + backward
 (above the shard, inputs allocated). The machine's cores are shared among the
 tp processes: with tp > cores the timings are oversubscribed.
-Writes bench/results/vocab_parallel.{json,md,png}.
+Writes bench/results/vocab_parallel.{json,md,png} (another stem: --out).
 """
 import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from twinkle_mem.measure import cpu_name, peak_rss
+from bench_common import markdown_table, new_figure, run_metadata, save_png, write_json
+from twinkle_mem.measure import peak_rss
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("twinkle-mem vocab-parallel", "all_gather logits + single-process op")
@@ -133,6 +133,8 @@ def main():
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "vocab_parallel"),
+                        help="results file stem: writes OUT.json, OUT.md, OUT.png")
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     for tp in args.tp:
@@ -159,40 +161,30 @@ def main():
         for row in rows[-2:]:
             row["max_abs_diff_between_paths"] = diff
 
-    import twinkle_mem
-    meta = dict(n=args.n, vocab=args.vocab, dtype="bfloat16", reps=args.reps, threads_per_rank=1, backend="gloo",
-                torch=torch.__version__, twinkle_mem=twinkle_mem.__version__, python=platform.python_version(),
-                machine=platform.machine(), cpu=cpu_name(), cores=os.cpu_count())
-    out_dir = os.path.join(HERE, "results")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "vocab_parallel.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=2)
+    meta = run_metadata(n=args.n, vocab=args.vocab, dtype="bfloat16", reps=args.reps, threads=1,
+                        threads_per_rank=1, backend="gloo")
+    write_json(args.out + ".json", dict(meta=meta, rows=rows))
     table = _table(rows, meta)
-    with open(os.path.join(out_dir, "vocab_parallel.md"), "w") as f:
+    with open(args.out + ".md", "w") as f:
         f.write(table)
     print(table)
-    _plot(rows, meta, os.path.join(out_dir, "vocab_parallel.png"))
+    _plot(rows, meta, args.out + ".png")
 
 
 def _table(rows, meta):
-    lines = [f"N={meta['n']}, V={meta['vocab']} bf16, gloo on CPU ({meta['cores']} cores, {meta['cpu']}), "
-             f"1 thread per rank, torch {meta['torch']}, median of {meta['reps']}",
-             "",
-             "| tp | path | fwd ms | fwd+bwd ms | collectives / step | bytes received / token / rank | "
-             "peak rise / rank MiB | max abs diff logp/entropy between paths |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['tp']} | {r['path']} | {r['fwd_ms']:.1f} | {r['step_ms']:.1f} | "
-                     f"{r['collectives_per_step']:.0f} | {r['bytes_per_token']:,.1f} | {r['peak_bytes'] / 2**20:.0f} | "
-                     f"{r['max_abs_diff_between_paths']:.2g} |")
-    return "\n".join(lines) + "\n"
+    title = (f"N={meta['n']}, V={meta['vocab']} bf16, gloo on CPU ({meta['cores']} cores, {meta['cpu']}), "
+             f"1 thread per rank, torch {meta['torch']}, median of {meta['reps']}\n\n")
+    header = ["tp", "path", "fwd ms", "fwd+bwd ms", "collectives / step", "bytes received / token / rank",
+              "peak rise / rank MiB", "max abs diff logp/entropy between paths"]
+    cells = [[r["tp"], r["path"], f"{r['fwd_ms']:.1f}", f"{r['step_ms']:.1f}", f"{r['collectives_per_step']:.0f}",
+              f"{r['bytes_per_token']:,.1f}", f"{r['peak_bytes'] / 2**20:.0f}",
+              f"{r['max_abs_diff_between_paths']:.2g}"] for r in rows]
+    return title + markdown_table(header, cells)
 
 
 def _plot(rows, meta, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig = new_figure((15, 4.2))
+    axes = fig.subplots(1, 3)
     labels = [f"tp={r['tp']}\n{r['path'].split(' ')[0]}" for r in rows]
     colors = ["tab:green" if r["path"] == MODES[0] else "tab:red" for r in rows]
     for ax, key, scale, xlabel, log in ((axes[0], "step_ms", 1, "fwd+bwd time, slowest rank (ms)", False),
@@ -207,7 +199,7 @@ def _plot(rows, meta, path):
     fig.suptitle(f"vocab-parallel log-probs + entropy, N={meta['n']}, V={meta['vocab']} bf16, gloo CPU, "
                  f"green: twinkle-mem, red: all_gather logits")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

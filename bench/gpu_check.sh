@@ -164,20 +164,8 @@ else
 fi
 
 banner "summary"
-{
-  echo "| step | status | seconds | note |"
-  echo "| --- | --- | --- | --- |"
-  for s in "${STEPS[@]}"; do
-    IFS='|' read -r name status secs note <<<"$s"
-    echo "| $name | $status | $secs | $note |"
-  done
-} | tee "$RESULTS/gpu_check.md"
-printf '%s\n' "${STEPS[@]}" | $PY -c '
-import json, sys, time
-steps = [dict(zip(("step", "status", "seconds", "note"), line.rstrip("\n").split("|", 3))) for line in sys.stdin if line.strip()]
-json.dump({"dry_run": sys.argv[1] == "1", "failed": int(sys.argv[2]), "seconds": int(sys.argv[3]), "steps": steps,
-           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, open(sys.argv[4], "w"), indent=1)
-' "$DRY_RUN" "$FAILED" "$(elapsed)" "$RESULTS/gpu_check.json"
+printf '%s\n' "${STEPS[@]}" | $PY bench/bench_common.py steps "$RESULTS/gpu_check.md" "$RESULTS/gpu_check.json" \
+  dry_run="$([ "$DRY_RUN" -eq 1 ] && echo true || echo false)" failed="$FAILED" seconds="$(elapsed)"
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
   echo "to \$OUT (what the device tool brings back):"
   $PY bench/pack_results.py "$RESULTS" "$OUT" --archive gpu_check_logs.tar.gz \

@@ -45,20 +45,8 @@ step() {  # step "name" command...: runs it (output to the console and to its lo
   fi
 }
 summary() {  # the step table (npu_check.md, npu_check.json) and, with $OUT, what comes back
-  {
-    echo "| step | status | seconds | note |"
-    echo "| --- | --- | --- | --- |"
-    for s in "${STEPS[@]}"; do
-      IFS='|' read -r name status secs note <<<"$s"
-      echo "| $name | $status | $secs | $note |"
-    done
-  } | tee "$RESULTS/npu_check.md"
-  printf '%s\n' "${STEPS[@]}" | "$PY" -c '
-import json, sys, time
-steps = [dict(zip(("step", "status", "seconds", "note"), line.rstrip("\n").split("|", 3))) for line in sys.stdin if line.strip()]
-json.dump({"failed": int(sys.argv[1]), "steps": steps, "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
-          open(sys.argv[2], "w"), indent=1)
-' "${#FAILED[@]}" "$RESULTS/npu_check.json"
+  printf '%s\n' "${STEPS[@]}" | "$PY" bench/bench_common.py steps "$RESULTS/npu_check.md" "$RESULTS/npu_check.json" \
+    failed="${#FAILED[@]}"
   if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then
     "$PY" bench/pack_results.py "$RESULTS" "$OUT" --archive npu_check_logs.tar.gz \
       --keep npu_check.json,npu_check.md,bench_npu.json || echo "!! \$OUT holds more than comes back"

@@ -13,6 +13,8 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_selective_log_sof
 
 @pytest.fixture(scope="module")
 def bench():
+    if str(BENCH.parent) not in sys.path:  # where `python bench/...py` finds bench_common
+        sys.path.insert(0, str(BENCH.parent))
     spec = importlib.util.spec_from_file_location("bench_selective_log_softmax", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

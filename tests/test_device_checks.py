@@ -95,7 +95,7 @@ STUB_PYTHON = """#!/usr/bin/env bash
 case "$1" in
   -m) [ "$2" = zipfile ] && exec {real} "$@"; echo "stub: $*" ;;
   -c) exec {real} "$@" ;;
-  bench/pack_results.py) exec {real} "$@" ;;
+  bench/pack_results.py | bench/bench_common.py) exec {real} "$@" ;;
   bench/bench_npu.py) echo "stub benchmark fails"; exit 3 ;;
   -) cat >/dev/null; echo "stub: a heredoc check" ;;
   *) echo "stub: $*" ;;

@@ -1,0 +1,186 @@
+"""What the benchmarks in bench/ share: the run's metadata record, writing results as JSON,
+running one measurement in a fresh process and reading back its JSON line, numbered progress
+lines, Markdown tables, matplotlib figures written as PNG files, and the step table of the device
+checks (gpu_check.sh, npu_check.sh: ``python bench/bench_common.py steps ...``). Measuring itself
+(peak RSS, the CPU's name) lives in ``twinkle_mem.measure``, which the tests use too.
+
+The scripts import it as ``bench_common`` (Python puts a script's own folder on ``sys.path``). At
+import it needs only the standard library: the device checks run it before anything is built.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+# ------------------------------------------------------------------ the run's record
+def git_commit() -> str | None:
+    """The commit checked out in this source tree (uncommitted changes are not recorded), or None
+    where the tree is not a git checkout of its own (a copy without .git, even inside another repository)."""
+    try:
+        done = subprocess.run(["git", "-C", ROOT, "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = done.stdout.split()
+    if done.returncode != 0 or len(lines) != 2 or os.path.realpath(lines[0]) != os.path.realpath(ROOT):
+        return None
+    return lines[1]
+
+
+def run_metadata(**fields) -> dict:
+    """The record each results file carries: torch, twinkle_mem (None where it does not import) and
+    python versions, the machine, CPU model and core count, torch's thread count, the git commit and
+    the date; then ``fields`` (the run's shape and settings), which override a default of the same
+    name (``threads=1`` where the measured processes run with one thread)."""
+    import torch
+
+    try:
+        import twinkle_mem
+        from twinkle_mem.measure import cpu_name
+
+        twinkle_mem_version, cpu = twinkle_mem.__version__, cpu_name()
+    except Exception:  # a broken build still gets its timings recorded, without a version
+        twinkle_mem_version, cpu = None, platform.processor() or platform.machine()
+    meta = {"torch": torch.__version__, "twinkle_mem": twinkle_mem_version, "python": platform.python_version(),
+            "machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "git_commit": git_commit(),
+            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
+    meta.update(fields)
+    return meta
+
+
+def write_json(path: str, data, indent: int = 2) -> str:
+    """Write ``data`` to ``path`` as JSON (its folder created if missing); returns ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=indent)
+    return path
+
+
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+# ------------------------------------------------------------------ one measurement per process
+class ChildFailed(RuntimeError):
+    """A child measurement exited with an error; ``last_line`` is the last line of its stderr
+    (else of its stdout), where Python puts the exception."""
+
+    def __init__(self, returncode: int, last_line: str, stderr: str):
+        super().__init__(f"child exited with {returncode}: {last_line}\n{stderr[-3000:]}")
+        self.returncode, self.last_line = returncode, last_line
+
+
+def run_child(cmd: list[str], timeout: float | None = None, env: dict | None = None) -> dict:
+    """Run ``cmd`` in a fresh process (its peak RSS and allocator state its own) and return the JSON
+    object it prints as the last line of its stdout. Raises :class:`ChildFailed` on a non-zero exit
+    and ``subprocess.TimeoutExpired`` past ``timeout`` seconds."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["?"]
+        raise ChildFailed(done.returncode, tail[0], done.stderr)
+    lines = done.stdout.strip().splitlines()
+    if not lines:
+        raise ChildFailed(0, "no output", done.stderr)
+    return json.loads(lines[-1])
+
+
+# ------------------------------------------------------------------ progress of a long run
+class Progress:
+    """Numbered progress lines: ``[3/12] what ... result (41 s elapsed)``, flushed as they come, so
+    a long run shows where it is (stdout by default; ``stream=sys.stderr`` keeps stdout for the
+    results)."""
+
+    def __init__(self, total: int, stream=None):
+        self.total, self.count, self.stream = total, 0, stream
+        self.started = time.time()
+
+    def step(self, what: str) -> None:
+        self.count += 1
+        print(f"[{self.count}/{self.total}] {what} ... ", end="", flush=True, file=self.stream or sys.stdout)
+
+    def done(self, result: str) -> None:
+        print(f"{result} ({time.time() - self.started:.0f} s elapsed)", flush=True, file=self.stream or sys.stdout)
+
+
+# ------------------------------------------------------------------ tables and figures
+_ALIGN = {"l": "---", "r": "---:", "c": ":---:"}
+
+
+def markdown_table(header: list[str], rows: list[list], align: str = "") -> str:
+    """A Markdown table, one line per row, ending in a newline. ``align``: one letter per column,
+    l / r / c (default: l for every column)."""
+    if any(len(row) != len(header) for row in rows):
+        raise ValueError(f"markdown_table: every row needs {len(header)} cells (one per header)")
+    marks = [_ALIGN[a] for a in (align or "l" * len(header))]
+    if len(marks) != len(header):
+        raise ValueError(f"markdown_table: align {align!r} needs one letter per column ({len(header)})")
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(marks) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def new_figure(figsize: tuple[float, float]):
+    """A matplotlib Figure that belongs to no pyplot state (nothing to close, no display needed);
+    raises ImportError without matplotlib. Its panels: ``fig.subplots(...)``."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=figsize)
+
+
+def save_png(fig, path: str, dpi: int = 110) -> str:
+    """Write ``fig`` (laid out by the caller) to ``path`` as PNG, its folder created if missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
+# ------------------------------------------------------------------ the device checks' step table
+STEP_FIELDS = ("step", "status", "seconds", "note")
+
+
+def write_steps(lines: list[str], md_path: str, json_path: str, fields: dict) -> str:
+    """The step table of a device check from its ``name|status|seconds|note`` lines: Markdown to
+    ``md_path`` (returned, for the console), JSON ``{**fields, "steps": [...], "time": ...}`` to
+    ``json_path``."""
+    steps = [dict(zip(STEP_FIELDS, line.rstrip("\n").split("|", 3))) for line in lines if line.strip()]
+    table = markdown_table(list(STEP_FIELDS), [[s.get(k, "") for k in STEP_FIELDS] for s in steps])
+    with open(md_path, "w") as f:
+        f.write(table)
+    write_json(json_path, {**fields, "steps": steps, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="The device checks' step table: reads name|status|seconds|note "
+                                            "lines on stdin, writes MD and JSON, prints the table.")
+    sub = p.add_subparsers(dest="command", required=True)
+    steps = sub.add_parser("steps")
+    steps.add_argument("md")
+    steps.add_argument("json")
+    steps.add_argument("fields", nargs="*", metavar="KEY=VALUE", help="top-level JSON fields; VALUE read as JSON")
+    args = p.parse_args(argv)
+    fields = {}
+    for item in args.fields:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"field {item!r}: expected KEY=VALUE")
+        fields[key] = json.loads(value)
+    print(write_steps(sys.stdin.readlines(), args.md, args.json, fields), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
