@@ -1,4 +1,5 @@
-"""Shared test setup: the device list and the per-dtype tolerances.
+"""Shared test setup: the device list, the seed, and twinkle-mem's twinkle integration uninstalled
+around every test that asks for it (``uninstalled``; the integration modules use it autouse).
 
 TWINKLE_MEM_TEST_DEVICES=cpu,cuda (or cpu,npu) runs every device-parametrized
 test on each listed device; the default is the CPU alone.
@@ -7,6 +8,13 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# CI (CI=true) replays the same examples every run, so that a submission's result does not depend on
+# the draw; a developer's run draws new ones (a failure found there is printed with its seed).
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 DEVICES = [d.strip() for d in os.environ.get("TWINKLE_MEM_TEST_DEVICES", "cpu").split(",") if d.strip()]
 
@@ -19,3 +27,12 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def uninstalled():
+    """twinkle_mem.integrations.twinkle not installed before the test, and undone after it."""
+    from twinkle_mem.integrations import twinkle as integration
+    integration.uninstall()
+    yield
+    integration.uninstall()

@@ -40,3 +40,25 @@ def test_options_of_forward_inputs():
 def test_ignore_value():
     assert contract.ignore_value(None) == contract.NO_IGNORE_INDEX
     assert contract.ignore_value(-100) == -100
+
+
+def test_public_names_stay_where_the_docs_import_them_from():
+    import twinkle_mem
+    from twinkle_mem.integrations import twinkle as integration
+    from twinkle_mem.integrations import twinkle_lm_head
+    from twinkle_mem.integrations.twinkle import fused_head
+    for name in ("install", "uninstall", "is_installed", "FailedMicroBatchWarning", "SUPPORTED_TWINKLE_VERSIONS"):
+        assert hasattr(integration, name), name
+    for name in ("selective_log_softmax", "linear_selective_log_softmax", "entropy_from_logits", "backends"):
+        assert callable(getattr(twinkle_mem, name)), name
+    assert twinkle_lm_head is fused_head  # the fused head's former module path is the module itself
+
+
+def test_package_modules_stay_small():
+    """Issue 18: no Python module of the package above 400 lines (split by concern instead)."""
+    import pathlib
+
+    import twinkle_mem
+    root = pathlib.Path(twinkle_mem.__file__).parent
+    sizes = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
+    assert sizes and max(sizes.values()) <= 400, {k: v for k, v in sizes.items() if v > 400}

@@ -32,11 +32,7 @@ def twinkle_modules():
                                  MegatronStrategy=MegatronStrategy)
 
 
-@pytest.fixture(autouse=True)
-def uninstalled():
-    integration.uninstall()
-    yield
-    integration.uninstall()
+pytestmark = pytest.mark.usefixtures("uninstalled")  # conftest.py: every test starts and ends uninstalled
 
 
 def patch_points(tw):

@@ -1,5 +1,5 @@
 """install(fused_lm_head=True): twinkle-kit 0.5.1 computes log-probs and entropy from the output
-layer's input (python/twinkle_mem/integrations/twinkle_lm_head.py), on the CPU:
+layer's input (python/twinkle_mem/integrations/twinkle/fused_head.py), on the CPU:
 
 - twinkle's real MegatronModel around a real megatron-core GPTModel (TP = 1; TP = 2:
   tests/test_integration_twinkle_fused_tp.py), and twinkle's real TransformersModel around a
@@ -24,7 +24,8 @@ from torch.utils._pytree import tree_leaves
 
 import twinkle_mem
 from twinkle_mem.integrations import twinkle as integration
-from twinkle_mem.integrations import twinkle_lm_head as lm_head
+from twinkle_mem.integrations.twinkle import fused_eligibility as eligibility
+from twinkle_mem.integrations.twinkle import fused_head as lm_head
 from twinkle_mem.linear import linear_bwd, linear_fwd
 
 try:  # tests/ as a package, or as a plain directory on sys.path
@@ -46,11 +47,7 @@ def cpu():
         yield
 
 
-@pytest.fixture(autouse=True)
-def uninstalled():
-    integration.uninstall()
-    yield
-    integration.uninstall()
+pytestmark = pytest.mark.usefixtures("uninstalled")  # conftest.py: every test starts and ends uninstalled
 
 
 @pytest.fixture
@@ -352,19 +349,19 @@ def test_ineligible_calls_run_unchanged_with_logits(path, name, fused_calls):
 def test_megatron_eligibility_reasons():
     from megatron.core.tensor_parallel import ColumnParallelLinear
     chunk = th.gpt_model(VOCAB)
-    assert lm_head.megatron_output_layers([chunk]) == ([chunk.output_layer], None)
+    assert eligibility.megatron_output_layers([chunk]) == ([chunk.output_layer], None)
     chunk.config.mtp_num_layers = 1
-    assert lm_head.megatron_output_layers([chunk])[1] == "multi-token prediction"
+    assert eligibility.megatron_output_layers([chunk])[1] == "multi-token prediction"
     chunk.config.mtp_num_layers = None
     from twinkle.patch.megatron_emb import MegatronEmbeddingPatch
     patch = MegatronEmbeddingPatch()
     patch(chunk)  # twinkle's embedding identity on the instance
-    assert lm_head.megatron_output_layers([chunk])[1] == "the output layer's forward is replaced on the instance"
+    assert eligibility.megatron_output_layers([chunk])[1] == "the output layer's forward is replaced on the instance"
     patch.unpatch(chunk)  # leaves the class's forward bound on the instance: eligible again
     assert "forward" in vars(chunk.output_layer)
-    assert lm_head.megatron_output_layers([chunk]) == ([chunk.output_layer], None)
+    assert eligibility.megatron_output_layers([chunk]) == ([chunk.output_layer], None)
     chunk.config.final_logit_softcapping = 30.0
-    assert "final_logit_softcapping" in lm_head.megatron_output_layers([chunk])[1]
+    assert "final_logit_softcapping" in eligibility.megatron_output_layers([chunk])[1]
     del chunk.config.final_logit_softcapping
 
     class OwnPostprocess(type(chunk)):
@@ -372,23 +369,23 @@ def test_megatron_eligibility_reasons():
             return super()._postprocess(*args, **kwargs)
 
     chunk.__class__ = OwnPostprocess
-    assert "post-processes" in lm_head.megatron_output_layers([chunk])[1]
+    assert "post-processes" in eligibility.megatron_output_layers([chunk])[1]
     assert isinstance(chunk.output_layer, ColumnParallelLinear)
 
 
 def test_call_eligibility_reasons():
     from twinkle.loss import CrossEntropyLoss, GRPOLoss
     from twinkle.utils.nccl_safe import SafeLossWrapper
-    assert lm_head.call_ineligible({}, GRPOLoss()) is None
-    assert lm_head.call_ineligible({}, CrossEntropyLoss()) is None  # SFT on log-probs
-    assert lm_head.call_ineligible({}, SafeLossWrapper(GRPOLoss())) is None
-    assert "task" in lm_head.call_ineligible({"task": "embedding"}, GRPOLoss())
-    assert "return_logits" in lm_head.call_ineligible({"return_logits": True}, GRPOLoss())
-    assert "ignores label -1" in lm_head.call_ineligible({}, SafeLossWrapper(GRPOLoss(ignore_index=-1)))
+    assert eligibility.call_ineligible({}, GRPOLoss()) is None
+    assert eligibility.call_ineligible({}, CrossEntropyLoss()) is None  # SFT on log-probs
+    assert eligibility.call_ineligible({}, SafeLossWrapper(GRPOLoss())) is None
+    assert "task" in eligibility.call_ineligible({"task": "embedding"}, GRPOLoss())
+    assert "return_logits" in eligibility.call_ineligible({"return_logits": True}, GRPOLoss())
+    assert "ignores label -1" in eligibility.call_ineligible({}, SafeLossWrapper(GRPOLoss(ignore_index=-1)))
     from twinkle.loss.infonce import InfonceLoss
     from twinkle.loss.value import PPOValueLoss
-    assert "logits" in lm_head.call_ineligible({}, InfonceLoss.__new__(InfonceLoss))
-    assert "values" in lm_head.call_ineligible({}, PPOValueLoss.__new__(PPOValueLoss))
+    assert "logits" in eligibility.call_ineligible({}, InfonceLoss.__new__(InfonceLoss))
+    assert "values" in eligibility.call_ineligible({}, PPOValueLoss.__new__(PPOValueLoss))
 
 
 # --- failures after the switch are loud ----------------------------------------
@@ -442,7 +439,8 @@ def test_megatron_refusal_raises_after_the_step(monkeypatch):
     monkeypatch.setenv("TWINKLE_FAIL_FAST", "0")
     monkeypatch.setattr(logging.getLogger("twinkle"), "disabled", True)
     returned = []
-    real_get = integration._scheduler_with_step_hooks
+    from twinkle_mem.integrations.twinkle import megatron_steps
+    real_get = megatron_steps.scheduler_with_step_hooks
 
     def watched(original):
         hooked = real_get(original)
@@ -459,7 +457,7 @@ def test_megatron_refusal_raises_after_the_step(monkeypatch):
 
         return get_forward_backward_func
 
-    monkeypatch.setattr(integration, "_scheduler_with_step_hooks", watched)
+    monkeypatch.setattr(megatron_steps, "scheduler_with_step_hooks", watched)
     with pytest.raises(RuntimeError, match="micro-batch 0: .*not the output layer's pending placeholder"):
         run("megatron", True, edit=_scale_output, loss=SafeLossWrapper(grpo(False)))
     assert returned == [True]  # the schedule ran to its end first
@@ -480,7 +478,7 @@ def test_megatron_transformed_output_raises(fail_fast, monkeypatch):
 
 
 def test_transformers_softcapping_missed_by_the_static_check_raises(monkeypatch):
-    monkeypatch.setattr(lm_head, "_LOGIT_TRANSFORMS", ())
+    monkeypatch.setattr(eligibility, "_LOGIT_TRANSFORMS", ())
     with pytest.raises(RuntimeError, match="not the output layer's pending placeholder"):
         run("transformers", True, config="gemma2")
 
@@ -499,11 +497,11 @@ def test_placeholder_never_reaches_a_loss_as_logits():
 
 def test_take_checks_the_labels_and_the_entropy_request():
     call = lm_head.FusedCall(1.0, False, None)
-    call.labels = torch.tensor([[-100, 3, 5]])
+    call.set_labels(torch.tensor([[-100, 3, 5]]))
     logp = torch.tensor([[0.0, -1.0, -2.0]])
 
     def pending():
-        call.pending = None
+        call.finish_micro_batch()  # drop what the previous case left
         return call.defer(logp, None, torch.zeros(1, 3, 4))
 
     token = lm_head._CALL.set(call)

@@ -121,7 +121,7 @@ def sequence_parallel_output_layer(rank, world):
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import TransformerConfig
 
-    from twinkle_mem.integrations import twinkle_lm_head as lm_head
+    from twinkle_mem.integrations.twinkle import fused_head as lm_head
     mpu.initialize_model_parallel(tensor_model_parallel_size=WORLD)
     current_device = torch.cuda.current_device
     torch.cuda.current_device = lambda: "cpu"  # megatron's SP gather/scatter buffers
@@ -153,7 +153,7 @@ def sequence_parallel_output_layer(rank, world):
         want = (logp * keep, ent * keep, *backward(logp * keep, ent * keep, h))
 
         call = lm_head.FusedCall(0.7, True, 4 << 10)
-        call.labels = labels
+        call.set_labels(labels)
         h = full_hidden[shard].clone().requires_grad_()
         with lm_head.deferred([layer], lm_head.megatron_forward, call):
             placeholder, _ = layer(h)

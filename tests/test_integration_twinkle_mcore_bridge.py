@@ -70,11 +70,7 @@ def cpu():
             dist.destroy_process_group()
 
 
-@pytest.fixture(autouse=True)
-def uninstalled():
-    integration.uninstall()
-    yield
-    integration.uninstall()
+pytestmark = pytest.mark.usefixtures("uninstalled")  # conftest.py: every test starts and ends uninstalled
 
 
 def build(path, mixed_precision="no", **kwargs):
@@ -236,7 +232,8 @@ def test_mtp_eligible_when_called_without_labels(checkpoints, fused_calls, outpu
 def test_mtp_model_called_with_labels_runs_unchanged(checkpoints, fused_calls, output_layer_calls):
     """The same model called with labels inside a fused call (not twinkle's forward step): the MTP head
     runs, the output layer runs once more for it, and the deferred head steps aside (the model's own loss)."""
-    from twinkle_mem.integrations import twinkle_lm_head as lm_head
+    from twinkle_mem.integrations.twinkle import fused_eligibility as eligibility
+    from twinkle_mem.integrations.twinkle import fused_head as lm_head
     model = build(checkpoints[False], mtp_num_layers=1)
     chunk = model.model[0].eval()  # in training mode MTP's loss logging asks for a CUDA device
     calls = output_layer_calls(model)
@@ -248,14 +245,14 @@ def test_mtp_model_called_with_labels_runs_unchanged(checkpoints, fused_calls, o
     want = chunk(**kwargs)
     assert len(calls) == 2  # main head + one MTP layer
     call = lm_head.FusedCall(1.0, False, CHUNK)
-    call.labels = labels
+    call.set_labels(labels)
     with lm_head.deferred([chunk.output_layer], lm_head.megatron_forward, call), \
             lm_head.mtp_called_without_labels([chunk], call):
         got = chunk(**kwargs)
         assert call.model_has_labels is False and call.pending is None
     assert len(calls) == 4 and fused_calls == []
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert lm_head.megatron_output_layers([chunk]) == ([chunk.output_layer], None)
+    assert eligibility.megatron_output_layers([chunk]) == ([chunk.output_layer], None)
 
 
 # --- packed (padding-free) batches ----------------------------------------------

@@ -281,7 +281,7 @@ def test_twinkle_guarded_every_micro_batch_failed(cpu, guard, fail_micro_batch):
 
 
 def test_align_failed_refuses_what_it_cannot_place():
-    from twinkle_mem.integrations.twinkle import _align_failed
+    from twinkle_mem.integrations.twinkle.failed_micro_batches import align_failed as _align_failed
     inputs = [{"labels": torch.zeros(2, 5)}, {"labels": torch.zeros(1, 5)}, {"labels": torch.zeros(2, 5)}]
     aligned, rows = _align_failed(torch.ones(4, 5), inputs, [1])
     assert torch.isnan(aligned).all(-1).tolist() == [False, False, True, False, False] and rows == [range(2, 3)]

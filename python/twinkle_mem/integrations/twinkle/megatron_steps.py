@@ -1,0 +1,205 @@
+"""twinkle's Megatron ``forward_backward`` (``forward_only`` included) with twinkle-mem: the logits
+guard around the call, the fused output layer for an eligible call, and hooks around twinkle's forward
+step inside megatron-core's schedule (each micro-batch's labels for the fused head, its refusals, the
+failed micro-batches); the guarded ``MegatronStrategy.reduce_loss``."""
+import contextlib
+import functools
+import logging
+from collections.abc import Mapping
+from contextvars import ContextVar
+from typing import List, Optional, Tuple
+
+from twinkle_mem.megatron import current_logits_reporting, guard_report
+from twinkle_mem.megatron import logits_guard as _logits_guard
+
+from . import fused_eligibility, fused_head
+from ._model import loss_instance
+from .failed_micro_batches import report_failed_micro_batches
+
+logger = logging.getLogger("twinkle_mem")
+
+
+_STEPS: ContextVar[Optional["_MegatronSteps"]] = ContextVar("twinkle_mem_megatron_steps", default=None)
+
+
+def megatron_pipeline_parallel():
+    try:
+        import megatron.core.pipeline_parallel as pipeline_parallel
+    except ImportError:
+        return None
+    return pipeline_parallel
+
+
+def megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: Optional[int]):
+
+    @functools.wraps(original)
+    def forward_backward(self, *args, **kwargs):
+        if _STEPS.get() is not None:  # nested (a subclass's forward_backward through this one): hooked outside
+            return original(self, *args, **kwargs)
+        loss = loss_instance(self, kwargs)
+        forward_only = kwargs.get("forward_only", False)
+        steps = _MegatronSteps(self, kwargs, loss)
+        with contextlib.ExitStack() as stack:
+            if guard:
+                stack.enter_context(_logits_guard(return_logits=kwargs.get("return_logits", False), loss=loss,
+                                                  forward_only=forward_only))
+            if fused:
+                steps.fused = stack.enter_context(_fused_megatron(self, kwargs, loss, chunk_bytes))
+            token = _STEPS.set(steps)
+            stack.callback(_STEPS.reset, token)
+            out = original(self, *args, **kwargs)
+        if steps.refused:
+            _refusals_after_the_step(steps.refused)
+        if guard and steps.failed:
+            report_failed_micro_batches(self, kwargs, out, steps.failed)
+        return out
+
+    return forward_backward
+
+
+@contextlib.contextmanager
+def _fused_megatron(model, kwargs, loss, chunk_bytes):
+    """The fused call for one MegatronModel.forward_backward, or None where it does not apply."""
+    reason = fused_eligibility.call_ineligible(kwargs, loss)
+    layers = []
+    if reason is None:
+        model._lazy_wrap_model()  # twinkle's first step anyway: decide on the model as it will run
+        layers, reason = fused_eligibility.megatron_output_layers(model.model)
+    if reason is not None or not layers:  # (no output layer: not the last pipeline stage)
+        if reason is not None:
+            logger.debug("twinkle-mem fused LM head not used: %s", reason)
+        yield None
+        return
+    call = fused_head.FusedCall.for_call(kwargs, loss, chunk_bytes)
+    with fused_head.deferred(layers, fused_head.megatron_forward, call), \
+            fused_head.mtp_called_without_labels(model.model, call):
+        yield call
+
+
+def scheduler_with_step_hooks(original):
+    """megatron-core's get_forward_backward_func; inside a hooked forward_backward, its schedule
+    runs twinkle's forward step through _MegatronSteps."""
+
+    @functools.wraps(original)
+    def get_forward_backward_func(*args, **kwargs):
+        schedule = original(*args, **kwargs)
+        steps = _STEPS.get()
+        if steps is None:
+            return schedule
+
+        @functools.wraps(schedule)
+        def run(*a, forward_step_func, **kw):
+            return schedule(*a, forward_step_func=steps.wrap(forward_step_func), **kw)
+
+        return run
+
+    return get_forward_backward_func
+
+
+class _LabelsOfNextBatch:
+    """The data iterator twinkle's forward step draws its micro-batch from; notes the batch's labels."""
+
+    def __init__(self, iterator, steps):
+        self.iterator, self.steps = iterator, steps
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.iterator)
+        labels = batch.get("labels") if isinstance(batch, Mapping) else None
+        self.steps.labels = labels
+        if self.steps.fused is not None:
+            self.steps.fused.set_labels(labels)
+        return batch
+
+
+class _MegatronSteps:
+    """Hooks around twinkle's forward step for one forward_backward call: the fused output
+    layer's micro-batch labels and its checks, and the failed micro-batches."""
+
+    def __init__(self, model, kwargs, loss):
+        self.model = model
+        self.expects_logps = (kwargs.get("task", "causal_lm") != "embedding" and loss is not None
+                              and getattr(loss, "require_logps", True))
+        self.fused: Optional[fused_head.FusedCall] = None
+        self.labels = None
+        self.loss_steps = 0  # micro-batches seen by the last pipeline stage
+        self.failed: List[int] = []
+        self.refused: List[Tuple[int, str]] = []  # (micro-batch, why) where the fused head refused
+
+    def wrap(self, forward_step_func):
+
+        @functools.wraps(forward_step_func)
+        def forward_step(data_iterator, model):
+            call = self.fused
+            deferred = call.start_micro_batch() if call is not None else 0
+            self.labels = None
+            try:
+                output, loss_func = forward_step_func(_LabelsOfNextBatch(data_iterator, self), model)
+            finally:
+                if call is not None:
+                    call.set_labels(None)
+            if not self._last_stage(model):
+                return output, loss_func
+            index = self.loss_steps
+            self.loss_steps += 1
+            keywords = getattr(loss_func, "keywords", {})  # twinkle's partial(post_loss_function, ...)
+            lost = self.expects_logps and self.labels is not None and "logps" in keywords and keywords["logps"] is None
+            if call is not None and call.deferred != deferred:
+                # This micro-batch went through the fused head. Never raise here: under pipeline parallelism
+                # the other stages would wait in their p2p receives (see _refusals_after_the_step).
+                refused, pending, taken = call.finish_micro_batch()
+                if refused is None and pending is not None and not lost:
+                    refused = ("the output layer's log-probs were computed but twinkle did not ask for them; its "
+                               "logits (a zero-width placeholder) must not reach a loss")
+                if refused is not None:
+                    self.refused.append((index, refused))
+                elif lost:
+                    # twinkle's TWINKLE_FAIL_FAST=0 catch dropped the log-probs it had been handed (a data-processing
+                    # error after selective_log_softmax): its loss computes them from "logits" as it does unfused,
+                    # and gets the same results from the placeholder.
+                    loss_func = call.rearmed(loss_func, taken if taken is not None else pending)
+            if lost:
+                self.failed.append(index)
+            return output, loss_func
+        return forward_step
+
+    def _last_stage(self, chunk) -> bool:
+        from megatron.core import parallel_state as mpu
+        unwrapped = self.model.strategy.unwrap_model([chunk])[0]
+        return mpu.is_pipeline_last_stage(False, getattr(unwrapped, "vp_stage", None))
+
+
+def _refusals_after_the_step(refused: List[Tuple[int, str]]) -> None:
+    """Raise for the micro-batches whose fused head refused (twinkle's TWINKLE_FAIL_FAST=0 catch had
+    swallowed the error). Raised after megatron's schedule has returned, so that every pipeline stage
+    finished the step; the refused micro-batches' log-probs reached no loss (twinkle's SafeLossWrapper
+    made a zero loss of them, or the loss raised)."""
+    where = "; ".join(f"micro-batch {i}: {why}" for i, why in refused)
+    raise RuntimeError(f"twinkle-mem fused LM head: {len(refused)} micro-batch(es) lost their log-probs in twinkle's "
+                       f"forward step (see twinkle's '[nccl_safe]' warning), where the fused head refused: {where}. "
+                       "No result of this step can be trusted; install(fused_lm_head=False) runs twinkle-kit "
+                       "unchanged.")
+
+
+def guarded_reduce_loss(original):
+
+    @functools.wraps(original)
+    def reduce_loss(self, local_loss, local_count, logits, logps):
+        keep_logits = current_logits_reporting()
+        if keep_logits is None:  # called outside forward_backward: twinkle's behaviour
+            return original(self, local_loss, local_count, logits, logps)
+        loss, count, report = original(self, local_loss, local_count, logits if keep_logits else None, logps)
+        # Leaving out None entries makes twinkle's `'logps' in report` collection skip failed micro-batches.
+        report = guard_report(report, keep_logits)
+        steps = _STEPS.get()
+        if logps is None and steps is not None and not steps.expects_logps \
+                and getattr(steps.model, "variable_seq_lengths", False):
+            # No log-probs wanted (a None here is no failure): twinkle's own `logps`, a list of None per
+            # micro-batch. (With fixed lengths twinkle-kit 0.5.1 hands those None to torch.cat, which raises:
+            # the guard's fix, `logps` None, stands there.)
+            report["logps"] = None
+        return loss, count, report
+
+    return reduce_loss
