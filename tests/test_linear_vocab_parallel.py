@@ -29,16 +29,22 @@ def _shard(t, rank, world):
     return t[rank * s:(rank + 1) * s]
 
 
-def run_and_check(rank, world, *, n=24, h=32, shard=250, dtype=torch.float32, bias=True, k=None,
-                  ignore_frac=0.0, temperature=1.0, chunk_cols=None, seed=0, group=None, through_megatron=False):
+def run_and_check(rank, world, *, chunk_cols=None, **kw):
+    """chunk_cols: vocab blocks of that width (and row tiles of 16) instead of the defaults."""
+    from test_linear_selective_log_softmax import blocks
+    with blocks(chunk_cols, 16 if chunk_cols else None):
+        return _run_and_check(rank, world, **kw)
+
+
+def _run_and_check(rank, world, *, n=24, h=32, shard=250, dtype=torch.float32, bias=True, k=None,
+                   ignore_frac=0.0, temperature=1.0, seed=0, group=None, through_megatron=False):
     import twinkle_mem
-    from test_linear_selective_log_softmax import (_op_bound, _through_matmul, block_bytes, make_head, reference,
-                                                   ulp)
+    from test_linear_selective_log_softmax import _op_bound, _through_matmul, make_head, reference, ulp
     group = group if group is not None else dist.group.WORLD
     v = world * shard
     hidden, weight, b, labels = make_head(n, h, v, dtype, bias=bias, k=k, ignore_frac=ignore_frac, seed=seed)
     ignore = -100 if ignore_frac else None
-    chunk = None if chunk_cols is None else block_bytes(n, chunk_cols, dtype, h)
+    chunk = None
     gen = torch.Generator().manual_seed(seed + 7)  # replicated upstream gradients (Megatron's convention)
     g_logp = torch.randn(labels.shape, generator=gen)
     g_ent = torch.randn(n, generator=gen)
