@@ -118,7 +118,7 @@ fi
 
 banner "2b. fused LM head: rows bitwise the same at N = 1, 7, 333, 4096 (V = 151936, bf16)"
 INVARIANCE_ARGS=(--device cuda)
-[ $DRY_RUN -eq 1 ] && INVARIANCE_ARGS=(--device cpu --h 32 --vocab 4099 --n 1 7 300)
+[ $DRY_RUN -eq 1 ] && INVARIANCE_ARGS=(--device cpu --h 16 --vocab 8500 --n 1 7 600)
 run_step "fused head batch invariance" 180 "$RESULTS/linear_invariance.log" "$PY" bench/check_linear_invariance.py "${INVARIANCE_ARGS[@]}"
 
 banner "3. compute-sanitizer on the smoke pass"

@@ -387,7 +387,7 @@ def test_no_tensor_of_the_logits_size_goes_through_any_op():
 
 def test_block_plan():
     # Block widths from the vocab alone; chunk_bytes only sets how many row tiles share a buffer.
-    assert block_width(1000) == 1000 and block_width(151936) == linear.VOCAB_BLOCK == 4096
+    assert block_width(1000) == 1000 and block_width(151936) == linear.VOCAB_BLOCK == 8192
     tile = linear.ROW_TILE * 4096 * 4  # one fp32 tile of logits
     assert tiles_in_flight(4096, 64, torch.float32, 3 * tile + 5, False) == 3
     assert tiles_in_flight(4096, 64, torch.float32, 3 * tile + 5, True) == 3  # fp32: nothing else
