@@ -190,6 +190,35 @@ def compile_fullgraph_with_process_group(rank, world):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+@case()
+def rows_bitwise_whatever_the_batch(rank, world):
+    # For one TP size: rows alone (N = 1) and inside a batch of 600 (two row tiles, a third of the
+    # other rows dropped) give bitwise the same logp, entropy and partial grad_hidden on every rank.
+    import twinkle_mem
+    gen = torch.Generator().manual_seed(11)
+    n, h, v = 600, 32, world * 4500  # two vocab blocks per shard at TP = 2, the last ragged
+    hidden = torch.randn(n, h, generator=gen)
+    weight, bias = torch.randn(v, h, generator=gen) * 0.3, torch.randn(v, generator=gen)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[::3] = -100
+    g_logp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    w, b = _shard(weight, rank, world), _shard(bias, rank, world)
+
+    def call(rows):
+        x = hidden[rows].clone().requires_grad_()
+        logp, ent = twinkle_mem.linear_selective_log_softmax(x, w, labels[rows], True, bias=b, temperature=0.7,
+                                                             ignore_index=-100, process_group=dist.group.WORLD)
+        (gh,) = torch.autograd.grad((logp * g_logp[rows]).sum() + (ent * g_ent[rows]).sum(), x)
+        return logp.detach(), ent.detach(), gh
+    probes = [1, 2, 511, 512, 599]  # kept rows (not multiples of 3), both tiles
+    batch = call(torch.arange(n))
+    alone = [call(torch.tensor([p])) for p in probes]
+    # Collectives done; everything below is local.
+    for i, p in enumerate(probes):
+        for what, a, r in zip(("logp", "entropy", "grad_hidden"), batch, alone[i]):
+            assert torch.equal(a[p:p + 1], r), f"row {p} {what}: {(a[p:p + 1] - r).abs().max().item():.3g}"
+
+
 @case(2)
 def bad_labels_raise_on_every_rank_before_communicating(rank, world):
     import twinkle_mem
