@@ -156,13 +156,15 @@ def sequence_parallel_output_layer(rank, world):
         keep = labels != -100
         want = (logp * keep, ent * keep, *backward(logp * keep, ent * keep, h))
 
-        call = lm_head.FusedCall(0.7, True, 4 << 10)
+        from test_integration_twinkle_fused import CHUNK, FUSED_BLOCKS
+        from test_linear_selective_log_softmax import blocks
+        call = lm_head.FusedCall(0.7, True, CHUNK)
         call.labels = labels
         h = full_hidden[shard].clone().requires_grad_()
-        with lm_head.deferred([layer], lm_head.megatron_forward, call):
+        with blocks(*FUSED_BLOCKS), lm_head.deferred([layer], lm_head.megatron_forward, call):
             placeholder, _ = layer(h)
             logp, ent = lm_head.take(placeholder.transpose(0, 1), masked, True)
-        got = (logp, ent, *backward(logp, ent, h))
+            got = (logp, ent, *backward(logp, ent, h))
     finally:
         torch.cuda.current_device = current_device
         mpu.destroy_model_parallel()

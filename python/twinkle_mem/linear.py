@@ -12,29 +12,37 @@ dropped before any matmul; they give logp 0, entropy 0 and zero gradient. The
 ``m`` kept rows are gathered once per pass (``hidden[kept]``, an [m, H] copy;
 none when every row is kept).
 
-Forward, for each vocab block ``[v0, v1)`` of this rank's weight:
-    buf = hidden_kept @ weight[v0:v1].T (+ bias[v0:v1])          # [m, v1 - v0]
-    op forward with vocab_start = shard start + v0 -> the block's (shift, log_sum, logp, entropy)
-then ``row_stats.combine_shard_stats`` merges the blocks in order (exact: the same merge
-as across tensor-parallel ranks), and under tensor parallelism one all_gather
-of O(N) statistics merges the ranks (``vocab_parallel.gather_combine_shard_stats``).
+Batch invariance (docs/linear.md): a row's results depend on nothing but the row. Every
+matmul takes the kept rows in tiles of exactly ROW_TILE rows (the last one zero-padded),
+the vocab is cut into blocks of VOCAB_BLOCK columns from V alone, and ``chunk_bytes`` only
+decides how many tiles share one op call (``tiles_in_flight``).
 
-Backward, for each vocab block: recompute ``buf``, the op's in-place backward
-with the GLOBAL (shift, log_sum, entropy) turns it into d logits, then
-    grad_weight[v0:v1] = buf.T @ hidden_kept       one matmul over all kept rows: rounded once
-    grad_hidden       += buf @ weight[v0:v1]       accumulated over blocks (see below)
-    grad_bias[v0:v1]   = buf.sum(0)
+Forward, for each vocab block ``[v0, v1)`` of this rank's weight, for each group of tiles:
+    buf[tile] = hidden_tile @ weight[v0:v1].T (+ bias[v0:v1])     # [ROW_TILE, v1 - v0] each
+    op forward with vocab_start = shard start + v0 -> the block's (shift, log_sum, logp, entropy)
+then ``row_stats.combine_shard_stats_in_tiles`` folds the block into a float64 state of the
+rows, in block order, one row tile per call (the same merge as across tensor-parallel
+ranks); under tensor parallelism one all_gather of O(N) statistics
+(``vocab_parallel.gather_shard_stats``) and the same merge combine the ranks.
+
+Backward, for each vocab block, for each group of tiles: recompute ``buf``, the op's
+in-place backward with the GLOBAL (shift, log_sum, entropy) turns it into d logits, then
+tile by tile, in tile order:
+    grad_weight[v0:v1] += d_tile.T @ hidden_tile
+    grad_bias[v0:v1]   += d_tile.sum(0)
+    grad_hidden_tile   += d_tile @ weight[v0:v1]     (over blocks in block order)
+all summed in fp32 for bf16/fp16 and rounded once.
 
 Memory, beyond the inputs, the outputs and the gradients:
-- the block buffer, sized so that every block-sized tensor fits in ``chunk_bytes``
-  (default 256 MiB): in the forward the logits block; in the backward the block
-  and, for bf16/fp16, its fp32 copy and the fp32 copy of the weight block (so
-  that grad_hidden is accumulated in fp32, not rounded once per block);
-- O(N) statistics, the only tensors saved for backward besides the inputs;
-- O(N H), only where it cannot be avoided: the kept-row copy of hidden when rows
-  are dropped, and the fp32 [m, H] accumulator of grad_hidden when hidden is
-  bf16/fp16 or rows are dropped (for fp32/fp64 with every row kept the
-  accumulator is grad_hidden itself).
+- the block buffer of the tiles in flight, within ``chunk_bytes`` (default 256 MiB)
+  together with, for the bf16/fp16 backward, the fp32 copies of the weight block, of one
+  gradient tile and one hidden tile and the fp32 grad_weight / grad_bias accumulators of
+  the block (``tile_bytes``);
+- O(N) statistics (the only tensors saved for backward besides the inputs) and the
+  float64 fold state; two zero-padded [ROW_TILE, H] last tiles;
+- O(N H), only where it cannot be avoided: the kept-row copy of hidden when rows are
+  dropped, and the fp32 [m, H] accumulator of grad_hidden when hidden is bf16/fp16 or
+  rows are dropped (for fp32/fp64 with every row kept the accumulator is grad_hidden itself).
 Nothing [N, V], nothing weight-sized besides grad_weight.
 
 Tensor parallelism (``process_group`` of world size tp > 1): ``weight`` (and
