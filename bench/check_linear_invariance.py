@@ -138,6 +138,8 @@ def main(argv=None):
     p.add_argument("--no-entropy", action="store_true")
     p.add_argument("--bias", action="store_true")
     args = p.parse_args(argv)
+    if args.device.startswith("npu"):
+        import torch_npu  # noqa: F401  (registers the npu device)
     import twinkle_mem
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     dev = torch.device(args.device)
