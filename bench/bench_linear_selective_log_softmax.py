@@ -19,6 +19,8 @@ compared with the unfused path's (same inputs, fp32 logits). Peers, imported fro
 packages:
 - twinkle-mem fused: ``twinkle_mem.linear_selective_log_softmax`` (chunk_bytes = --chunk-mib),
   and again with 3/4 of the rows ignored (the prompt tokens of RL);
+- with ``--base-tree DIR`` (another checkout of twinkle-mem, built in place): its fused path, the same
+  call imported from DIR/python, side by side with this tree's;
 - unfused: ``hidden @ weight.T`` then ``twinkle_mem.selective_log_softmax``;
 - TRL ``trl.kernels.ChunkedLogProbFunction`` (its torch path off Triton devices), vocab chunk
   width set so that its logits tile has the same bytes as twinkle-mem's chunk;
@@ -45,6 +47,7 @@ IGNORE = -100
 
 PEERS = {
     "twinkle-mem fused": "fused",
+    "twinkle-mem fused, --base-tree": "fused_base",
     "twinkle-mem fused, 3/4 rows ignored": "fused_ignored",
     "unfused: matmul + twinkle_mem op": "unfused",
     "TRL ChunkedLogProbFunction": "trl",
@@ -65,14 +68,14 @@ def _make_step(kind, hidden, weight, labels, chunk_bytes, elem):
         loss = logp.sum() + (entropy.sum() if entropy is not None else 0)
         return torch.autograd.grad(loss, (hidden, weight))
 
-    if kind in ("fused", "fused_ignored", "unfused"):
+    if kind in ("fused", "fused_base", "fused_ignored", "unfused"):
         import twinkle_mem
         # A source tree without built libraries would run the composite: measure the native kernels.
         status = twinkle_mem.backends()
         if status.get(hidden.device.type) not in ("loaded", None):
             raise RuntimeError(f"twinkle_mem's native kernels are not loaded here: {status}")
 
-    if kind in ("fused", "fused_ignored"):
+    if kind in ("fused", "fused_base", "fused_ignored"):
 
         def step():
             logp, ent = twinkle_mem.linear_selective_log_softmax(hidden, weight, labels, True, ignore_index=IGNORE,
@@ -172,7 +175,8 @@ def child(cfg):
 
 # ------------------------------------------------------------------ the parent
 def _run(cfg, python, log):
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    tree = cfg["base_tree"] if cfg["kind"] == "fused_base" else ROOT
+    env = dict(os.environ, PYTHONPATH=os.path.join(tree, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
                MALLOC_MMAP_THRESHOLD_="65536")
     t0 = time.monotonic()
     proc = subprocess.run([python, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env,
@@ -203,22 +207,27 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=2, help="timed calls per peer and N, each in its own process")
     p.add_argument("--chunk-mib", type=int, default=256)
     p.add_argument("--rss-n", type=int, nargs="*", default=[16384])
-    p.add_argument("--peers", nargs="+", default=list(PEERS.values()), choices=list(PEERS.values()))
+    p.add_argument("--peers", nargs="+", default=[k for k in PEERS.values() if k != "fused_base"],
+                   choices=list(PEERS.values()))
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--name", default="linear_selective_log_softmax", help="file stem of the results in --out")
+    p.add_argument("--base-tree", help="another twinkle-mem checkout (built in place): the fused_base peer")
     p.add_argument("--replot", action="store_true", help="redraw the table and PNG from the JSON in --out")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return child(json.loads(args.child))
     if args.replot:
-        stem = os.path.join(args.out, "linear_selective_log_softmax")
+        stem = os.path.join(args.out, args.name)
         with open(stem + ".json") as f:
             saved = json.load(f)
         print(_table(saved["rows"], saved["meta"]))
         _plot(saved["rows"], saved["meta"], stem + ".png")
         return 0
 
+    if "fused_base" in args.peers and not args.base_tree:
+        p.error("the fused_base peer needs --base-tree")
     import torch
 
     from twinkle_mem.measure import cpu_name
@@ -238,7 +247,7 @@ def main(argv=None):
         for i, (n, kind, rep) in enumerate(plan, 1):
             log(f"[{i}/{len(plan)}] {names[kind]}, N={n}, H={args.h}, V={args.vocab}, {args.dtype}, rep {rep + 1}")
             cfg = {"kind": kind, "n": n, "h": args.h, "vocab": args.vocab, "dtype": args.dtype, "reps": 1,
-                   "chunk_bytes": args.chunk_mib << 20, "device": args.device,
+                   "chunk_bytes": args.chunk_mib << 20, "device": args.device, "base_tree": args.base_tree,
                    "out": os.path.join(tmp, f"{kind}_{n}.pt")}
             res = _run(cfg, sys.executable, log)
             acc = results.setdefault((n, kind), {"peer": names[kind], "kind": kind, "n": n, "times": [],
@@ -272,15 +281,22 @@ def main(argv=None):
                 if a["entropy"] is not None:
                     row["max_dentropy"] = (a["entropy"] - b["entropy"]).abs().max().item()
             full = next((r for r in rows if r["kind"] == "fused" and r["n"] == row["n"] and r.get("time_s")), None)
+            base_tree = next((r for r in rows if r["kind"] == "fused_base" and r["n"] == row["n"] and r.get("time_s")),
+                             None)
+            if row["kind"] == "fused" and row.get("time_s") and base_tree:
+                row["vs_base_tree"] = row["time_s"] / base_tree["time_s"]
             if row["kind"] == "fused_ignored" and row.get("time_s") and full:
                 row["vs_all_rows"] = row["time_s"] / full["time_s"]
     meta = {"h": args.h, "vocab": args.vocab, "dtype": args.dtype, "reps": args.reps, "chunk_mib": args.chunk_mib,
             "device": args.device, "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "loadavg_before": load_before, "loadavg_after": _loadavg(),
             "total_s": time.monotonic() - start, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "base_tree": args.base_tree}
+    if args.base_tree:
+        meta["base_commit"] = subprocess.run(["git", "-C", args.base_tree, "rev-parse", "--short", "HEAD"],
+                                             capture_output=True, text=True).stdout.strip()
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "linear_selective_log_softmax")
+    stem = os.path.join(args.out, args.name)
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     table = _table(rows, meta)
@@ -312,6 +328,8 @@ def _table(rows, meta):
         ratio = f"{r['vs_unfused']:.2f}x" if r.get("vs_unfused") else ""
         if r.get("vs_all_rows"):
             ratio += f" ({r['vs_all_rows']:.2f}x of all rows)"
+        if r.get("vs_base_tree"):
+            ratio += f" ({r['vs_base_tree']:.2f}x of the base tree)"
         lines.append(f"| {r['peer']} | {r['n']} | {ent} | {r['time_s']:.2f} | {ratio} | {_mib(r.get('peak'))} | "
                      f"{_mib(r.get('beyond'))} | {r.get('max_dlogp', float('nan')):.2g} | "
                      f"{r.get('max_dentropy', float('nan')):.2g} |")

@@ -6,6 +6,8 @@
 #   2. the test suite on the GPU: tests/test_cuda.py, the numerics classes on the "cuda"
 #      implementation (tests/test_numerics.py) and every device-parametrized test, with
 #      TWINKLE_MEM_TEST_DEVICES=cpu,cuda (pytest.xml, pytest.log)
+#   2b. the fused LM head's batch invariance: bench/check_linear_invariance.py, five rows alone and
+#      inside batches of N = 1, 7, 333, 4096 at V = 151936, bf16, compared bit for bit (linear_invariance.log)
 #   3. compute-sanitizer memcheck, racecheck and synccheck on the smoke pass (every kernel path
 #      against float64: bench/bench_cuda.py --smoke)
 #   4. bench/bench_cuda.py at N=16384, V=151936, bf16: the first and last rows against float64,
@@ -128,6 +130,11 @@ else
     --continue-on-collection-errors --junitxml="$RESULTS/pytest.xml"
   grep -E "^(FAILED|ERROR)" "$RESULTS/pytest.log" | head -20
 fi
+
+banner "2b. fused LM head: rows bitwise the same at N = 1, 7, 333, 4096 (V = 151936, bf16)"
+INVARIANCE_ARGS=(--device cuda)
+[ $DRY_RUN -eq 1 ] && INVARIANCE_ARGS=(--device cpu --h 16 --vocab 8500 --n 1 7 600)
+run_step "fused head batch invariance" 180 "$RESULTS/linear_invariance.log" "$PY" bench/check_linear_invariance.py "${INVARIANCE_ARGS[@]}"
 
 banner "3. compute-sanitizer on the smoke pass"
 if [ $DRY_RUN -eq 1 ]; then

@@ -36,7 +36,10 @@ except ImportError:
 VOCAB = 1018  # hidden 32, ffn 64/128, 4 heads, sequences <= 40, 128 positions: no other dim is 1018
 SEQ, PROMPT = 40, 12
 LENGTHS = [SEQ, SEQ - 7, SEQ - 3, SEQ - 11]  # micro-batches of 2 on Megatron: 80 rows each
-CHUNK = 64 << 10  # the fused op's block memory: several vocab blocks per micro-batch
+CHUNK = 64 << 10  # the fused op's block memory
+# Vocab blocks of 128 columns and row tiles of 16 rows (linear.VOCAB_BLOCK, ROW_TILE: the defaults exceed
+# this model's vocab and micro-batches): several blocks and tiles per micro-batch.
+FUSED_BLOCKS = (128, 16)
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.25, 2.0])
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2**-6}  # fp32: 1e-4 relative; bf16: 2 eps of the tensor's scale
 
@@ -134,9 +137,11 @@ RUNS = {"megatron": megatron_run, "transformers": transformers_run}
 
 
 def run(path, fused, **kwargs):
+    from test_linear_selective_log_softmax import blocks
     integration.install(mask_skip="never", fused_lm_head=fused, fused_chunk_bytes=CHUNK if fused else None)
     try:
-        return RUNS[path](**kwargs)
+        with blocks(*FUSED_BLOCKS):
+            return RUNS[path](**kwargs)
     finally:
         integration.uninstall()
 

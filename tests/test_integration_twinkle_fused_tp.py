@@ -40,9 +40,12 @@ case = cases.register(WORLD)
 def _run_twinkle(tp, fused, *, tied, entropy, forward_only=False, spy=None):
     import twinkle_helpers as th
     from megatron.core import parallel_state as mpu
-    from test_integration_twinkle_fused import ADVANTAGES, CHUNK, LENGTHS, PROMPT, grpo
+    from test_integration_twinkle_fused import ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, grpo
+    from test_linear_selective_log_softmax import blocks
 
     from twinkle_mem.integrations import twinkle as integration
+    stack = contextlib.ExitStack()
+    stack.enter_context(blocks(*FUSED_BLOCKS))  # (undone in the finally below)
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp)
     integration.install(mask_skip="never", fused_lm_head=fused, fused_chunk_bytes=CHUNK if fused else None)
     try:
@@ -62,6 +65,7 @@ def _run_twinkle(tp, fused, *, tied, entropy, forward_only=False, spy=None):
                      getattr(p, "partition_dim", 0)) for n, p in chunk.named_parameters() if p.grad is not None}
         return dict(out=out, grads=grads, seen=loss.seen, labels=labels)
     finally:
+        stack.close()
         integration.uninstall()
         mpu.destroy_model_parallel()
 
@@ -152,13 +156,15 @@ def sequence_parallel_output_layer(rank, world):
         keep = labels != -100
         want = (logp * keep, ent * keep, *backward(logp * keep, ent * keep, h))
 
-        call = lm_head.FusedCall(0.7, True, 4 << 10)
+        from test_integration_twinkle_fused import CHUNK, FUSED_BLOCKS
+        from test_linear_selective_log_softmax import blocks
+        call = lm_head.FusedCall(0.7, True, CHUNK)
         call.set_labels(labels)
         h = full_hidden[shard].clone().requires_grad_()
-        with lm_head.deferred([layer], lm_head.megatron_forward, call):
+        with blocks(*FUSED_BLOCKS), lm_head.deferred([layer], lm_head.megatron_forward, call):
             placeholder, _ = layer(h)
             logp, ent = lm_head.take(placeholder.transpose(0, 1), masked, True)
-        got = (logp, ent, *backward(logp, ent, h))
+            got = (logp, ent, *backward(logp, ent, h))
     finally:
         torch.cuda.current_device = current_device
         mpu.destroy_model_parallel()

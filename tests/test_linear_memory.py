@@ -25,12 +25,16 @@ PER_ROW = 256  # O(N): row statistics, labels, kept-row indices, upstream gradie
 
 
 def measure(n, h, v, dtype="float32", chunk_bytes=64 << 20, ignore_frac=0.0, path="fused", entropy=True,
-            threads=None):
-    """Runs in this process: one forward + backward; returns the peak RSS rise and what it may hold."""
+            threads=None, vocab_block=None, row_tile=None):
+    """Runs in this process: one forward + backward; returns the peak RSS rise and what it may hold.
+    vocab_block, row_tile: linear.VOCAB_BLOCK / ROW_TILE instead of the defaults (small sizes)."""
     import torch
 
     import twinkle_mem
+    from twinkle_mem import linear
     from twinkle_mem.measure import peak_rss
+    linear.VOCAB_BLOCK = vocab_block or linear.VOCAB_BLOCK
+    linear.ROW_TILE = row_tile or linear.ROW_TILE
     assert twinkle_mem.backends()["cpu"] == "loaded", f"native CPU kernels not loaded: {twinkle_mem.backends()}"
     if threads:
         torch.set_num_threads(threads)
@@ -82,10 +86,13 @@ def run_child(**cfg):
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=4 << 20),
-    dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=4 << 20, ignore_frac=0.75),
-    dict(n=512, h=256, v=32768, dtype="bfloat16", chunk_bytes=4 << 20),  # a weight-sized fp32 buffer: +32 MiB
-], ids=["fp32", "fp32 3/4 ignored", "bf16"])
+    dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=4 << 20, vocab_block=2048, row_tile=128),
+    dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=4 << 20, ignore_frac=0.75, vocab_block=2048,
+         row_tile=128),
+    dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=16 << 20),  # the default tiles and blocks
+    # a weight-sized fp32 buffer would be +32 MiB
+    dict(n=512, h=256, v=32768, dtype="bfloat16", chunk_bytes=8 << 20, vocab_block=2048, row_tile=128),
+], ids=["fp32", "fp32 3/4 ignored", "fp32 default tiles", "bf16"])
 def test_peak_beyond_outputs_and_gradients_is_chunk_plus_o_n(cfg):
     r = run_child(**cfg)
     assert r["beyond"] <= r["bound"], (
@@ -95,11 +102,12 @@ def test_peak_beyond_outputs_and_gradients_is_chunk_plus_o_n(cfg):
 
 
 def test_the_measurement_sees_the_logits():
-    # Controls: the unfused path, and the fused path with one block holding all logits, exceed the bound.
-    cfg = dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=4 << 20)
+    # Controls: the unfused path, and the fused path with one block holding all logits (a vocab block of
+    # the whole vocab, a row tile of all rows, a chunk that holds them), exceed the bound.
+    cfg = dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=4 << 20, vocab_block=2048, row_tile=128)
     unfused = run_child(**cfg, path="unfused")
     assert unfused["beyond"] > unfused["bound"] and unfused["beyond"] >= unfused["logits_bytes"]
-    whole = run_child(**dict(cfg, chunk_bytes=256 << 20))
+    whole = run_child(**dict(cfg, chunk_bytes=256 << 20, vocab_block=32768, row_tile=1024))
     assert whole["beyond"] >= whole["logits_bytes"] - SLACK
 
 

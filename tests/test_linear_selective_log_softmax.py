@@ -15,6 +15,7 @@
   torch.compile(fullgraph=True); opcheck; the composite backend.
 Memory (peak RSS): tests/test_linear_memory.py. Tensor parallel: tests/test_linear_vocab_parallel.py.
 """
+import contextlib
 import math
 
 import pytest
@@ -23,8 +24,8 @@ import torch
 import twinkle_mem
 from helpers import assert_stats_close
 from numerics import SUBNORMAL_STEP, Impl, check_case, make_cases, ulp
-from twinkle_mem import composite
-from twinkle_mem.linear import block_bytes_per_column, block_columns, linear_bwd, linear_fwd
+from twinkle_mem import composite, linear
+from twinkle_mem.linear import block_width, linear_bwd, linear_fwd, tile_bytes, tiles_in_flight
 from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
 
 lsls = twinkle_mem.linear_selective_log_softmax
@@ -48,16 +49,16 @@ def _as_linear(x):
 class _Fused:
     """The op contract's forward/backward (tests/numerics.Impl) computed by the fused path."""
 
-    def __init__(self, cols):
-        self.cols = cols  # vocab block width: several blocks, the last one ragged
+    def __init__(self, cols, rows=None):
+        self.cols, self.rows = cols, rows  # vocab blocks of `cols` (the last one ragged), row tiles of `rows`
 
     def forward(self, x, labels, inv_t, ignore, vocab_start, vocab_size, with_entropy):
         assert vocab_start == 0 and vocab_size == x.shape[-1]
         hidden, weight, bias = _as_linear(x)
         self.weight = weight.requires_grad_()
-        chunk = block_bytes(x.shape[0], self.cols, x.dtype)
-        out = lsls(hidden, self.weight, labels, True, bias=bias, temperature=1.0 / inv_t,
-                   ignore_index=None if ignore == NO_IGNORE else ignore, chunk_bytes=chunk)
+        with blocks(self.cols, self.rows):
+            out = lsls(hidden, self.weight, labels, True, bias=bias, temperature=1.0 / inv_t,
+                       ignore_index=None if ignore == NO_IGNORE else ignore)
         self.out = out
         logp, entropy = out
         return logp.detach(), entropy.detach(), None, None
@@ -65,19 +66,32 @@ class _Fused:
     def backward(self, g_logp, g_entropy, x, labels, shift, log_sum, entropy, inv_t, ignore, vocab_start, inplace):
         logp, ent = self.out
         total = (logp * g_logp).sum() + ((ent * g_entropy).sum() if g_entropy is not None else 0)
-        (grad_weight,) = torch.autograd.grad(total, self.weight)
+        with blocks(self.cols, self.rows):
+            (grad_weight,) = torch.autograd.grad(total, self.weight)
         return grad_weight.t()
 
 
-def block_bytes(rows, cols, dtype, hidden_size=None):
-    """A chunk_bytes that gives backward blocks of `cols` vocab columns for `rows` kept rows
-    (the forward's blocks are as wide or wider)."""
-    return block_bytes_per_column(rows, rows if hidden_size is None else hidden_size, dtype, True) * cols
+@contextlib.contextmanager
+def blocks(cols=None, rows=None):
+    """Vocab blocks of `cols` columns and row tiles of `rows` rows (linear.VOCAB_BLOCK, linear.ROW_TILE)
+    for the duration, so that small test sizes see several blocks and tiles (None: the default)."""
+    saved = linear.VOCAB_BLOCK, linear.ROW_TILE
+    linear.VOCAB_BLOCK = saved[0] if cols is None else cols
+    linear.ROW_TILE = saved[1] if rows is None else rows
+    try:
+        yield
+    finally:
+        linear.VOCAB_BLOCK, linear.ROW_TILE = saved
+
+
+def smallest_chunk(vocab, hidden_size, dtype):
+    """The smallest chunk_bytes accepted: one row tile of a vocab block, as the backward needs it."""
+    return sum(tile_bytes(block_width(vocab), hidden_size, dtype, True))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_op_numerics_through_the_fused_path(dtype):
-    fused = _Fused(cols=64)  # V = 257: blocks 64, 64, 64, 64, 1
+    fused = _Fused(cols=64, rows=16)  # V = 257: blocks 64, 64, 64, 64, 1
     for case in make_cases(6, 257, dtype, seed=21):
         check_case(Impl("fused", fused.forward, fused.backward), case)
 
@@ -142,7 +156,14 @@ def _through_matmul(bound, d, operand_abs):
 
 
 def check_against_float64(hidden, weight, bias, labels, *, temperature=1.0, ignore_index=None, entropy=True,
-                          chunk_bytes=None, seed=0):
+                          chunk_bytes=None, seed=0, cols=None, rows=None):
+    """cols, rows: vocab blocks and row tiles of that size (blocks()); chunk_bytes as given."""
+    with blocks(cols, rows):
+        return _check_against_float64(hidden, weight, bias, labels, temperature=temperature,
+                                      ignore_index=ignore_index, entropy=entropy, chunk_bytes=chunk_bytes, seed=seed)
+
+
+def _check_against_float64(hidden, weight, bias, labels, *, temperature, ignore_index, entropy, chunk_bytes, seed):
     dtype = hidden.dtype
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
@@ -208,9 +229,9 @@ def test_against_float64(dtype, name):
     if int32:
         labels = labels.int()
     ignore = -100 if cfg.get("ignore_frac") else None
-    chunk = None if cols is None else block_bytes(n, cols, dtype, h)
+    # row tiles of 16: the 24 rows (fewer when ignored) in a full and a zero-padded tile
     check_against_float64(hidden, weight, bias, labels, temperature=temperature, ignore_index=ignore,
-                          entropy=entropy, chunk_bytes=chunk)
+                          entropy=entropy, cols=cols, rows=16)
 
 
 def _unfused(hidden, weight, bias, labels, g_logp, g_ent, temperature):
@@ -233,8 +254,9 @@ def test_reduced_precision_gradients_no_worse_than_unfused(dtype):
     ref = reference(hidden, weight, None, labels, g_logp, g_ent, 1.0, None)
     ref_h, ref_w = ref["d"] @ weight.double(), ref["d"].t() @ hidden.double()
     hf, wf = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    logp, ent = lsls(hf, wf, labels, True, chunk_bytes=block_bytes(n, 256, dtype))  # 32 blocks
-    fused = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (hf, wf))
+    with blocks(256, 16):  # 32 vocab blocks, 4 row tiles: grad_hidden and grad_weight summed in fp32
+        logp, ent = lsls(hf, wf, labels, True)
+        fused = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (hf, wf))
     unfused = _unfused(hidden, weight, None, labels, g_logp, g_ent, 1.0)
     rms = lambda g, r: ((g.double() - r) ** 2).mean().sqrt().item()  # noqa: E731
     for name, f, u, r in (("hidden", fused[0], unfused[0], ref_h), ("weight", fused[1], unfused[1], ref_w)):
@@ -244,13 +266,13 @@ def test_reduced_precision_gradients_no_worse_than_unfused(dtype):
 def test_float64_tight_and_gradcheck():
     hidden, weight, bias, labels = make_head(7, 5, 50, torch.float64, k=2, ignore_frac=0.3, seed=3)
     hidden = hidden + torch.randn_like(hidden) * 0.1  # not dyadic: float64 is exact enough
-    chunk = block_bytes(7, 13, torch.float64)
     h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
 
     def f(h, w, b):
-        return lsls(h, w, labels, True, bias=b, temperature=0.8, ignore_index=-100, chunk_bytes=chunk)
-    assert torch.autograd.gradcheck(f, (h, w, b))
-    logp, ent = f(h, w, b)
+        return lsls(h, w, labels, True, bias=b, temperature=0.8, ignore_index=-100)
+    with blocks(13, 16):
+        assert torch.autograd.gradcheck(f, (h, w, b))
+        logp, ent = f(h, w, b)
     ref = reference(hidden, weight, bias, labels, torch.zeros(7, 2), None, 0.8, -100)
     torch.testing.assert_close(logp, ref["logp"], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ent, ref["entropy"], rtol=1e-12, atol=1e-12)
@@ -273,23 +295,26 @@ def test_ignored_rows_cost_no_matmul_and_give_zeros():
     kept = int((labels != -100).sum())
     hf, wf, bf = (t.clone().requires_grad_() for t in (hidden, weight, bias))
     out = {}
+    tile, cols = 32, 256  # 10 kept rows: one row tile of 32; all 40 rows would take two
 
     def run():
-        logp, ent = lsls(hf, wf, labels, True, bias=bf, ignore_index=-100, chunk_bytes=block_bytes(n, 256,
-                                                                                                      torch.float32))
+        logp, ent = lsls(hf, wf, labels, True, bias=bf, ignore_index=-100)
         out["logp"], out["ent"] = logp, ent
         out["grads"] = torch.autograd.grad(logp.sum() + ent.sum(), (hf, wf, bf))
-    shapes = _mm_shapes(run)
+    with blocks(cols, tile):
+        shapes = _mm_shapes(run)
     assert shapes, "no matmul seen by the profiler"
     for name, inputs in shapes:
-        rows = [s[0] for s in inputs if len(s) == 2]
-        assert kept in rows or any(len(s) == 2 and s[1] == kept for s in inputs), (name, inputs)
+        assert any(len(s) == 2 and tile in s for s in inputs), f"{name} not on a row tile: {inputs}"
         assert not any(len(s) == 2 and n in s for s in inputs), f"{name} saw all {n} rows: {inputs}"
+    n_blocks = -(-v // cols)
+    logits_tiles = [i for name, i in shapes if name in ("aten::mm", "aten::addmm") and [tile, h] in i]
+    # the forward's logits and the backward's recomputed ones: one tile per block each (the kept rows' only one)
+    assert len(logits_tiles) == 2 * n_blocks * -(-kept // tile), (len(logits_tiles), n_blocks)
     dropped = labels == -100
     assert (out["logp"][dropped] == 0).all() and (out["ent"][dropped] == 0).all()
     assert (out["grads"][0][dropped] == 0).all()
-    check_against_float64(hidden, weight, bias, labels, ignore_index=-100,
-                          chunk_bytes=block_bytes(n, 256, torch.float32))
+    check_against_float64(hidden, weight, bias, labels, ignore_index=-100, cols=cols, rows=tile)
 
 
 def test_all_rows_ignored_and_empty():
@@ -307,7 +332,8 @@ def test_all_rows_ignored_and_empty():
 def test_entropy_only_k0_labels():
     hidden, weight, bias, _ = make_head(5, 8, 70, torch.float32, seed=8)
     no_labels = torch.zeros(5, 0, dtype=torch.long)
-    logp, ent = lsls(hidden, weight, no_labels, True, bias=bias, chunk_bytes=block_bytes(5, 16, torch.float32))
+    with blocks(16, 16):
+        logp, ent = lsls(hidden, weight, no_labels, True, bias=bias)
     ref = reference(hidden, weight, bias, no_labels, torch.zeros(5, 0), None, 1.0, None)
     assert logp.shape == (5, 0)
     torch.testing.assert_close(ent.double(), ref["entropy"], rtol=1e-6, atol=1e-6)
@@ -323,10 +349,9 @@ def test_saves_only_the_inputs_and_row_statistics():
     def pack(t):
         saved.append(t)
         return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logp, ent = lsls(hf, wf, labels, True, bias=bf, ignore_index=-100,
-                         chunk_bytes=block_bytes(n, 300, torch.float32))
-    (logp.sum() + ent.sum()).backward()
+    with blocks(300, 16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, ent = lsls(hf, wf, labels, True, bias=bf, ignore_index=-100)
+        (logp.sum() + ent.sum()).backward()
     inputs = {t.untyped_storage().data_ptr() for t in (hf, wf, bf, labels)}
     assert saved
     for t in saved:
@@ -337,34 +362,44 @@ def test_saves_only_the_inputs_and_row_statistics():
 
 def test_no_tensor_of_the_logits_size_goes_through_any_op():
     # Every aten op run inside the fused path (the profiler sees inside the custom ops), with the shapes of
-    # its inputs: none is [N, V]-sized, and the logits blocks [N, c] fit in chunk_bytes.
+    # its inputs: none is [N, V]-sized, and the logits blocks [rows, c] fit in chunk_bytes.
     n, h, v = 32, 8, 4096
     hidden, weight, bias, labels = make_head(n, h, v, torch.bfloat16, seed=11)
     hf, wf, bf = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-    chunk = block_bytes(n, 512, torch.bfloat16, h)
+    cols, tile = 512, 16
+    with blocks(cols, tile):
+        per_tile, fixed = tile_bytes(cols, h, torch.bfloat16, True)
+        chunk = fixed + per_tile  # the backward: one row tile in flight (the forward, without `fixed`: more)
 
-    def run():
-        logp, ent = lsls(hf, wf, labels, True, bias=bf, chunk_bytes=chunk)
-        torch.autograd.grad(logp.sum() + ent.sum(), (hf, wf, bf))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        run()
+        def run():
+            logp, ent = lsls(hf, wf, labels, True, bias=bf, chunk_bytes=chunk)
+            torch.autograd.grad(logp.sum() + ent.sum(), (hf, wf, bf))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            run()
     shapes = [s for e in prof.events() for s in e.input_shapes if s]
     biggest = max(math.prod(s) for s in shapes)
     assert biggest < n * v, f"a tensor of {biggest} elements went through an op (N V = {n * v})"
-    blocks = [s for s in shapes if len(s) == 2 and s[0] == n and s[1] > h]
-    assert blocks, "no logits block seen"
-    assert max(b[1] for b in blocks) * n * 2 <= chunk, f"logits blocks wider than chunk_bytes allows: {blocks[:3]}"
-    assert max(b[1] for b in blocks) < v, "a single block: the test would not see blocks"
+    logits = [s for s in shapes if len(s) == 2 and s[1] == cols and s[0] % tile == 0]
+    assert logits, "no logits block seen"
+    assert max(b[0] for b in logits) * cols * 2 <= chunk, f"logits blocks larger than chunk_bytes allows: {logits[:3]}"
+    assert [tile, cols] in logits, "no block of one row tile (the backward's, at this chunk_bytes) seen"
 
 
-def test_block_columns():
-    assert block_columns(10, 4, 1000, torch.float32, 10 * 4 * 1000, False) == 1000
-    assert block_columns(10, 4, 100000, torch.float32, 10 * 4 * 1000, False) == 960  # a multiple of 64
-    assert block_columns(10, 4, 100000, torch.float32, 10 * 4 * 100, False) == 100
-    # bf16 backward: logits column (2 B/row) + fp32 gradient column (4 B/row) + fp32 weight row (4 B * H)
-    assert block_columns(10, 4, 100000, torch.bfloat16, (20 + 40 + 16) * 100, True) == 100
+def test_block_plan():
+    # Block widths from the vocab alone; chunk_bytes only sets how many row tiles share a buffer.
+    assert block_width(1000) == 1000 and block_width(151936) == linear.VOCAB_BLOCK == 8192
+    tile = linear.ROW_TILE * 4096 * 4  # one fp32 tile of logits
+    assert tiles_in_flight(4096, 64, torch.float32, 3 * tile + 5, False) == 3
+    assert tiles_in_flight(4096, 64, torch.float32, 3 * tile + 5, True) == 3  # fp32: nothing else
+    # bf16 backward: + fp32 weight block and grad_weight accumulator (2 x 4 B x cols x H), grad_bias
+    # accumulator, fp32 copies of one gradient tile and one hidden tile
+    fixed = 4 * (2 * 4096 * 64 + 4096 + linear.ROW_TILE * (4096 + 64))
+    assert tile_bytes(4096, 64, torch.bfloat16, True) == (tile // 2, fixed)
+    assert tiles_in_flight(4096, 64, torch.bfloat16, fixed + 2 * (tile // 2), True) == 2
     with pytest.raises(ValueError, match="chunk_bytes"):
-        block_columns(10, 4, 1000, torch.float32, 39, False)
+        tiles_in_flight(4096, 64, torch.float32, tile - 1, False)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        tiles_in_flight(4096, 64, torch.bfloat16, fixed + tile // 2 - 1, True)
 
 
 # ------------------------------------------------------------------ errors
@@ -383,7 +418,7 @@ def test_bad_arguments():
         (dict(temperature=torch.tensor(1.0)), "temperature"),
         (dict(ignore_index=1.5), "ignore_index"),
         (dict(chunk_bytes=0), "chunk_bytes"),
-        (dict(chunk_bytes=4 * 4 - 1), "chunk_bytes"),  # below one column of 4 fp32 rows
+        (dict(chunk_bytes=smallest_chunk(30, 8, torch.float32) - 1), "chunk_bytes"),  # below one row tile
     ]
     for change, match in cases:
         args = dict(hidden=hidden, weight=weight, index=labels, bias=bias)
@@ -406,7 +441,7 @@ def test_bad_arguments():
 # ------------------------------------------------------------------ compile, opcheck, composite
 def test_torch_compile_fullgraph():
     hidden, weight, bias, labels = make_head(12, 16, 300, torch.float32, ignore_frac=0.4, seed=13)
-    chunk = block_bytes(12, 64, torch.float32)
+    chunk = smallest_chunk(300, 16, torch.float32)
 
     def step(h, w, b):
         logp, ent = lsls(h, w, labels, True, bias=b, temperature=0.9, ignore_index=-100, chunk_bytes=chunk)
@@ -423,26 +458,28 @@ def test_torch_compile_fullgraph():
         return lsls(h, w, labels, True, bias=b, temperature=0.9, ignore_index=-100, chunk_bytes=chunk)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    for got, want in zip(fwd_bwd(compiled), fwd_bwd(model)):
-        assert torch.equal(got, want)
+    with blocks(64, 16):
+        for got, want in zip(fwd_bwd(compiled), fwd_bwd(model)):
+            assert torch.equal(got, want)
 
 
 def test_opcheck():
     hidden, weight, bias, labels = make_head(9, 8, 200, torch.float32, ignore_frac=0.3, seed=14)
-    chunk = block_bytes(9, 64, torch.float32)
-    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
     one, two = torch.tensor(1.0, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64)  # 1/T
-    torch.library.opcheck(linear_fwd, (h, w, b, labels.view(9, 1), one, -100, True, chunk, 0, 200, ""))
-    torch.library.opcheck(linear_fwd, (h, w, None, labels.view(9, 1), two, -100, False, chunk, 0, 200, ""))
-    _logp, ent, shift, log_sum = linear_fwd(hidden, weight, bias, labels.view(9, 1), one, -100, True, chunk, 0,
-                                            200, "")
-    torch.library.opcheck(linear_bwd, (torch.randn(9, 1), torch.randn(9), hidden, weight, bias, labels.view(9, 1),
-                                       shift, log_sum, ent, one, -100, chunk, 0, True, True, True))
+    with blocks(64, 16):
+        chunk = smallest_chunk(200, 8, torch.float32)
+        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        torch.library.opcheck(linear_fwd, (h, w, b, labels.view(9, 1), one, -100, True, chunk, 0, 200, ""))
+        torch.library.opcheck(linear_fwd, (h, w, None, labels.view(9, 1), two, -100, False, chunk, 0, 200, ""))
+        _logp, ent, shift, log_sum = linear_fwd(hidden, weight, bias, labels.view(9, 1), one, -100, True, chunk, 0,
+                                                200, "")
+        torch.library.opcheck(linear_bwd, (torch.randn(9, 1), torch.randn(9), hidden, weight, bias,
+                                           labels.view(9, 1), shift, log_sum, ent, one, -100, chunk, 0, True, True,
+                                           True))
 
 
 def test_composite_backend():
     # The same path where no native kernel exists: torch.ops.twinkle_mem routed to the composite.
     hidden, weight, bias, labels = make_head(16, 16, 700, torch.bfloat16, ignore_frac=0.25, seed=15)
     with composite.forced(("cpu",), budget_bytes=64 << 10):
-        check_against_float64(hidden, weight, bias, labels, ignore_index=-100,
-                              chunk_bytes=block_bytes(16, 200, torch.bfloat16))
+        check_against_float64(hidden, weight, bias, labels, ignore_index=-100, cols=200, rows=16)

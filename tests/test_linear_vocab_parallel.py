@@ -29,16 +29,22 @@ def _shard(t, rank, world):
     return t[rank * s:(rank + 1) * s]
 
 
-def run_and_check(rank, world, *, n=24, h=32, shard=250, dtype=torch.float32, bias=True, k=None,
-                  ignore_frac=0.0, temperature=1.0, chunk_cols=None, seed=0, group=None, through_megatron=False):
+def run_and_check(rank, world, *, chunk_cols=None, **kw):
+    """chunk_cols: vocab blocks of that width (and row tiles of 16) instead of the defaults."""
+    from test_linear_selective_log_softmax import blocks
+    with blocks(chunk_cols, 16 if chunk_cols else None):
+        return _run_and_check(rank, world, **kw)
+
+
+def _run_and_check(rank, world, *, n=24, h=32, shard=250, dtype=torch.float32, bias=True, k=None,
+                   ignore_frac=0.0, temperature=1.0, seed=0, group=None, through_megatron=False):
     import twinkle_mem
-    from test_linear_selective_log_softmax import (_op_bound, _through_matmul, block_bytes, make_head, reference,
-                                                   ulp)
+    from test_linear_selective_log_softmax import _op_bound, _through_matmul, make_head, reference, ulp
     group = group if group is not None else dist.group.WORLD
     v = world * shard
     hidden, weight, b, labels = make_head(n, h, v, dtype, bias=bias, k=k, ignore_frac=ignore_frac, seed=seed)
     ignore = -100 if ignore_frac else None
-    chunk = None if chunk_cols is None else block_bytes(n, chunk_cols, dtype, h)
+    chunk = None
     gen = torch.Generator().manual_seed(seed + 7)  # replicated upstream gradients (Megatron's convention)
     g_logp = torch.randn(labels.shape, generator=gen)
     g_ent = torch.randn(n, generator=gen)
@@ -182,6 +188,35 @@ def compile_fullgraph_with_process_group(rank, world):
     got = run(torch.compile(f, fullgraph=True, backend="aot_eager"))
     want = run(f)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@case()
+def rows_bitwise_whatever_the_batch(rank, world):
+    # For one TP size: rows alone (N = 1) and inside a batch of 600 (two row tiles, a third of the
+    # other rows dropped) give bitwise the same logp, entropy and partial grad_hidden on every rank.
+    import twinkle_mem
+    gen = torch.Generator().manual_seed(11)
+    n, h, v = 600, 32, world * 4500  # two vocab blocks per shard at TP = 2, the last ragged
+    hidden = torch.randn(n, h, generator=gen)
+    weight, bias = torch.randn(v, h, generator=gen) * 0.3, torch.randn(v, generator=gen)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[::3] = -100
+    g_logp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    w, b = _shard(weight, rank, world), _shard(bias, rank, world)
+
+    def call(rows):
+        x = hidden[rows].clone().requires_grad_()
+        logp, ent = twinkle_mem.linear_selective_log_softmax(x, w, labels[rows], True, bias=b, temperature=0.7,
+                                                             ignore_index=-100, process_group=dist.group.WORLD)
+        (gh,) = torch.autograd.grad((logp * g_logp[rows]).sum() + (ent * g_ent[rows]).sum(), x)
+        return logp.detach(), ent.detach(), gh
+    probes = [1, 2, 511, 512, 599]  # kept rows (not multiples of 3), both tiles
+    batch = call(torch.arange(n))
+    alone = [call(torch.tensor([p])) for p in probes]
+    # Collectives done; everything below is local.
+    for i, p in enumerate(probes):
+        for what, a, r in zip(("logp", "entropy", "grad_hidden"), batch, alone[i]):
+            assert torch.equal(a[p:p + 1], r), f"row {p} {what}: {(a[p:p + 1] - r).abs().max().item():.3g}"
 
 
 @case(2)

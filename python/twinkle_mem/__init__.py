@@ -3,8 +3,7 @@ Ascend NPU) and memory fixes for RL training of large-vocabulary LMs."""
 from . import ops  # noqa: F401  (loads the native libraries, registers fake + autograd)
 from . import composite  # noqa: F401  (the composite kernel for devices without a native one)
 from ._native import status as _backend_status
-from .functional import entropy_from_logits, selective_log_softmax
-from .linear import linear_selective_log_softmax
+from .functional import entropy_from_logits, linear_selective_log_softmax, selective_log_softmax
 
 __version__ = "0.1.0"
 

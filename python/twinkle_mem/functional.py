@@ -1,4 +1,4 @@
-"""Public functions: selective_log_softmax and entropy_from_logits.
+"""Public functions: selective_log_softmax, entropy_from_logits and linear_selective_log_softmax.
 
 A thin layer over torch.ops.twinkle_mem.selective_log_softmax_fwd: checks the
 arguments (ValueError naming the argument), brings the tensors to the op's
@@ -7,10 +7,15 @@ shapes on the outputs.
 """
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 
 from . import ops
-from ._contract import check_logits_args, ignore_value
+from ._contract import check_float_tensor, check_index_and_options, check_logits_args, ignore_value
+from .linear import DEFAULT_CHUNK_BYTES, block_width, linear_fwd, tiles_in_flight
+from .vocab_parallel import rank_and_world
 from .rows import to_op_rows
 
 def selective_log_softmax(logits, index, return_entropy=False, *, temperature=1.0, ignore_index=None,
@@ -66,3 +71,70 @@ def entropy_from_logits(logits, chunk_size=None, *, temperature=1.0, inplace_bac
     _logp, entropy = selective_log_softmax(logits, no_labels, True, temperature=temperature,
                                            inplace_backward=inplace_backward)
     return entropy
+
+
+def _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_bytes) -> bool:
+    """Raises ValueError naming the bad argument; returns whether ``index`` is ``[..., k]``."""
+    check_float_tensor("hidden", hidden)
+    check_float_tensor("weight", weight)
+    if hidden.dim() < 1 or hidden.shape[-1] < 1:
+        raise ValueError(f"hidden must be [..., H] with H >= 1, got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, H] with V >= 1 and H = hidden.shape[-1] = {hidden.shape[-1]}, got shape "
+                         f"{tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype} (cast one of them, "
+                         "e.g. hidden.to(weight.dtype), as the linear layer would compute in one dtype)")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]:
+            raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {getattr(bias, 'shape', type(bias))}")
+        if bias.dtype != hidden.dtype or bias.device != hidden.device:
+            raise ValueError(f"bias must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), got "
+                             f"{bias.dtype}, {bias.device}")
+    multi = check_index_and_options(index, hidden, "hidden", temperature, ignore_index)
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
+    return multi
+
+
+def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *, bias=None, temperature=1.0,
+                                 ignore_index=None, chunk_bytes=None, process_group=None):
+    """``selective_log_softmax(hidden @ weight.T + bias, index, ...)`` without the [N, V] logits.
+
+    hidden: [..., H] bf16/fp16/fp32 (fp64 for gradcheck); weight: [V, H] of hidden's dtype (under
+    ``process_group``, this rank's vocab shard, Megatron's split); bias: [V] or None; index: [...]
+    or [..., k] int64/int32 global token ids. Returns fp32 ``logp`` of the index's shape (fp64 for
+    fp64 hidden), or ``(logp, entropy)`` with entropy [...] when ``return_entropy``; ``temperature``
+    divides the logits. An index equal to ``ignore_index`` gives logp 0 and no gradient; a row
+    whose indices are all ignored gives entropy 0 and costs no matmul. Gradients flow to hidden,
+    weight and bias from logp and entropy. ``chunk_bytes`` (default 256 MiB) bounds the block
+    working memory of both passes. Under ``process_group`` (world size > 1) the outputs are the
+    full-vocab ones on every rank and the hidden gradient is this rank's partial sum (all-reduce it,
+    as Megatron's copy_to_tensor_model_parallel_region does). Details: module docstring,
+    docs/linear.md. Labels outside [0, V) (other than ignore_index) raise RuntimeError.
+    """
+    chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    multi = _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_bytes)
+    h_size = hidden.shape[-1]
+    n = math.prod(hidden.shape[:-1])
+    # Refuse, before any work, a chunk_bytes below one row tile of a vocab block (the backward's need,
+    # the larger): it depends on V, H and the dtype only.
+    tiles_in_flight(block_width(weight.shape[0]), h_size, hidden.dtype, chunk_bytes, backward=True)
+    rows = hidden.reshape(n, h_size)  # a view unless the leading dims cannot be merged
+    labels = index.reshape(n, index.shape[-1] if multi else 1)
+    ignore = ignore_value(ignore_index)
+    shard = weight.shape[0]
+    rank, world, group_name = 0, 1, ""
+    if process_group is not None and dist.get_world_size(process_group) > 1:
+        rank, world = rank_and_world(process_group, shard, "weight")
+        group_name = process_group.group_name
+    inv_temperature = ops.inv_temperature_tensor(temperature)
+    logp, entropy, _shift, _log_sum = linear_fwd(rows, weight, bias, labels, inv_temperature, ignore,
+                                                 bool(return_entropy), int(chunk_bytes), rank * shard, world * shard,
+                                                 group_name)
+    logp = logp.view(index.shape)
+    if return_entropy:
+        return logp, entropy.view(hidden.shape[:-1])
+    return logp

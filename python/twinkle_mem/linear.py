@@ -7,56 +7,41 @@ This module only orchestrates matmuls and the op (csrc/ops.cpp); the math is
 the op's own, and the merge of per-block statistics is
 ``row_stats.combine_shard_stats``.
 
-Rows: the rows whose labels are all ``ignore_index`` (prompt tokens in RL) are
-dropped before any matmul; they give logp 0, entropy 0 and zero gradient. The
-``m`` kept rows are gathered once per pass (``hidden[kept]``, an [m, H] copy;
-none when every row is kept).
+Rows whose labels are all ``ignore_index`` (prompt tokens in RL) are dropped before any matmul
+(logp 0, entropy 0, zero gradient); the kept rows are gathered once per pass (none when all are kept).
 
-Forward, for each vocab block ``[v0, v1)`` of this rank's weight:
-    buf = hidden_kept @ weight[v0:v1].T (+ bias[v0:v1])          # [m, v1 - v0]
+Batch invariance (docs/linear.md): a row's results depend on nothing but the row. Every
+matmul takes the kept rows in tiles of exactly ROW_TILE rows (the last one zero-padded),
+the vocab is cut into blocks of VOCAB_BLOCK columns from V alone, and ``chunk_bytes`` only
+decides how many tiles share one op call (``tiles_in_flight``).
+
+Forward, for each vocab block ``[v0, v1)`` of this rank's weight, for each group of tiles:
+    buf[tile] = hidden_tile @ weight[v0:v1].T (+ bias[v0:v1])     # [ROW_TILE, v1 - v0] each
     op forward with vocab_start = shard start + v0 -> the block's (shift, log_sum, logp, entropy)
-then ``row_stats.combine_shard_stats`` merges the blocks in order (exact: the same merge
-as across tensor-parallel ranks), and under tensor parallelism one all_gather
-of O(N) statistics merges the ranks (``vocab_parallel.gather_combine_shard_stats``).
+then ``row_stats.combine_shard_stats_in_tiles`` folds the block into a float64 state of the
+rows, in block order, one row tile per call (the same merge as across tensor-parallel
+ranks); under tensor parallelism one all_gather of O(N) statistics
+(``vocab_parallel.gather_shard_stats``) and the same merge combine the ranks.
 
-Backward, for each vocab block: recompute ``buf``, the op's in-place backward
-with the GLOBAL (shift, log_sum, entropy) turns it into d logits, then
-    grad_weight[v0:v1] = buf.T @ hidden_kept       one matmul over all kept rows: rounded once
-    grad_hidden       += buf @ weight[v0:v1]       accumulated over blocks (see below)
-    grad_bias[v0:v1]   = buf.sum(0)
+Backward, for each vocab block, for each group of tiles: recompute ``buf``, the op's
+in-place backward with the GLOBAL (shift, log_sum, entropy) turns it into d logits, then
+tile by tile, in tile order:
+    grad_weight[v0:v1] += d_tile.T @ hidden_tile
+    grad_bias[v0:v1]   += d_tile.sum(0)
+    grad_hidden_tile   += d_tile @ weight[v0:v1]     (over blocks in block order)
+all summed in fp32 for bf16/fp16 and rounded once.
 
-Memory, beyond the inputs, the outputs and the gradients:
-- the block buffer, sized so that every block-sized tensor fits in ``chunk_bytes``
-  (default 256 MiB): in the forward the logits block; in the backward the block
-  and, for bf16/fp16, its fp32 copy and the fp32 copy of the weight block (so
-  that grad_hidden is accumulated in fp32, not rounded once per block);
-- O(N) statistics, the only tensors saved for backward besides the inputs;
-- O(N H), only where it cannot be avoided: the kept-row copy of hidden when rows
-  are dropped, and the fp32 [m, H] accumulator of grad_hidden when hidden is
-  bf16/fp16 or rows are dropped (for fp32/fp64 with every row kept the
-  accumulator is grad_hidden itself).
-Nothing [N, V], nothing weight-sized besides grad_weight.
+Memory (beyond inputs, outputs and gradients: the block buffer within ``chunk_bytes``, O(N)
+statistics, nothing [N, V]) and tensor parallelism (``weight`` is this rank's vocab shard;
+``grad_hidden`` is this rank's partial sum, Megatron's ColumnParallelLinear convention): see
+docs/linear.md.
 
-Tensor parallelism (``process_group`` of world size tp > 1): ``weight`` (and
-``bias``) are this rank's vocab shard, rank r holding ``[r * Vs, (r + 1) * Vs)``
-as Megatron splits it; ``index`` holds global ids, the same on every rank. The
-outputs are the full-vocab ones, identical on every rank. ``grad_weight`` and
-``grad_bias`` are this rank's shard's. ``grad_hidden`` is this rank's PARTIAL sum
-(its vocab shard's term of ``d_logits @ weight``), Megatron's
-ColumnParallelLinear convention: the caller's ``copy_to_tensor_model_parallel_region``
-(an identity whose backward all-reduces over the TP group) in front of the
-head sums the ranks' terms. The upstream gradients of logp/entropy must be the
-same on every rank (they are, for anything computed from these replicated
-outputs). The backward has no collective.
-
-torch.compile: the work is two custom ops (``twinkle_mem::linear_selective_log_softmax_fwd``
-and ``_bwd``, opaque to the compiler, fake kernels for shapes, autograd by
-``register_autograd``), so ``torch.compile(fullgraph=True)`` traces the call,
-with or without a process group (the group travels as its name).
+torch.compile: two custom ops (``twinkle_mem::linear_selective_log_softmax_fwd`` / ``_bwd``) with fake
+kernels and ``register_autograd``; ``fullgraph=True`` traces the call (a process group travels as its name).
+The public function, ``linear_selective_log_softmax``, is in functional.py.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -64,38 +49,54 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
-from ._contract import check_float_tensor, check_index_and_options, ignore_value
-from .row_stats import combine_shard_stats, output_shift
-from .vocab_parallel import gather_combine_shard_stats, rank_and_world
+from ._matmul import add_matmul, logits_tile, mixed_addmm
+from .row_stats import combine_shard_stats_in_tiles, output_shift
+from .vocab_parallel import gather_shard_stats
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 
 
 # ------------------------------------------------------------------ planning
+# Every matmul, op call and merge is cut from these two constants alone, never from N or chunk_bytes,
+# so that a row's results depend only on its own hidden state and the weight (batch invariance):
+# (Sizes measured on the 2-core build machine, fp32, H = 1024: 512 x 8192 tiles run the matmuls about as
+# fast as one matmul over 1024 rows and 65536 columns; 256 x 4096 tiles were ~30% slower on 2 threads.)
+ROW_TILE = 512  # rows per matmul (the last tile zero-padded): the BLAS sees one M whatever N is
+VOCAB_BLOCK = 8192  # vocab columns per block (the last one ragged): blocks and their merge order from V alone
+
+
 def _accumulates_in_fp32(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
 
-def block_bytes_per_column(rows: int, hidden_size: int, dtype: torch.dtype, backward: bool) -> int:
-    """Bytes that one vocab column of a block costs: the logits column, and in the backward for
-    bf16/fp16 the fp32 copies of the gradient column and of the weight row (fp32 accumulation)."""
-    size = rows * dtype.itemsize
-    if backward and _accumulates_in_fp32(dtype):
-        size += 4 * (rows + hidden_size)
-    return size
+def block_width(shard: int) -> int:
+    """Columns of the vocab blocks: VOCAB_BLOCK, or the whole (shard of the) vocab when smaller."""
+    return min(VOCAB_BLOCK, shard)
 
 
-def block_columns(rows: int, hidden_size: int, vocab: int, dtype: torch.dtype, chunk_bytes: int,
-                  backward: bool) -> int:
-    """Width of the vocab blocks: as wide as ``chunk_bytes`` allows, a multiple of 64 when cut."""
-    per_col = block_bytes_per_column(rows, hidden_size, dtype, backward)
-    cols = chunk_bytes // max(per_col, 1)
-    if cols < 1:
-        raise ValueError(f"chunk_bytes = {chunk_bytes} is below one vocab column of the block ({per_col} bytes for "
-                         f"{rows} rows, H = {hidden_size}, {dtype})")
-    if cols >= vocab:
-        return vocab
-    return cols - cols % 64 if cols >= 128 else cols
+def tile_bytes(cols: int, hidden_size: int, dtype: torch.dtype, backward: bool) -> tuple[int, int]:
+    """(bytes per row tile of a block, fixed bytes per block) of the block working memory.
+
+    Per tile: its logits [ROW_TILE, cols]. Fixed, in the backward for bf16/fp16 (fp32 accumulation):
+    the fp32 copies of the weight block, of one gradient tile and of one hidden tile, and the fp32
+    accumulators of the block's grad_weight and grad_bias."""
+    per_tile = ROW_TILE * cols * dtype.itemsize
+    fixed = 4 * (2 * cols * hidden_size + cols + ROW_TILE * (cols + hidden_size)) \
+        if backward and _accumulates_in_fp32(dtype) else 0
+    return per_tile, fixed
+
+
+def tiles_in_flight(cols: int, hidden_size: int, dtype: torch.dtype, chunk_bytes: int, backward: bool) -> int:
+    """How many row tiles of a block one buffer holds within chunk_bytes (>= 1, else ValueError).
+
+    This is all that chunk_bytes decides: how many fixed tiles go through one op call, never a
+    matmul's shape nor an order of summation."""
+    per_tile, fixed = tile_bytes(cols, hidden_size, dtype, backward)
+    tiles = (chunk_bytes - fixed) // per_tile
+    if tiles < 1:
+        raise ValueError(f"chunk_bytes = {chunk_bytes} is below one row tile of a vocab block ({ROW_TILE} rows x "
+                         f"{cols} columns, H = {hidden_size}, {dtype}: {per_tile + fixed} bytes)")
+    return tiles
 
 
 def _kept_rows(labels: Tensor, ignore_index: int) -> Optional[Tensor]:
@@ -109,34 +110,42 @@ def _kept_rows(labels: Tensor, ignore_index: int) -> Optional[Tensor]:
     return None if kept.numel() == labels.shape[0] else kept
 
 
-def _logits_block(buf: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int) -> Tensor:
-    """hidden @ weight[v0:v1].T (+ bias[v0:v1]) written into the front of the flat buffer, as [m, v1 - v0]."""
-    x = buf[: hidden.shape[0] * (v1 - v0)].view(hidden.shape[0], v1 - v0)
-    if bias is None:
-        torch.mm(hidden, weight[v0:v1].t(), out=x)
-    else:
-        torch.addmm(bias[v0:v1], hidden, weight[v0:v1].t(), out=x)
-    return x
+class _RowTiles:
+    """The rows of an [m, H] tensor as tiles of ROW_TILE rows: views, but for a last partial tile,
+    which is a zero-padded [ROW_TILE, H] copy (``write_back`` returns its rows to the tensor)."""
+
+    def __init__(self, rows: Tensor):
+        self.rows = rows
+        m = rows.shape[0]
+        self.count = -(-m // ROW_TILE)
+        self.padded = self.count * ROW_TILE
+        self.tail = m - (self.count - 1) * ROW_TILE  # rows in the last tile
+        self.last = None
+        if self.tail < ROW_TILE:
+            self.last = rows.new_zeros((ROW_TILE, rows.shape[1]))
+            self.last[: self.tail] = rows[(self.count - 1) * ROW_TILE:]
+
+    def __getitem__(self, j: int) -> Tensor:
+        if j == self.count - 1 and self.last is not None:
+            return self.last
+        return self.rows[j * ROW_TILE:(j + 1) * ROW_TILE]
+
+    def write_back(self) -> None:
+        if self.last is not None:
+            self.rows[(self.count - 1) * ROW_TILE:] = self.last[: self.tail]
 
 
-_addmm_out_dtype_works: dict = {}  # device type -> False once torch.addmm(out_dtype=) failed there
+def _pad_rows(t: Optional[Tensor], rows: int, value=0) -> Optional[Tensor]:
+    """t [m, ...] extended to [rows, ...] with `value` (O(N): labels, statistics, upstream gradients)."""
+    if t is None or t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
 
 
-def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b with the products in acc's dtype: for bf16/fp16 a and b into an fp32 acc, no
-    block's term is rounded to the input dtype before the sum over blocks."""
-    if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
-        return
-    if acc.device.type == "cuda" and _addmm_out_dtype_works.get(acc.device.type, True):
-        try:  # cuBLAS: bf16/fp16 inputs, fp32 output, no fp32 copies (not exercised on CPU-only CI)
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-            return
-        except torch.OutOfMemoryError:
-            raise  # the fallback below needs more memory, not less
-        except (RuntimeError, TypeError):
-            _addmm_out_dtype_works[acc.device.type] = False  # not in this build: ask once, not once per block
-    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))  # fp32 copies of the block: counted in chunk_bytes
+def _tile_buffer(tiles: _RowTiles, buf: Tensor, g0: int, g1: int, cols: int) -> Tensor:
+    """The front of the flat buffer as the logits of tiles [g0, g1): [(g1 - g0) ROW_TILE, cols]."""
+    rows = (g1 - g0) * ROW_TILE
+    return buf[: rows * cols].view(rows, cols)
 
 
 def _select(t: Optional[Tensor], kept: Optional[Tensor]) -> Optional[Tensor]:
@@ -150,37 +159,50 @@ def _resolve_group(group_name: str):
 
 
 # ------------------------------------------------------------------ forward op
-def _shard_stats(hidden, weight, bias, labels, inv_temperature, ignore_index, with_entropy, vocab_start,
+def _shard_stats(tiles, weight, bias, labels, inv_temperature, ignore_index, with_entropy, vocab_start,
                  vocab_size, chunk_bytes):
-    """This weight's (shard's) statistics for the kept rows, in float64: (logp [m, k] against the
-    shard's own normalizer, 0 for labels elsewhere; entropy [m] of the shard's softmax or None;
-    shift [m]; log_sum [m]).
+    """This weight's (shard's) statistics for the padded kept rows, in float64: (logp [M, k] against
+    the shard's own normalizer, 0 for labels elsewhere; entropy [M] of the shard's softmax or None;
+    shift [M]; log_sum [M]), M = tiles.padded. labels: [M, k] int64, ignore_index on the padding.
 
-    The blocks' fp32 statistics are merged in float64, so that the merge adds no rounding of its own:
-    the results carry the blocks' roundings only, as the op's single pass carries its own.
+    The blocks' fp32 statistics are folded into a float64 state in block order, one row tile at a
+    time (row_stats.combine_shard_stats_in_tiles), so the fold adds no rounding of its own and a
+    row's result depends on nothing but its row.
     """
-    m, h = hidden.shape
+    h = tiles.rows.shape[1]
     shard = weight.shape[0]
-    cols = block_columns(m, h, shard, hidden.dtype, chunk_bytes, backward=False)
-    buf = hidden.new_empty(m * cols)
-    per_block = []
+    cols = block_width(shard)
+    group = min(tiles_in_flight(cols, h, tiles.rows.dtype, chunk_bytes, backward=False), tiles.count)
+    buf = tiles.rows.new_empty(group * ROW_TILE * cols)
+    local = labels - vocab_start
+    ignored = labels == ignore_index
+    state = None
     for v0 in range(0, shard, cols):
         v1 = min(v0 + cols, shard)
-        x = _logits_block(buf, hidden, weight, bias, v0, v1)
-        per_block.append(ops.fwd(x, labels, inv_temperature, ignore_index, vocab_start + v0, vocab_size,
-                                 with_entropy, False))
+        parts = []
+        for g0 in range(0, tiles.count, group):
+            g1 = min(g0 + group, tiles.count)
+            x = _tile_buffer(tiles, buf, g0, g1, v1 - v0)
+            for j in range(g0, g1):
+                logits_tile(x[(j - g0) * ROW_TILE:(j - g0 + 1) * ROW_TILE], tiles[j], weight, bias, v0, v1)
+            parts.append(ops.fwd(x, labels[g0 * ROW_TILE:g1 * ROW_TILE], inv_temperature, ignore_index,
+                                 vocab_start + v0, vocab_size, with_entropy, False))
+        logp_b, entropy_b, shift_b, log_sum_b = (torch.cat(t).double() if len(t) > 1 else t[0].double()
+                                                 for t in zip(*parts))
+        entropy_b = entropy_b if with_entropy else None
+        if state is None:  # the first block: the op's own statistics
+            state = (logp_b, entropy_b, shift_b, log_sum_b)
+            continue
+        logp_s, entropy_s, shift_s, log_sum_s = state
+        in_block = (local >= v0) & (local < v1) & ~ignored  # owner 1: the label's logit is in this block
+        state = combine_shard_stats_in_tiles(
+            ROW_TILE, torch.stack([shift_s, shift_b]), torch.stack([log_sum_s, log_sum_b]),
+            torch.stack([logp_s, logp_b]), None if entropy_b is None else torch.stack([entropy_s, entropy_b]),
+            in_block.long(), ignored, inv_temperature)
     del buf
-    logp_b, entropy_b, shift_b, log_sum_b = (torch.stack(t).double() for t in zip(*per_block))
-    entropy_b = entropy_b if with_entropy else None
-    if len(per_block) == 1:  # the op's own statistics: nothing to merge
-        return logp_b[0], (None if entropy_b is None else entropy_b[0]), shift_b[0], log_sum_b[0]
-    y = labels.long()
-    local = y - vocab_start
-    on_shard = (local >= 0) & (local < shard) & (y != ignore_index)
-    owner = torch.where(on_shard, local.div(cols, rounding_mode="floor"), 0)
-    logp, entropy, shift, log_sum = combine_shard_stats(shift_b, log_sum_b, logp_b, entropy_b, owner,
-                                                        y == ignore_index, inv_temperature)
+    logp, entropy, shift, log_sum = state
     # Labels on another rank's shard: 0 here, as the op gives (the ranks' merge takes the owner's).
+    on_shard = (local >= 0) & (local < shard) & ~ignored
     return torch.where(on_shard, logp, 0), entropy, shift, log_sum
 
 
@@ -201,25 +223,33 @@ def linear_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: T
     shift = hidden.new_zeros((n,), dtype=acc)
     log_sum = hidden.new_zeros((n,), dtype=acc)
     kept = _kept_rows(labels, ignore_index)
-    h, y = _select(hidden, kept), _select(labels, kept)
-    if h.shape[0] == 0:  # (the same on every rank: the labels are)
+    h = _select(hidden, kept)
+    m = h.shape[0]
+    if m == 0:  # (the same on every rank: the labels are)
         return logp, entropy, shift, log_sum
-    stats = _shard_stats(h, weight, bias, y, inv_temperature, ignore_index, with_entropy, vocab_start, vocab_size,
-                         chunk_bytes)
-    if group_name:  # the ranks' merge, in float64 too (O(N) bytes on the wire)
+    tiles = _RowTiles(h)
+    y = _pad_rows(_select(labels, kept).long(), tiles.padded, ignore_index)
+    stats = _shard_stats(tiles, weight, bias, y, inv_temperature, ignore_index, with_entropy, vocab_start,
+                         vocab_size, chunk_bytes)
+    if group_name:  # the ranks' merge, in float64 too (O(N) bytes on the wire), by row tiles as above
         group = _resolve_group(group_name)
-        stats = gather_combine_shard_stats(*stats, y.long(), weight.shape[0], inv_temperature, ignore_index, group,
-                                           dist.get_world_size(group))
-    logp_k, entropy_k, shift_k, log_sum_k = stats
-    shift_k, log_sum_k = output_shift(shift_k, log_sum_k, inv_temperature, acc)
+        gathered = gather_shard_stats(*stats, y, weight.shape[0], inv_temperature, ignore_index, group,
+                                      dist.get_world_size(group))
+        stats = combine_shard_stats_in_tiles(ROW_TILE, *gathered, inv_temperature)
     outs = (logp, entropy, shift, log_sum) if with_entropy else (logp, None, shift, log_sum)
-    for out, val in zip(outs, (logp_k, entropy_k, shift_k, log_sum_k)):
-        if out is None:
-            continue
-        if kept is None:
-            out.copy_(val.view(out.shape))
-        else:
-            out.index_copy_(0, kept, val.view((-1, *out.shape[1:])).to(out.dtype))
+    for r0 in range(0, m, ROW_TILE):  # the last step by row tiles too (row_stats.combine_shard_stats_in_tiles)
+        s = slice(r0, r0 + ROW_TILE)
+        logp_k, entropy_k, shift_k, log_sum_k = (None if t is None else t[s] for t in stats)
+        shift_k, log_sum_k = output_shift(shift_k, log_sum_k, inv_temperature, acc)
+        r1 = min(r0 + ROW_TILE, m)
+        for out, val in zip(outs, (logp_k, entropy_k, shift_k, log_sum_k)):
+            if out is None:
+                continue
+            val = val[: r1 - r0].to(acc)
+            if kept is None:
+                out[r0:r1] = val.view(out[r0:r1].shape)
+            else:
+                out.index_copy_(0, kept[r0:r1], val.view((-1, *out.shape[1:])))
     return logp, entropy, shift, log_sum
 
 
@@ -248,13 +278,13 @@ def linear_bwd(grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor
     kept = _kept_rows(labels, ignore_index)
     h = _select(hidden, kept)
     m = h.shape[0]
-    grad_weight = (weight.new_zeros(weight.shape) if m == 0 else weight.new_empty(weight.shape)) if need_weight \
-        else none()
-    grad_bias = (bias.new_zeros(bias.shape) if m == 0 else bias.new_empty(bias.shape)) if need_bias else none()
-    acc_dtype = torch.float32 if _accumulates_in_fp32(hidden.dtype) else hidden.dtype
+    grad_weight = weight.new_zeros(weight.shape) if need_weight else none()
+    grad_bias = bias.new_zeros(bias.shape) if need_bias else none()
+    reduced = _accumulates_in_fp32(hidden.dtype)
+    acc_dtype = torch.float32 if reduced else hidden.dtype
     if not need_hidden:
         grad_hidden = acc = none()
-    elif kept is None and acc_dtype == hidden.dtype:
+    elif kept is None and not reduced:
         grad_hidden = acc = hidden.new_zeros((n, h_size))  # accumulate into the gradient itself
     else:  # grad_hidden is made from acc after the blocks, so that it is not alive beside them
         grad_hidden = None
@@ -262,27 +292,55 @@ def linear_bwd(grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor
     if m == 0:
         return (hidden.new_zeros((n, h_size)) if grad_hidden is None else grad_hidden), grad_weight, grad_bias
 
-    y = _select(labels, kept)
-    g_logp = _select(grad_logp, kept).contiguous()
+    tiles = _RowTiles(h)
+    acc_tiles = _RowTiles(acc) if need_hidden else None
+    pad = tiles.padded
+    y = _pad_rows(_select(labels, kept).long(), pad, ignore_index)  # the padding: ignored, zero gradient
+    g_logp = _pad_rows(_select(grad_logp, kept), pad).contiguous()
     use_entropy = grad_entropy is not None and entropy is not None
-    g_entropy = _select(grad_entropy, kept).contiguous() if use_entropy else None
-    ent = _select(entropy, kept) if use_entropy else None
-    shift_k, log_sum_k = _select(shift, kept), _select(log_sum, kept)
+    g_entropy = _pad_rows(_select(grad_entropy, kept), pad).contiguous() if use_entropy else None
+    ent = _pad_rows(_select(entropy, kept), pad) if use_entropy else None
+    shift_k, log_sum_k = _pad_rows(_select(shift, kept), pad), _pad_rows(_select(log_sum, kept), pad)
 
-    cols = block_columns(m, h_size, shard, hidden.dtype, chunk_bytes, backward=True)
-    buf = hidden.new_empty(m * cols)
+    cols = block_width(shard)
+    group = min(tiles_in_flight(cols, h_size, hidden.dtype, chunk_bytes, backward=True), tiles.count)
+    buf = hidden.new_empty(group * ROW_TILE * cols)
+    copies = reduced and not mixed_addmm(hidden.device)  # fp32 copies of the operands (CPU)
+    as_acc = (lambda t: t.to(acc_dtype)) if copies else (lambda t: t)  # noqa: E731
+    gw_acc = weight.new_empty((cols, h_size), dtype=acc_dtype) if need_weight and reduced else None
+    gb_acc = weight.new_empty((cols,), dtype=acc_dtype) if need_bias and reduced else None
     for v0 in range(0, shard, cols):
         v1 = min(v0 + cols, shard)
-        d = _logits_block(buf, h, weight, bias, v0, v1)
-        ops.bwd_inplace(g_logp, g_entropy, d, y, shift_k, log_sum_k, ent, inv_temperature, ignore_index,
-                        vocab_start + v0)
-        if need_weight:
-            torch.mm(d.t(), h, out=grad_weight[v0:v1])
-        if need_bias:
-            torch.sum(d, dim=0, out=grad_bias[v0:v1])
-        if need_hidden:
-            _add_matmul(acc, d, weight[v0:v1])
+        c = v1 - v0
+        w_block = as_acc(weight[v0:v1]) if need_hidden else None
+        gw = gw_acc[:c].zero_() if gw_acc is not None else grad_weight[v0:v1]
+        gb = gb_acc[:c].zero_() if gb_acc is not None else grad_bias[v0:v1]
+        for g0 in range(0, tiles.count, group):
+            g1 = min(g0 + group, tiles.count)
+            x = _tile_buffer(tiles, buf, g0, g1, c)
+            for j in range(g0, g1):
+                logits_tile(x[(j - g0) * ROW_TILE:(j - g0 + 1) * ROW_TILE], tiles[j], weight, bias, v0, v1)
+            rs = slice(g0 * ROW_TILE, g1 * ROW_TILE)
+            ops.bwd_inplace(g_logp[rs], None if g_entropy is None else g_entropy[rs], x, y[rs], shift_k[rs],
+                            log_sum_k[rs], None if ent is None else ent[rs], inv_temperature, ignore_index,
+                            vocab_start + v0)
+            if g1 == tiles.count and tiles.tail < ROW_TILE:  # padding rows add exactly 0 (even where d was NaN)
+                x[(g1 - 1 - g0) * ROW_TILE + tiles.tail:].zero_()
+            for j in range(g0, g1):  # tile by tile, in tile order: the sums over rows do not see the grouping
+                d = as_acc(x[(j - g0) * ROW_TILE:(j - g0 + 1) * ROW_TILE])
+                if need_weight:
+                    add_matmul(gw, d.t(), as_acc(tiles[j]))
+                if need_bias:
+                    gb.add_(d.sum(dim=0, dtype=acc_dtype))
+                if need_hidden:
+                    add_matmul(acc_tiles[j], d, w_block)
+        if gw_acc is not None:
+            grad_weight[v0:v1] = gw
+        if gb_acc is not None:
+            grad_bias[v0:v1] = gb
     del buf
+    if need_hidden:
+        acc_tiles.write_back()
     if grad_hidden is None:
         grad_hidden = acc.to(hidden.dtype) if kept is None else \
             hidden.new_zeros((n, h_size)).index_copy_(0, kept, acc.to(hidden.dtype))
@@ -319,71 +377,3 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_shift, _grad_log_sum):
 
 
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-# ------------------------------------------------------------------ public function
-def _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_bytes) -> bool:
-    """Raises ValueError naming the bad argument; returns whether ``index`` is ``[..., k]``."""
-    check_float_tensor("hidden", hidden)
-    check_float_tensor("weight", weight)
-    if hidden.dim() < 1 or hidden.shape[-1] < 1:
-        raise ValueError(f"hidden must be [..., H] with H >= 1, got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V, H] with V >= 1 and H = hidden.shape[-1] = {hidden.shape[-1]}, got shape "
-                         f"{tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype} (cast one of them, "
-                         "e.g. hidden.to(weight.dtype), as the linear layer would compute in one dtype)")
-    if weight.device != hidden.device:
-        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]:
-            raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {getattr(bias, 'shape', type(bias))}")
-        if bias.dtype != hidden.dtype or bias.device != hidden.device:
-            raise ValueError(f"bias must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), got "
-                             f"{bias.dtype}, {bias.device}")
-    multi = check_index_and_options(index, hidden, "hidden", temperature, ignore_index)
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
-    return multi
-
-
-def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *, bias=None, temperature=1.0,
-                                 ignore_index=None, chunk_bytes=None, process_group=None):
-    """``selective_log_softmax(hidden @ weight.T + bias, index, ...)`` without the [N, V] logits.
-
-    hidden: [..., H] bf16/fp16/fp32 (fp64 for gradcheck); weight: [V, H] of hidden's dtype (under
-    ``process_group``, this rank's vocab shard, Megatron's split); bias: [V] or None; index: [...]
-    or [..., k] int64/int32 global token ids. Returns fp32 ``logp`` of the index's shape (fp64 for
-    fp64 hidden), or ``(logp, entropy)`` with entropy [...] when ``return_entropy``; ``temperature``
-    divides the logits. An index equal to ``ignore_index`` gives logp 0 and no gradient; a row
-    whose indices are all ignored gives entropy 0 and costs no matmul. Gradients flow to hidden,
-    weight and bias from logp and entropy. ``chunk_bytes`` (default 256 MiB) bounds the block
-    working memory of both passes. Under ``process_group`` (world size > 1) the outputs are the
-    full-vocab ones on every rank and the hidden gradient is this rank's partial sum (all-reduce it,
-    as Megatron's copy_to_tensor_model_parallel_region does). Details: module docstring,
-    docs/linear.md. Labels outside [0, V) (other than ignore_index) raise RuntimeError.
-    """
-    chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    multi = _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_bytes)
-    h_size = hidden.shape[-1]
-    n = math.prod(hidden.shape[:-1])
-    # Every block holds all kept rows. Refuse, before any work, a chunk_bytes below one block column of
-    # all N rows: the kept rows are known only inside the op (finding them here would sync the device).
-    block_columns(n, h_size, weight.shape[0], hidden.dtype, chunk_bytes, backward=True)
-    rows = hidden.reshape(n, h_size)  # a view unless the leading dims cannot be merged
-    labels = index.reshape(n, index.shape[-1] if multi else 1)
-    ignore = ignore_value(ignore_index)
-    shard = weight.shape[0]
-    rank, world, group_name = 0, 1, ""
-    if process_group is not None and dist.get_world_size(process_group) > 1:
-        rank, world = rank_and_world(process_group, shard, "weight")
-        group_name = process_group.group_name
-    inv_temperature = ops.inv_temperature_tensor(temperature)
-    logp, entropy, _shift, _log_sum = linear_fwd(rows, weight, bias, labels, inv_temperature, ignore,
-                                                 bool(return_entropy), int(chunk_bytes), rank * shard, world * shard,
-                                                 group_name)
-    logp = logp.view(index.shape)
-    if return_entropy:
-        return logp, entropy.view(hidden.shape[:-1])
-    return logp

@@ -69,3 +69,23 @@ def combine_shard_stats(shift, log_sum, logp, entropy, owner, ignored, inv_tempe
         h += terms[r]
     shift_out, log_sum_out = output_shift(big, total, inv_temperature, out_dtype)
     return logp_full.to(out_dtype), torch.where(skipped, zero, h).to(out_dtype), shift_out, log_sum_out
+
+
+def combine_shard_stats_in_tiles(tile, shift, log_sum, logp, entropy, owner, ignored, inv_temperature):
+    """``combine_shard_stats`` over fixed tiles of ``tile`` rows (N a multiple of it), one call per tile.
+
+    Why: torch's CPU loops give an element a result that can depend on where it sits in the tensor
+    (a vector body or a scalar tail, the split across threads), and exp / logsumexp differ there
+    in the last bit. Every call here sees tensors of the same shapes, so a row's merged statistics
+    depend on its own values only, not on N (linear.py's batch invariance relies on it).
+    """
+    n = shift.shape[-1]
+    assert n % tile == 0, (n, tile)
+    parts = []
+    for r0 in range(0, n, tile):
+        s = slice(r0, r0 + tile)
+        parts.append(combine_shard_stats(shift[:, s], log_sum[:, s], logp[:, s], None if entropy is None else
+                                         entropy[:, s], owner[s], ignored[s], inv_temperature))
+    logp_out, entropy_out, shift_out, log_sum_out = zip(*parts)
+    return (torch.cat(logp_out), None if entropy is None else torch.cat(entropy_out), torch.cat(shift_out),
+            torch.cat(log_sum_out))

@@ -98,6 +98,16 @@ def gather_combine_shard_stats(logp_r, entropy_r, shift_r, log_sum_r, y, shard, 
     Returns (logp [N, k], entropy [N] or None, shift [N], log_sum [N]), identical
     on every rank of ``group``.
     """
+    return combine_shard_stats(*gather_shard_stats(logp_r, entropy_r, shift_r, log_sum_r, y, shard, inv_temperature,
+                                                   ignore_index, group, world), inv_temperature)
+
+
+def gather_shard_stats(logp_r, entropy_r, shift_r, log_sum_r, y, shard, inv_temperature, ignore_index, group, world):
+    """The all_gather of gather_combine_shard_stats: every rank's statistics, ready for combine_shard_stats.
+
+    Returns (shift [R, N], log_sum [R, N], logp [R, N, k], entropy [R, N] or None, owner [N, k],
+    ignored [N, k]), R = world, the same on every rank of ``group``.
+    """
     n, k = y.shape
     with_entropy = entropy_r is not None
     cols = 2 + (1 if with_entropy else 0) + k
@@ -120,8 +130,8 @@ def gather_combine_shard_stats(logp_r, entropy_r, shift_r, log_sum_r, y, shard, 
     gathered = recv[:, _HEADER:].view(world, cols, n)
     ignored = y == ignore_index
     owner = torch.where(ignored, 0, y.div(shard, rounding_mode="floor")).clamp(0, world - 1)
-    return combine_shard_stats(gathered[:, 0], gathered[:, 1], gathered[:, cols - k:].transpose(1, 2),
-                               gathered[:, 2] if with_entropy else None, owner, ignored, inv_temperature)
+    return (gathered[:, 0], gathered[:, 1], gathered[:, cols - k:].transpose(1, 2),
+            gathered[:, 2] if with_entropy else None, owner, ignored)
 
 
 class _VocabParallelSelectiveLogSoftmax(torch.autograd.Function):

@@ -1,0 +1,159 @@
+"""Batch invariance of the fused LM head, checked bit for bit on one device.
+
+    python bench/check_linear_invariance.py                      # a GPU: N = 1, 7, 333, 4096, V = 151936, bf16
+    python bench/check_linear_invariance.py --device cpu --h 64 --vocab 5003   # the same logic, small, on the CPU
+
+Five probe rows (hidden state, labels, upstream gradients) go through
+``twinkle_mem.linear_selective_log_softmax`` alone (N = 1, one call per probe) and then inside
+batches of every --n, at positions that straddle the row tiles, among other rows of random content,
+with and without a quarter of the other rows dropped as all-ignore_index, at every --chunk-bytes
+(default: the smallest accepted, one in between, 1 GiB). Their logp, entropy and grad_hidden rows
+must be bitwise the probes' own. For one batch, grad_weight and grad_bias must be bitwise the same
+at every chunk_bytes. Prints one line per layout and exits with the number of mismatches (0: all
+bitwise). ``check()`` is what tests/test_linear_batch_invariance.py runs on the CPU.
+"""
+import argparse
+import sys
+import time
+
+import torch
+
+IGNORE = -100
+
+
+def _chunks(vocab, h, dtype):
+    from twinkle_mem.linear import block_width, tile_bytes
+    smallest = sum(tile_bytes(block_width(vocab), h, dtype, True))
+    return [smallest, 3 * smallest + 12345, 1 << 30]
+
+
+def _call(hidden, weight, bias, labels, g_logp, g_ent, *, entropy, temperature, chunk_bytes, want_params=False):
+    """One forward + backward; returns (logp, entropy or None, grad_hidden[, grad_weight, grad_bias])."""
+    import twinkle_mem
+    h = hidden.detach().clone().requires_grad_()
+    params = [h]
+    w = weight.detach().clone().requires_grad_(want_params)
+    b = None if bias is None else bias.detach().clone().requires_grad_(want_params)
+    if want_params:
+        params += [w] + ([b] if b is not None else [])
+    out = twinkle_mem.linear_selective_log_softmax(h, w, labels, entropy, bias=b, temperature=temperature,
+                                                   ignore_index=IGNORE, chunk_bytes=chunk_bytes)
+    logp, ent = out if entropy else (out, None)
+    loss = (logp * g_logp).sum() + ((ent * g_ent).sum() if entropy else 0)
+    grads = torch.autograd.grad(loss, params)
+    return (logp.detach(), None if ent is None else ent.detach(), *grads)
+
+
+def _layouts(n_list, probes, seed):
+    """(name, N, probe positions, drop others?) for every N: positions at both ends and around tile edges."""
+    from twinkle_mem.linear import ROW_TILE
+    gen = torch.Generator().manual_seed(seed)
+    for n in n_list:
+        if n < probes:
+            continue
+        edges = [0, n - 1, ROW_TILE - 1, ROW_TILE, 2 * ROW_TILE + 3, n // 2]
+        pos = sorted({p for p in edges if 0 <= p < n})
+        while len(pos) < probes:
+            pos = sorted(set(pos) | {int(torch.randint(0, n, (1,), generator=gen))})
+        pos = pos[:probes]
+        yield f"N={n}", n, pos, False
+        if n > probes:
+            yield f"N={n}, 1/4 of the others dropped", n, pos, True
+
+
+def check(device="cpu", dtype=torch.bfloat16, h=1024, vocab=151936, n_list=(1, 7, 333, 4096), chunk_list=None,
+          entropy=True, temperature=1.0, k=None, bias=False, seed=0, log=print):
+    """Returns a list of mismatch descriptions (empty: bitwise invariant)."""
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    probes = 5
+    weight = (torch.randn(vocab, h, generator=gen) * h**-0.5 * 2).to(dtype).to(dev)
+    b = (torch.randn(vocab, generator=gen) * 0.5).to(dtype).to(dev) if bias else None
+    lab_shape = (probes,) if k is None else (probes, k)
+    p_hidden = torch.randn(probes, h, generator=gen).to(dtype).to(dev)
+    p_labels = torch.randint(0, vocab, lab_shape, generator=gen).to(dev)
+    if k is not None:
+        p_labels[0, -1] = IGNORE  # an ignored label inside a kept row
+    p_g_logp = torch.randn(lab_shape, generator=gen).to(dev)
+    p_g_ent = torch.randn(probes, generator=gen).to(dev)
+    chunk_list = chunk_list or _chunks(vocab, h, dtype)
+    kw = dict(entropy=entropy, temperature=temperature)
+
+    alone = [_call(p_hidden[i:i + 1], weight, b, p_labels[i:i + 1], p_g_logp[i:i + 1], p_g_ent[i:i + 1],
+                   chunk_bytes=chunk_list[0], **kw) for i in range(probes)]
+    bad = []
+    for name, n, pos, drop in _layouts(n_list, probes, seed):
+        hidden = torch.randn(n, h, generator=gen).to(dtype).to(dev)
+        labels = torch.randint(0, vocab, (n,) if k is None else (n, k), generator=gen).to(dev)
+        g_logp = torch.randn(labels.shape, generator=gen).to(dev)
+        g_ent = torch.randn(n, generator=gen).to(dev)
+        if drop:
+            labels[torch.rand(n, generator=gen).to(dev) < 0.25] = IGNORE
+        idx = torch.tensor(pos, device=dev)
+        hidden[idx], labels[idx], g_logp[idx], g_ent[idx] = p_hidden, p_labels, p_g_logp, p_g_ent
+        for chunk in chunk_list:
+            t0 = time.perf_counter()
+            got = _call(hidden, weight, b, labels, g_logp, g_ent, chunk_bytes=chunk, **kw)
+            worst = 0.0
+            for i, p in enumerate(pos):
+                for what, a, r in zip(("logp", "entropy", "grad_hidden"), got, alone[i]):
+                    if a is None:
+                        continue
+                    a, r = a[p:p + 1], r
+                    if not torch.equal(a, r):
+                        diff = (a.double() - r.double()).abs().max().item()
+                        worst = max(worst, diff)
+                        bad.append(f"{name}, chunk_bytes={chunk}: row {p} {what} differs from the row alone by {diff:.3g}")
+            log(f"{name:34s} chunk_bytes={chunk:>11d}: {'bitwise' if worst == 0 else f'DIFFERS by {worst:.3g}'}"
+                f" ({time.perf_counter() - t0:.2f} s)")
+
+    # grad_weight and grad_bias of one batch, whatever chunk_bytes is
+    n = max(x for x in n_list)
+    hidden = torch.randn(n, h, generator=gen).to(dtype).to(dev)
+    labels = torch.randint(0, vocab, (n,) if k is None else (n, k), generator=gen).to(dev)
+    labels[torch.rand(n, generator=gen).to(dev) < 0.25] = IGNORE
+    g_logp, g_ent = torch.randn(labels.shape, generator=gen).to(dev), torch.randn(n, generator=gen).to(dev)
+    runs = [_call(hidden, weight, b, labels, g_logp, g_ent, chunk_bytes=c, want_params=True, **kw)[3:]
+            for c in chunk_list]
+    for c, r in zip(chunk_list[1:], runs[1:]):
+        for what, a, ref in zip(("grad_weight", "grad_bias"), r, runs[0]):
+            if not torch.equal(a, ref):
+                bad.append(f"N={n}: {what} at chunk_bytes={c} differs from chunk_bytes={chunk_list[0]} by "
+                           f"{(a.double() - ref.double()).abs().max().item():.3g}")
+    log(f"N={n}: grad_weight{' and grad_bias' if bias else ''} at chunk_bytes {chunk_list}: "
+        f"{'bitwise' if not any('grad_weight' in x or 'grad_bias' in x for x in bad) else 'DIFFER'}")
+    return bad
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--n", type=int, nargs="+", default=[1, 7, 333, 4096])
+    p.add_argument("--h", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--chunk-bytes", type=int, nargs="*", default=None)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--k", type=int, default=None, help="labels per row ([..., k]); default: one")
+    p.add_argument("--no-entropy", action="store_true")
+    p.add_argument("--bias", action="store_true")
+    args = p.parse_args(argv)
+    if args.device.startswith("npu"):
+        import torch_npu  # noqa: F401  (registers the npu device)
+    import twinkle_mem
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dev = torch.device(args.device)
+    print(f"torch {torch.__version__}, device {dev}"
+          f"{' (' + torch.cuda.get_device_name(dev) + ')' if dev.type == 'cuda' else ''}, backends "
+          f"{twinkle_mem.backends()}; {args.dtype}, H={args.h}, V={args.vocab}, T={args.temperature}, "
+          f"k={args.k}, entropy={not args.no_entropy}, bias={args.bias}", flush=True)
+    bad = check(args.device, dtype, args.h, args.vocab, args.n, args.chunk_bytes, not args.no_entropy,
+                args.temperature, args.k, args.bias, log=lambda s: print(s, flush=True))
+    for line in bad[:20]:
+        print("MISMATCH:", line)
+    print(f"{len(bad)} mismatch(es)")
+    return min(len(bad), 100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The fused LM head's matmuls (linear.py): the logits of one row tile of a vocab block, and products
+summed into an fp32 accumulator for bf16/fp16 operands."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def logits_tile(out: Tensor, hidden_tile: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int) -> None:
+    """out [ROW_TILE, v1 - v0] = hidden_tile @ weight[v0:v1].T (+ bias[v0:v1])."""
+    if bias is None:
+        torch.mm(hidden_tile, weight[v0:v1].t(), out=out)
+    else:
+        torch.addmm(bias[v0:v1], hidden_tile, weight[v0:v1].t(), out=out)
+
+
+_mixed_addmm_ok: dict = {}  # device type -> whether torch.addmm(bf16, bf16, out_dtype=fp32) runs there
+
+
+def mixed_addmm(device: torch.device) -> bool:
+    """Whether bf16/fp16 products can be summed straight into an fp32 tensor on this device (cuBLAS
+    can; asked once with a tiny call). Elsewhere the operands are copied to fp32 (counted in chunk_bytes)."""
+    if device.type != "cuda":
+        return False  # the CPU path is the measured one: fp32 copies
+    if device.type not in _mixed_addmm_ok:
+        try:
+            a = torch.zeros((2, 2), dtype=torch.bfloat16, device=device)
+            torch.addmm(a.float(), a, a, out_dtype=torch.float32)
+            _mixed_addmm_ok[device.type] = True
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError):
+            _mixed_addmm_ok[device.type] = False
+    return _mixed_addmm_ok[device.type]
+
+
+def add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b, the products summed in acc's dtype (for bf16/fp16 a and b: only where
+    mixed_addmm said so; the caller passes fp32 copies elsewhere)."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    else:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)

@@ -1,0 +1,113 @@
+"""Batch invariance of linear_selective_log_softmax, bit for bit (docs/linear.md, "Batch invariance").
+
+- A row's logp, entropy and grad_hidden row are bitwise the same alone (N = 1) and inside batches
+  of N = 7, 333 and 4096, at positions around the row tiles, among other rows of any content, with
+  other rows dropped as all-ignore_index, at every chunk_bytes from the smallest accepted to 1 GiB;
+  bf16, fp16 and fp32, with and without entropy, T = 1 and 0.7, [N] and [N, k] labels, with and
+  without bias. The logic is bench/check_linear_invariance.py's (the GPU check runs the same at
+  V = 151936); here V = 9001 (two vocab blocks, the second ragged), H = 32, the default tiles.
+- The same through the composite backend (torch.ops.twinkle_mem routed to composite.py).
+- grad_weight and grad_bias (and the rows' values) bitwise the same whatever chunk_bytes is.
+- The fold of the blocks' statistics by row tiles (row_stats.combine_shard_stats_in_tiles) gives
+  the same bits as one call over the rows it covers.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import twinkle_mem
+from twinkle_mem import composite
+from twinkle_mem.linear import ROW_TILE, block_width, tile_bytes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "check_linear_invariance.py")
+_spec = importlib.util.spec_from_file_location("check_linear_invariance", SCRIPT)
+check_linear_invariance = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check_linear_invariance)
+
+H, V = 32, 9001
+N_LIST = (1, 7, 333, 4096)
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+CONFIGS = {
+    "entropy, T=1, [N] labels": dict(entropy=True, temperature=1.0, k=None, bias=False),
+    "no entropy, T=0.7, [N, 3] labels, bias": dict(entropy=False, temperature=0.7, k=3, bias=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_bitwise_whatever_the_batch(dtype, name):
+    bad = check_linear_invariance.check("cpu", dtype, H, V, N_LIST, seed=DTYPES.index(dtype), log=lambda s: None,
+                                        **CONFIGS[name])
+    assert not bad, f"{len(bad)} mismatches, e.g.: " + "; ".join(bad[:4])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rows_bitwise_whatever_the_batch_composite(dtype):
+    with composite.forced(("cpu",)):
+        bad = check_linear_invariance.check("cpu", dtype, H, V, (1, 7, 333, 1024), entropy=True, temperature=0.7,
+                                            k=2, bias=True, seed=7, log=lambda s: None)
+    assert not bad, f"{len(bad)} mismatches, e.g.: " + "; ".join(bad[:4])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_chunk_budget_invariance(dtype):
+    # One batch (a third of the rows dropped, k = 2 labels, bias, T = 0.7) at chunk_bytes from the smallest
+    # accepted to 1 GiB: every output and every gradient bitwise the same.
+    n = 1000
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(n, H, generator=gen).to(dtype)
+    weight = (torch.randn(V, H, generator=gen) * 0.25).to(dtype)
+    bias = torch.randn(V, generator=gen).to(dtype)
+    labels = torch.randint(0, V, (n, 2), generator=gen)
+    labels[torch.rand(n, generator=gen) < 1 / 3] = -100
+    g_logp, g_ent = torch.randn(n, 2, generator=gen), torch.randn(n, generator=gen)
+    smallest = sum(tile_bytes(block_width(V), H, dtype, True))
+    results = []
+    for chunk in (smallest, smallest + 1, 2 * smallest + 777, 5 * smallest, 1 << 30):
+        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        logp, ent = twinkle_mem.linear_selective_log_softmax(h, w, labels, True, bias=b, temperature=0.7,
+                                                             ignore_index=-100, chunk_bytes=chunk)
+        grads = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (h, w, b))
+        results.append((chunk, (logp, ent, *grads)))
+    (c0, ref), rest = results[0], results[1:]
+    for chunk, got in rest:
+        for what, a, r in zip(("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias"), got, ref):
+            assert torch.equal(a, r), (f"{what} at chunk_bytes={chunk} differs from chunk_bytes={c0} by "
+                                       f"{(a.double() - r.double()).abs().max().item():.3g}")
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        twinkle_mem.linear_selective_log_softmax(hidden, weight, labels, True, chunk_bytes=smallest - 1)
+
+
+def test_fold_in_tiles_is_the_per_tile_combine():
+    # combine_shard_stats_in_tiles = combine_shard_stats of each tile, concatenated (so a row's merged
+    # statistics come from calls of one shape, whatever N).
+    from twinkle_mem.row_stats import combine_shard_stats, combine_shard_stats_in_tiles
+    gen = torch.Generator().manual_seed(5)
+    r, n, k = 3, 4 * ROW_TILE, 2
+    shift = torch.randn(r, n, generator=gen, dtype=torch.float64) * 10
+    log_sum = torch.rand(r, n, generator=gen, dtype=torch.float64) * 5
+    logp = -torch.rand(r, n, k, generator=gen, dtype=torch.float64) * 3
+    entropy = torch.rand(r, n, generator=gen, dtype=torch.float64) * 4
+    owner = torch.randint(0, r, (n, k), generator=gen)
+    ignored = torch.rand(n, k, generator=gen) < 0.2
+    got = combine_shard_stats_in_tiles(ROW_TILE, shift, log_sum, logp, entropy, owner, ignored, 0.7)
+    for t in range(0, n, ROW_TILE):
+        s = slice(t, t + ROW_TILE)
+        want = combine_shard_stats(shift[:, s], log_sum[:, s], logp[:, s], entropy[:, s], owner[s], ignored[s], 0.7)
+        for a, b in zip(got, want):
+            assert torch.equal(a[s], b)
+
+
+def test_gpu_check_script_runs_on_the_cpu():
+    # bench/gpu_check.sh runs this script on a GPU at V = 151936; here its own command line, small, on the CPU.
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--h", "16", "--vocab", "8500", "--n", "1", "7",
+                          "600", "--dtype", "bf16", "--k", "2", "--bias"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "0 mismatch(es)" in out.stdout and "N=600, 1/4 of the others dropped" in out.stdout
