@@ -73,6 +73,15 @@ def cpu():
 pytestmark = pytest.mark.usefixtures("uninstalled")  # conftest.py: every test starts and ends uninstalled
 
 
+@pytest.fixture(autouse=True)
+def small_fused_blocks():
+    """The fused op's small test blocks (test_integration_twinkle_fused.FUSED_BLOCKS): several per micro-batch."""
+    from test_integration_twinkle_fused import FUSED_BLOCKS
+    from test_linear_selective_log_softmax import blocks
+    with blocks(*FUSED_BLOCKS):
+        yield
+
+
 def build(path, mixed_precision="no", **kwargs):
     from megatron.core import parallel_state as mpu
     if mpu.model_parallel_is_initialized():

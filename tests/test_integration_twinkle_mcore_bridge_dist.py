@@ -69,8 +69,9 @@ def _steps(modes, *, tp=1, pp=1, entropy=False, tied=False, layers=2, mixed_prec
     import mcore_bridge_models as mb
     import twinkle_helpers as th
     from megatron.core import parallel_state as mpu
-    from test_integration_twinkle_fused import ADVANTAGES, CHUNK, grpo
+    from test_integration_twinkle_fused import ADVANTAGES, CHUNK, FUSED_BLOCKS, grpo
     from test_integration_twinkle_mcore_bridge import LENGTHS, PROMPT
+    from test_linear_selective_log_softmax import blocks
 
     from twinkle_mem.integrations import twinkle as integration
     if mpu.model_parallel_is_initialized():
@@ -91,7 +92,7 @@ def _steps(modes, *, tp=1, pp=1, entropy=False, tied=False, layers=2, mixed_prec
                                 fused_chunk_bytes=CHUNK if mode == "fused" else None)
         try:
             call = dict(inputs=copy.deepcopy(samples), micro_batch_size=2, temperature=0.7)
-            with (spies or {}).get(mode, contextlib.nullcontext()):
+            with (spies or {}).get(mode, contextlib.nullcontext()), blocks(*FUSED_BLOCKS):
                 out = model.forward_only(**call) if forward_only else model.forward_backward(advantages=ADVANTAGES,
                                                                                              **call)
         finally:
@@ -246,7 +247,10 @@ def _bf16_no_less_accurate(rank, exact, runs, last_stage):
     # the backbone's bf16 rounding, the same in all three runs
     for mode in ("install", "fused"):
         for what, e in errors[mode].items():
-            bound = errors["shipped"][what] * (1.1 if what == "grads" else 1.001) + 1e-9
+            # + one fp32 rounding (2^-23 relative): the loss is one fp32 scalar, and an error of 0 for shipped
+            # (its bf16 logits give the exact run's loss to the last bit) leaves no room for a last-bit difference
+            # of the fused head's tile and block order.
+            bound = errors["shipped"][what] * (1.1 if what == "grads" else 1.001) + 2.0**-23
             assert e <= bound, (rank, mode, what, errors)
 
 

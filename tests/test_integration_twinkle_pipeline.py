@@ -37,7 +37,7 @@ def _pp_step(fused, failing, *, entropy, forward_only=False, micro_batch_size=1,
     (output, this stage's gradients, FailedMicroBatchWarnings, labels)."""
     import twinkle_helpers as th
     from megatron.core import parallel_state as mpu
-    from test_integration_twinkle_fused import ADVANTAGES, CHUNK, LENGTHS, PROMPT, grpo
+    from test_integration_twinkle_fused import ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, grpo
     from twinkle.processor.base import InputProcessor
     from twinkle.utils.nccl_safe import SafeLossWrapper
 
@@ -46,6 +46,10 @@ def _pp_step(fused, failing, *, entropy, forward_only=False, micro_batch_size=1,
     integration.install(mask_skip="never", fused_lm_head=fused, fused_chunk_bytes=CHUNK if fused else None)
     monkeypatch = pytest.MonkeyPatch()
     try:
+        # the fused op's small test blocks (test_integration_twinkle_fused.FUSED_BLOCKS; undone with monkeypatch)
+        from twinkle_mem import linear
+        monkeypatch.setattr(linear, "VOCAB_BLOCK", FUSED_BLOCKS[0])
+        monkeypatch.setattr(linear, "ROW_TILE", FUSED_BLOCKS[1])
         # only the last stage unpacks in its forward steps (the other stages' calls come after the schedule)
         th.fail_unpacking(monkeypatch, InputProcessor, failing=failing if mpu.is_pipeline_last_stage() else set())
         chunk = th.gpt_model(VOCAB, layers=2)
