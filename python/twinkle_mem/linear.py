@@ -142,7 +142,7 @@ def _pad_rows(t: Optional[Tensor], rows: int, value=0) -> Optional[Tensor]:
     return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
 
 
-def _tile_buffer(tiles: _RowTiles, buf: Tensor, g0: int, g1: int, cols: int) -> Tensor:
+def _tile_buffer(buf: Tensor, g0: int, g1: int, cols: int) -> Tensor:
     """The front of the flat buffer as the logits of tiles [g0, g1): [(g1 - g0) ROW_TILE, cols]."""
     rows = (g1 - g0) * ROW_TILE
     return buf[: rows * cols].view(rows, cols)
@@ -182,7 +182,7 @@ def _shard_stats(tiles, weight, bias, labels, inv_temperature, ignore_index, wit
         parts = []
         for g0 in range(0, tiles.count, group):
             g1 = min(g0 + group, tiles.count)
-            x = _tile_buffer(tiles, buf, g0, g1, v1 - v0)
+            x = _tile_buffer(buf, g0, g1, v1 - v0)
             for j in range(g0, g1):
                 logits_tile(x[(j - g0) * ROW_TILE:(j - g0 + 1) * ROW_TILE], tiles[j], weight, bias, v0, v1)
             parts.append(ops.fwd(x, labels[g0 * ROW_TILE:g1 * ROW_TILE], inv_temperature, ignore_index,
@@ -317,7 +317,7 @@ def linear_bwd(grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor
         gb = gb_acc[:c].zero_() if gb_acc is not None else grad_bias[v0:v1]
         for g0 in range(0, tiles.count, group):
             g1 = min(g0 + group, tiles.count)
-            x = _tile_buffer(tiles, buf, g0, g1, c)
+            x = _tile_buffer(buf, g0, g1, c)
             for j in range(g0, g1):
                 logits_tile(x[(j - g0) * ROW_TILE:(j - g0 + 1) * ROW_TILE], tiles[j], weight, bias, v0, v1)
             rs = slice(g0 * ROW_TILE, g1 * ROW_TILE)
