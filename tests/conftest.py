@@ -1,9 +1,11 @@
-"""Shared test setup: the device list, the seed, and twinkle-mem's twinkle integration uninstalled
-around every test that asks for it (``uninstalled``; the integration modules use it autouse).
+"""Shared test setup: the device list, the seed, twinkle-mem's twinkle integration uninstalled
+around every test that asks for it (``uninstalled``; the integration modules use it autouse), and a
+count of the fused op's calls (``fused_calls``). Shared helpers: tests/helpers.py.
 
 TWINKLE_MEM_TEST_DEVICES=cpu,cuda (or cpu,npu) runs every device-parametrized
 test on each listed device; the default is the CPU alone.
 """
+import functools
 import os
 
 import pytest
@@ -36,3 +38,20 @@ def uninstalled():
     integration.uninstall()
     yield
     integration.uninstall()
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """How often the fused op ran (the deferred heads call it through twinkle_mem)."""
+    import twinkle_mem
+
+    calls = []
+    real = twinkle_mem.linear_selective_log_softmax
+
+    @functools.wraps(real)
+    def counting(*args, **kwargs):
+        calls.append((tuple(args[0].shape), args[0].dtype))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(twinkle_mem, "linear_selective_log_softmax", counting)
+    return calls

@@ -1,18 +1,49 @@
-"""Cases and comparisons shared by the op tests.
+"""What the test modules share (fixtures are in conftest.py); the CPU harness for twinkle-kit,
+megatron-core and mcore_bridge, shared with bench/, is cpu_harness/ at the repository root.
 
-The accuracy bound lives in tests/numerics.py (check_outputs): logp and
-entropy within 1e-6 absolute + 1e-6 relative of float64, gradients within
-2 ulp + 2^-22 of the row's largest + the subnormal step, or no worse than 2x
-torch's own fp32 path on the same input.
+- The op: saved tensors, float64 comparisons, cases, opcheck of the schemas. The accuracy bound
+  lives in tests/numerics.py (check_outputs): logp and entropy within 1e-6 absolute + 1e-6 relative
+  of float64, gradients within 2 ulp + 2^-22 of the row's largest + the subnormal step, or no worse
+  than 2x torch's own fp32 path on the same input.
+- The fused LM head: small vocab blocks and row tiles (``blocks``), LM heads with exact logits
+  (``make_head``), their float64 reference and the gradient bound carried through the matmuls.
+- The fused head in twinkle-kit: the shared model sizes, a recording GRPOLoss, the tolerance, a
+  dispatch mode that sees every tensor an op returns (``VocabTensors``).
+- gloo worlds (``Cases``): CPU processes that run a test module's registered cases.
+  A module registers cases with ``cases = Cases(__name__, timeout_s[, setup])``
+  and ``@cases.register()`` (``@cases.register(2)`` for one world size), then has
+  one pytest item per (world, case) check ``cases.failures(world, name)``. ``setup``: a context manager
+  factory the workers enter around all cases (process-wide patches a module needs,
+  e.g. megatron-core on the CPU). Each world is started once
+  (torch.multiprocessing, spawn), imports the module by name and runs every case in
+  turn; each case does its collectives first and asserts after, so a failing rank
+  cannot leave the others waiting. Per-rank tracebacks come back to the parent. A
+  world that does not finish within its timeout is killed and its items fail.
 """
+from __future__ import annotations
+
 import contextlib
+import datetime
+import importlib
+import json
+import os
+import tempfile
+import time
+import traceback
 
 import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import twinkle_mem
-from numerics import check_outputs
+from numerics import SUBNORMAL_STEP, check_outputs, ulp
+from twinkle_mem import linear
+from twinkle_mem.linear import linear_bwd, linear_fwd
+from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
 
 
+# ------------------------------------------------------------------ the op
 @contextlib.contextmanager
 def saved_for_backward():
     """``with saved_for_backward() as saved: ...``: every tensor autograd saves inside the block, in order."""
@@ -107,3 +138,216 @@ def opcheck_op_schemas(dtype, device="cpu"):
             torch.library.opcheck(bwd, (g, g_h, x, y, shift, log_sum, entropy, inv_t, -100, 0))
             torch.library.opcheck(bwd, (g, None, x, y, shift, log_sum, None, inv_t, -100, 0))
             torch.library.opcheck(bwd_, (g, g_h, x.clone(), y, shift, log_sum, entropy, inv_t, -100, 0))
+
+
+# ------------------------------------------------------------------ the fused LM head
+@contextlib.contextmanager
+def blocks(cols=None, rows=None):
+    """Vocab blocks of `cols` columns and row tiles of `rows` rows (linear.VOCAB_BLOCK, linear.ROW_TILE)
+    for the duration, so that small test sizes see several blocks and tiles (None: the default)."""
+    saved = linear.VOCAB_BLOCK, linear.ROW_TILE
+    linear.VOCAB_BLOCK = saved[0] if cols is None else cols
+    linear.ROW_TILE = saved[1] if rows is None else rows
+    try:
+        yield
+    finally:
+        linear.VOCAB_BLOCK, linear.ROW_TILE = saved
+
+
+def _dyadic(shape, scale, gen):
+    """Values k * scale, |k| <= 8: products and their sums over H <= 64 are exact in fp32."""
+    return torch.randint(-8, 9, shape, generator=gen).double() * scale
+
+
+def make_head(n, h, v, dtype, *, bias=True, ignore_frac=0.0, k=None, seed=0, lead=None):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = _dyadic((n, h), 0.25, gen)
+    weight = _dyadic((v, h), 0.125, gen)
+    b = _dyadic((v,), 0.5, gen) if bias else None
+    labels = torch.randint(0, v, (n,) if k is None else (n, k), generator=gen)
+    if ignore_frac:
+        drop = torch.rand(n, generator=gen) < ignore_frac
+        labels[drop] = -100
+        if k is not None:
+            labels[~drop, 0] = torch.where(torch.rand(int((~drop).sum()), generator=gen) < 0.3, -100,
+                                           labels[~drop, 0])
+    cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
+    hidden, weight, b = cast(hidden), cast(weight), cast(b)
+    if lead is not None:
+        hidden, labels = hidden.view(*lead, h), labels.view(*lead, *labels.shape[1:])
+    return hidden, weight, b, labels
+
+
+def reference(hidden, weight, bias, labels, g_logp, g_entropy, temperature, ignore_index):
+    """float64 values and gradients, from the logits as the dtype's matmul rounds them
+    (exact fp32 sums of exact products, rounded once to the dtype)."""
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    x = (h2.double() @ weight.double().t() + (0 if bias is None else bias.double()))
+    x = x.to(hidden.dtype).double()  # the logits' rounding, as any matmul in that dtype rounds them
+    y = labels.reshape(h2.shape[0], *labels.shape[hidden.dim() - 1:])
+    logp, entropy, lse, mean = selective_log_softmax_ref(x, y, temperature, ignore_index)
+    gl = g_logp.reshape(y.shape).double()
+    ge = None if g_entropy is None else g_entropy.reshape(-1).double()
+    d = selective_log_softmax_grad_ref(x, y, gl, ge, temperature, ignore_index)
+    return dict(logp=logp.view(labels.shape), entropy=entropy.view(labels.shape[:hidden.dim() - 1]), d=d, x=x,
+                lse=lse, mean=mean)
+
+
+def op_bound(d, dtype):
+    """The op's per-element bound on the logits' gradient d [N, V] (tests/numerics.py): 2 ulp of the
+    dtype + 2^-22 of the row's largest gradient + the dtype's subnormal step."""
+    return 2 * ulp(d, dtype) + 2.0**-22 * d.abs().amax(-1, keepdim=True) + SUBNORMAL_STEP[dtype]
+
+
+def through_matmul(bound, d, operand_abs):
+    """|error| allowed in d @ operand: the per-element bound carried through the sum, plus fp32
+    accumulation over the summed dim."""
+    return bound @ operand_abs + d.shape[-1] * 2.0**-24 * (d.abs() @ operand_abs)
+
+
+# ------------------------------------------------------------------ the fused head in twinkle-kit
+VOCAB = 1018  # hidden 32, ffn 64/128, 4 heads, sequences <= 40, 128 positions: no other dim is 1018
+SEQ, PROMPT = 40, 12
+LENGTHS = [SEQ, SEQ - 7, SEQ - 3, SEQ - 11]  # micro-batches of 2 on Megatron: 80 rows each
+CHUNK = 64 << 10  # the fused op's block memory
+# Vocab blocks of 128 columns and row tiles of 16 rows (linear.VOCAB_BLOCK, ROW_TILE: the defaults exceed
+# this model's vocab and micro-batches): several blocks and tiles per micro-batch.
+FUSED_BLOCKS = (128, 16)
+ADVANTAGES = torch.tensor([1.0, -0.5, 0.25, 2.0])
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2**-6}  # fp32: 1e-4 relative; bf16: 2 eps of the tensor's scale
+
+
+def grpo(entropy: bool, **attrs):
+    """A GRPOLoss that records the log-probs and entropies twinkle hands it."""
+    from twinkle.loss import GRPOLoss
+
+    class Recording(GRPOLoss):
+        seen = []
+
+        def __call__(self, inputs, outputs, **kwargs):
+            self.seen.append((outputs.get("logps"), outputs.get("entropies")))
+            return super().__call__(inputs, outputs, **kwargs)
+
+    loss = Recording(entropy_coef=0.1 if entropy else 0.0)
+    loss.seen = []
+    for name, value in attrs.items():
+        setattr(loss, name, value)
+    return loss
+
+
+def assert_close(got, want, dtype, what):
+    tol = TOL[dtype]
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}")
+
+
+def scale_output(chunk):  # a post-processing the static checks do not know about
+    chunk.register_forward_hook(lambda module, args, output: output * 1.0)
+
+
+_PYTHON_OPS = {linear_fwd._opoverload: linear_fwd._init_fn, linear_bwd._opoverload: linear_bwd._init_fn}
+
+
+class VocabTensors(TorchDispatchMode):
+    """Every tensor any op returns while active, also inside twinkle-mem's Python custom ops
+    (run with the mode on): those with a last dim in ``vocab_dims``, and those of at least
+    ``numel`` elements."""
+
+    def __init__(self, vocab_dims, numel):
+        super().__init__()
+        self.vocab_dims, self.numel = tuple(vocab_dims), numel
+        self.last_dim, self.large, self.ops = [], [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _PYTHON_OPS:
+            with self:
+                out = _PYTHON_OPS[func](*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        self.ops += 1
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                if t.shape[-1] in self.vocab_dims:
+                    self.last_dim.append((str(func), tuple(t.shape)))
+                if t.numel() >= self.numel:
+                    self.large.append((str(func), tuple(t.shape)))
+        return out
+
+
+# ------------------------------------------------------------------ gloo worlds
+class Cases:
+    def __init__(self, module_name: str, timeout_s: float, setup=contextlib.nullcontext):
+        self.module_name = module_name
+        self.timeout_s = timeout_s
+        self.setup = setup
+        self.cases = {}  # name -> (fn, world sizes)
+        self._worlds = {}
+
+    def register(self, *worlds):
+        def add(fn):
+            self.cases[fn.__name__] = (fn, worlds or (2, 4))
+            return fn
+        return add
+
+    def params(self):
+        """(world, name) pairs for pytest.mark.parametrize."""
+        return [(w, n) for n, (_fn, ws) in self.cases.items() for w in ws]
+
+    def failures(self, world: int, name: str) -> list[str]:
+        if world not in self._worlds:
+            try:
+                self._worlds[world] = _run_world(self.module_name, world, self.timeout_s)
+            except Exception as e:  # noqa: BLE001  (every item of this world reports it)
+                self._worlds[world] = e
+        per_rank = self._worlds[world]
+        if isinstance(per_rank, Exception):
+            raise per_rank
+        return [f"rank {r}:\n{res[name]}" for r, res in enumerate(per_rank) if res.get(name, "missing")]
+
+
+def _worker(rank, world, init_file, out_dir, module_name):
+    torch.set_num_threads(1)
+    if os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, whatever the hostname resolves to
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    cases = importlib.import_module(module_name).cases
+    results = {}
+    try:
+        with cases.setup():
+            for name, (fn, worlds) in cases.cases.items():
+                if world not in worlds:
+                    continue
+                try:
+                    fn(rank, world)
+                    results[name] = None
+                except Exception:  # noqa: BLE001  (reported to the parent, per case)
+                    results[name] = traceback.format_exc()
+                dist.barrier()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(results, f)
+        dist.destroy_process_group()
+
+
+def _run_world(module_name, world, timeout_s):
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, module_name), nprocs=world,
+                                 join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gloo world of {world} did not finish within {timeout_s} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        per_rank = []
+        for r in range(world):
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                per_rank.append(json.load(f))
+    return per_rank

@@ -89,6 +89,22 @@ def test_recorded_vocab_parallel_table_renders_unchanged():
     assert vocab_parallel._table(recorded["rows"], recorded["meta"]) == (BENCH / "results" / "vocab_parallel.md").read_text()
 
 
+@pytest.mark.parametrize("script,stem", [("bench_linear_selective_log_softmax", "linear_selective_log_softmax"),
+                                         ("bench_twinkle_fused", "twinkle_fused"),
+                                         ("bench_twinkle_mcore_bridge", "twinkle_mcore_bridge")])
+def test_recorded_tables_render_unchanged(script, stem):
+    # These benchmarks write their .md through markdown_table; --replot redraws it from the recorded JSON.
+    import importlib
+
+    module = importlib.import_module(script)
+    recorded = bench_common.read_json(str(BENCH / "results" / f"{stem}.json"))
+    if script == "bench_twinkle_mcore_bridge":
+        table = module._table(recorded["meta"], recorded["results"])
+    else:
+        table = module._table(recorded["rows"], recorded["meta"])
+    assert table == (BENCH / "results" / f"{stem}.md").read_text()
+
+
 def test_steps_command_writes_the_device_checks_table(tmp_path):
     # gpu_check.sh / npu_check.sh pipe their "name|status|seconds|note" lines here.
     md, out = tmp_path / "check.md", tmp_path / "check.json"

@@ -52,13 +52,3 @@ def test_public_names_stay_where_the_docs_import_them_from():
     for name in ("selective_log_softmax", "linear_selective_log_softmax", "entropy_from_logits", "backends"):
         assert callable(getattr(twinkle_mem, name)), name
     assert twinkle_lm_head is fused_head  # the fused head's former module path is the module itself
-
-
-def test_package_modules_stay_small():
-    """Issue 18: no Python module of the package above 400 lines (split by concern instead)."""
-    import pathlib
-
-    import twinkle_mem
-    root = pathlib.Path(twinkle_mem.__file__).parent
-    sizes = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
-    assert sizes and max(sizes.values()) <= 400, {k: v for k, v in sizes.items() if v > 400}

@@ -10,10 +10,8 @@ import torch
 import twinkle_mem
 from twinkle_mem.integrations import twinkle as integration
 
-try:  # tests/ as a package, or as a plain directory on sys.path
-    from . import twinkle_helpers as th
-except ImportError:
-    import twinkle_helpers as th
+from cpu_harness import megatron as th
+from cpu_harness import memory
 
 VOCAB, SEQ = 256, 24
 BY_NAME = ["twinkle.utils", "twinkle.utils.torch_utils", "twinkle.loss.grpo", "twinkle.loss.dpo",
@@ -196,7 +194,7 @@ def collate(twinkle_modules, lengths=(SEQ, SEQ - 7), attention_mask_type=None, p
     call_kwargs = dict(micro_batch_size=len(lengths), variable_seq_lengths=False,
                        attention_mask_type=attention_mask_type)
     call_kwargs.update(kwargs)
-    return th.large_allocations(lambda: processor(samples, **call_kwargs), mask_bytes)
+    return memory.large_allocations(lambda: processor(samples, **call_kwargs), mask_bytes)
 
 
 def same(a, b):

@@ -14,35 +14,17 @@ layer's input (python/twinkle_mem/integrations/twinkle/fused_head.py), on the CP
   unfused (NaN rows, a FailedMicroBatchWarning, the same loss and gradients); the fused head's own
   refusals raise, under TWINKLE_FAIL_FAST=0 once megatron's schedule has returned.
 """
-import functools
 import logging
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-import twinkle_mem
+from cpu_harness import megatron as th
+from helpers import (ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, SEQ, TOL, VOCAB, VocabTensors, assert_close,
+                     blocks, grpo, scale_output)
 from twinkle_mem.integrations import twinkle as integration
 from twinkle_mem.integrations.twinkle import fused_eligibility as eligibility
 from twinkle_mem.integrations.twinkle import fused_head as lm_head
-from twinkle_mem.linear import linear_bwd, linear_fwd
-
-try:  # tests/ as a package, or as a plain directory on sys.path
-    from . import twinkle_helpers as th
-except ImportError:
-    import twinkle_helpers as th
-
-VOCAB = 1018  # hidden 32, ffn 64/128, 4 heads, sequences <= 40, 128 positions: no other dim is 1018
-SEQ, PROMPT = 40, 12
-LENGTHS = [SEQ, SEQ - 7, SEQ - 3, SEQ - 11]  # micro-batches of 2 on Megatron: 80 rows each
-CHUNK = 64 << 10  # the fused op's block memory
-# Vocab blocks of 128 columns and row tiles of 16 rows (linear.VOCAB_BLOCK, ROW_TILE: the defaults exceed
-# this model's vocab and micro-batches): several blocks and tiles per micro-batch.
-FUSED_BLOCKS = (128, 16)
-ADVANTAGES = torch.tensor([1.0, -0.5, 0.25, 2.0])
-TOL = {torch.float32: 1e-4, torch.bfloat16: 2**-6}  # fp32: 1e-4 relative; bf16: 2 eps of the tensor's scale
-
 
 @pytest.fixture(scope="module", autouse=True)
 def cpu():
@@ -51,39 +33,6 @@ def cpu():
 
 
 pytestmark = pytest.mark.usefixtures("uninstalled")  # conftest.py: every test starts and ends uninstalled
-
-
-@pytest.fixture
-def fused_calls(monkeypatch):
-    """How often the fused op ran (the deferred heads call it through twinkle_mem)."""
-    calls = []
-    real = twinkle_mem.linear_selective_log_softmax
-
-    @functools.wraps(real)
-    def counting(*args, **kwargs):
-        calls.append((tuple(args[0].shape), args[0].dtype))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(twinkle_mem, "linear_selective_log_softmax", counting)
-    return calls
-
-
-def grpo(entropy: bool, **attrs):
-    """A GRPOLoss that records the log-probs and entropies twinkle hands it."""
-    from twinkle.loss import GRPOLoss
-
-    class Recording(GRPOLoss):
-        seen = []
-
-        def __call__(self, inputs, outputs, **kwargs):
-            self.seen.append((outputs.get("logps"), outputs.get("entropies")))
-            return super().__call__(inputs, outputs, **kwargs)
-
-    loss = Recording(entropy_coef=0.1 if entropy else 0.0)
-    loss.seen = []
-    for name, value in attrs.items():
-        setattr(loss, name, value)
-    return loss
 
 
 # --- runs ---------------------------------------------------------------------
@@ -99,15 +48,10 @@ def megatron_run(*, tied=False, temperature=1.0, entropy=False, dtype=torch.floa
     loss = loss if loss is not None else grpo(entropy)
     model = th.twinkle_megatron_model(chunk, loss=loss)
     samples = th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT)
-    if forward_only:
-        out = model.forward_only(inputs=samples, micro_batch_size=2, temperature=temperature, **kwargs)
-    else:
-        out = model.forward_backward(inputs=samples, micro_batch_size=2, temperature=temperature,
-                                     advantages=ADVANTAGES, **kwargs)
-    status = model.optimizer_group[""].eval_status if forward_only else model.optimizer_group[""].train_status
-    labels = torch.cat([inp["labels"] for inp in status.inputs])
+    out = th.run_step(model, forward_only, ADVANTAGES, inputs=samples, micro_batch_size=2, temperature=temperature,
+                      **kwargs)
     grads = {n: p.grad.detach().clone() for n, p in chunk.named_parameters() if p.grad is not None}
-    return dict(out=out, grads=grads, seen=getattr(loss, "seen", []), labels=labels)
+    return dict(out=out, grads=grads, seen=getattr(loss, "seen", []), labels=th.step_labels(model, forward_only))
 
 
 def transformers_run(*, tied=False, temperature=1.0, entropy=False, dtype=torch.float32, forward_only=False,
@@ -124,32 +68,22 @@ def transformers_run(*, tied=False, temperature=1.0, entropy=False, dtype=torch.
     if edit is not None:
         edit(model)
     samples = th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT)
-    if forward_only:
-        out = model.forward_only(inputs=samples, temperature=temperature, **kwargs)
-    else:
-        out = model.forward_backward(inputs=samples, temperature=temperature, advantages=ADVANTAGES, **kwargs)
-    status = model.optimizer_group[""].eval_status if forward_only else model.optimizer_group[""].train_status
+    out = th.run_step(model, forward_only, ADVANTAGES, inputs=samples, temperature=temperature, **kwargs)
     grads = {n: p.grad.detach().clone() for n, p in model.model.named_parameters() if p.grad is not None}
-    return dict(out=out, grads=grads, seen=getattr(loss, "seen", []), labels=status.inputs["labels"])
+    labels = th.step_status(model, forward_only).inputs["labels"]
+    return dict(out=out, grads=grads, seen=getattr(loss, "seen", []), labels=labels)
 
 
 RUNS = {"megatron": megatron_run, "transformers": transformers_run}
 
 
 def run(path, fused, **kwargs):
-    from test_linear_selective_log_softmax import blocks
     integration.install(mask_skip="never", fused_lm_head=fused, fused_chunk_bytes=CHUNK if fused else None)
     try:
         with blocks(*FUSED_BLOCKS):
             return RUNS[path](**kwargs)
     finally:
         integration.uninstall()
-
-
-def assert_close(got, want, dtype, what):
-    tol = TOL[dtype]
-    scale = want.float().abs().max().item()
-    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}")
 
 
 def assert_same_training(want, got, dtype, entropy):
@@ -216,36 +150,6 @@ def _per_call(result):
 
 
 # --- no tensor with the vocab as its last dim -----------------------------------
-
-_PYTHON_OPS = {linear_fwd._opoverload: linear_fwd._init_fn, linear_bwd._opoverload: linear_bwd._init_fn}
-
-
-class VocabTensors(TorchDispatchMode):
-    """Every tensor any op returns while active, also inside twinkle-mem's Python custom ops
-    (run with the mode on): those with a last dim in ``vocab_dims``, and those of at least
-    ``numel`` elements."""
-
-    def __init__(self, vocab_dims, numel):
-        super().__init__()
-        self.vocab_dims, self.numel = tuple(vocab_dims), numel
-        self.last_dim, self.large, self.ops = [], [], 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _PYTHON_OPS:
-            with self:
-                out = _PYTHON_OPS[func](*args, **kwargs)
-        else:
-            out = func(*args, **kwargs)
-        self.ops += 1
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.dim() > 0:
-                if t.shape[-1] in self.vocab_dims:
-                    self.last_dim.append((str(func), tuple(t.shape)))
-                if t.numel() >= self.numel:
-                    self.large.append((str(func), tuple(t.shape)))
-        return out
-
 
 def rows_per_call(path):
     return 2 * SEQ if path == "megatron" else len(LENGTHS) * SEQ
@@ -464,13 +368,9 @@ def test_megatron_refusal_raises_after_the_step(monkeypatch):
 
     monkeypatch.setattr(megatron_steps, "scheduler_with_step_hooks", watched)
     with pytest.raises(RuntimeError, match="micro-batch 0: .*not the output layer's pending placeholder"):
-        run("megatron", True, edit=_scale_output, loss=SafeLossWrapper(grpo(False)))
+        run("megatron", True, edit=scale_output, loss=SafeLossWrapper(grpo(False)))
     assert returned == [True]  # the schedule ran to its end first
     assert run("megatron", True)["out"]["logps"].shape == (len(LENGTHS), SEQ)  # nothing left behind
-
-
-def _scale_output(chunk):  # a post-processing the static checks do not know about
-    chunk.register_forward_hook(lambda module, args, output: output * 1.0)
 
 
 @pytest.mark.parametrize("fail_fast", ["1", "0"])
@@ -479,7 +379,7 @@ def test_megatron_transformed_output_raises(fail_fast, monkeypatch):
     monkeypatch.setattr(logging.getLogger("twinkle"), "disabled", True)
     # fail fast: the adapter's error itself; caught by twinkle: the forward step's check
     with pytest.raises(RuntimeError, match="not the output layer's pending placeholder|lost its log-probs"):
-        run("megatron", True, edit=_scale_output)
+        run("megatron", True, edit=scale_output)
 
 
 def test_transformers_softcapping_missed_by_the_static_check_raises(monkeypatch):

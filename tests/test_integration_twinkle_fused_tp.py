@@ -19,16 +19,16 @@ import contextlib
 
 import pytest
 import torch
-from gloo_worlds import Cases
+from helpers import (ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, SEQ, VOCAB, Cases, VocabTensors, assert_close,
+                     blocks, grpo)
 
 WORLD = 2
-VOCAB, SEQ = 1018, 40
 
 
 @contextlib.contextmanager
 def _megatron_on_cpu():
     """What every rank needs for megatron-core's GPTModel and scheduler and twinkle's Platform on the CPU."""
-    import twinkle_helpers as th
+    from cpu_harness import megatron as th
     with th.cpu_schedules(), th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
         yield
 
@@ -38,10 +38,8 @@ case = cases.register(WORLD)
 
 
 def _run_twinkle(tp, fused, *, tied, entropy, forward_only=False, spy=None):
-    import twinkle_helpers as th
+    from cpu_harness import megatron as th
     from megatron.core import parallel_state as mpu
-    from test_integration_twinkle_fused import ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, grpo
-    from test_linear_selective_log_softmax import blocks
 
     from twinkle_mem.integrations import twinkle as integration
     stack = contextlib.ExitStack()
@@ -55,12 +53,8 @@ def _run_twinkle(tp, fused, *, tied, entropy, forward_only=False, spy=None):
         samples = th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT)
         kwargs = dict(inputs=samples, micro_batch_size=2, temperature=0.7)
         with spy if spy is not None else contextlib.nullcontext():
-            if forward_only:
-                out = model.forward_only(**kwargs)
-            else:
-                out = model.forward_backward(advantages=ADVANTAGES, **kwargs)
-        status = model.optimizer_group[""].eval_status if forward_only else model.optimizer_group[""].train_status
-        labels = torch.cat([inp["labels"] for inp in status.inputs])
+            out = th.run_step(model, forward_only, ADVANTAGES, **kwargs)
+        labels = th.step_labels(model, forward_only)
         grads = {n: (p.grad.detach().clone(), getattr(p, "tensor_model_parallel", False),
                      getattr(p, "partition_dim", 0)) for n, p in chunk.named_parameters() if p.grad is not None}
         return dict(out=out, grads=grads, seen=loss.seen, labels=labels)
@@ -71,7 +65,6 @@ def _run_twinkle(tp, fused, *, tied, entropy, forward_only=False, spy=None):
 
 
 def _check_against_tp1(rank, got, want, entropy):
-    from test_integration_twinkle_fused import assert_close
     mask = want["labels"] != -100
     assert torch.equal(got["labels"], want["labels"])
     assert abs(got["out"]["loss"] - want["out"]["loss"]) <= 1e-4 * max(1.0, abs(want["out"]["loss"]))
@@ -92,7 +85,6 @@ def _check_against_tp1(rank, got, want, entropy):
 
 
 def _tp2_matches_tp1(rank, tied, entropy):
-    from test_integration_twinkle_fused import VocabTensors
     want = _run_twinkle(1, False, tied=tied, entropy=entropy)
     control = _run_twinkle(2, False, tied=tied, entropy=entropy)  # TP = 2 unfused: the same weights
     spy = VocabTensors((VOCAB, VOCAB // WORLD), 2 * SEQ * VOCAB // WORLD // 2)  # half a micro-batch's shard
@@ -156,8 +148,6 @@ def sequence_parallel_output_layer(rank, world):
         keep = labels != -100
         want = (logp * keep, ent * keep, *backward(logp * keep, ent * keep, h))
 
-        from test_integration_twinkle_fused import CHUNK, FUSED_BLOCKS
-        from test_linear_selective_log_softmax import blocks
         call = lm_head.FusedCall(0.7, True, CHUNK)
         call.set_labels(labels)
         h = full_hidden[shard].clone().requires_grad_()

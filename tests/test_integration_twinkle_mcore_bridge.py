@@ -1,6 +1,6 @@
 """twinkle's ``MegatronModel(model_id=...)`` built through mcore_bridge from a local tiny Qwen3 (random
 weights, tied and untied; its tokenizer with a chat template; no download), as a user builds it, with the
-CPU stand-ins of tests/mcore_bridge_models.py (each named and justified there and in
+CPU stand-ins of cpu_harness/mcore_bridge.py (each named and justified there and in
 docs/twinkle_integration.md). World size 1 here (also: MTP, packed batches, full recompute); TP = 2,
 sequence parallelism, PP = 2, VPP, Float16Module: tests/test_integration_twinkle_mcore_bridge_dist.py.
 
@@ -19,21 +19,12 @@ import copy
 import pytest
 import torch
 
-try:
-    from . import mcore_bridge_models as mb
-    from . import twinkle_helpers as th
-    from .test_integration_twinkle_fused import (ADVANTAGES, CHUNK, VOCAB, VocabTensors, assert_close,  # noqa: F401
-                                                  fused_calls, grpo)
-except ImportError:
-    import mcore_bridge_models as mb
-    import twinkle_helpers as th
-    from test_integration_twinkle_fused import (ADVANTAGES, CHUNK, VOCAB, VocabTensors, assert_close,  # noqa: F401
-                                                fused_calls, grpo)
-
+from cpu_harness import mcore_bridge as mb
+from cpu_harness import megatron as th
+from helpers import (ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, SEQ, VOCAB, VocabTensors, assert_close, blocks,
+                     grpo)
 from twinkle_mem.integrations import twinkle as integration
 
-SEQ, PROMPT = 40, 12
-LENGTHS = [SEQ, SEQ - 7, SEQ - 3, SEQ - 11]
 MODES = {"shipped": None, "install": dict(), "fused": dict(fused_lm_head=True, fused_chunk_bytes=CHUNK)}
 
 
@@ -75,9 +66,7 @@ pytestmark = pytest.mark.usefixtures("uninstalled")  # conftest.py: every test s
 
 @pytest.fixture(autouse=True)
 def small_fused_blocks():
-    """The fused op's small test blocks (test_integration_twinkle_fused.FUSED_BLOCKS): several per micro-batch."""
-    from test_integration_twinkle_fused import FUSED_BLOCKS
-    from test_linear_selective_log_softmax import blocks
+    """The fused op's small test blocks (helpers.FUSED_BLOCKS): several per micro-batch."""
     with blocks(*FUSED_BLOCKS):
         yield
 
@@ -102,15 +91,10 @@ def step(model, mode, *, forward_only=False, spy=None, samples=None):
     kwargs = dict(inputs=copy.deepcopy(samples), micro_batch_size=2, temperature=0.7)
     try:
         with spy if spy is not None else contextlib.nullcontext():
-            if forward_only:
-                out = model.forward_only(**kwargs)
-            else:
-                out = model.forward_backward(advantages=ADVANTAGES, **kwargs)
+            out = th.run_step(model, forward_only, ADVANTAGES, **kwargs)
     finally:
         integration.uninstall()
-    group = model.optimizer_group[""]
-    status = group.eval_status if forward_only else group.train_status
-    labels = _rows([inp["labels"] for inp in status.inputs], -100)
+    labels = _rows([inp["labels"] for inp in th.step_status(model, forward_only).inputs], -100)
     logps = _rows(out["logps"], 0) if isinstance(out["logps"], list) else out["logps"]
     grads = {n: p.grad.detach().float().clone() for n, p in model.model[0].named_parameters() if p.grad is not None}
     return dict(loss=out["loss"], logps=logps, seen=loss.seen, labels=labels, grads=grads)
@@ -270,7 +254,7 @@ def test_mtp_model_called_with_labels_runs_unchanged(checkpoints, fused_calls, o
 def test_packed_batches_same_as_padded(checkpoints, fused_calls):
     """twinkle's ``InputProcessor(padding_free=True)`` packs each micro-batch into one [1, tokens] row with
     ``packed_seq_params``; twinkle unpacks the log-probs per sample after the loss's selective_log_softmax.
-    With the packed attention run by stand-in 12 (tests/mcore_bridge_models.py): shipped, install() and the
+    With the packed attention run by stand-in 12 (cpu_harness/mcore_bridge.py): shipped, install() and the
     fused head on packed micro-batches give the padded run's loss, log-probs under the loss mask, entropy
     and gradients."""
     from megatron.core import parallel_state as mpu

@@ -1,4 +1,4 @@
-"""twinkle's ``MegatronModel(model_id=...)`` built through mcore_bridge (tests/mcore_bridge_models.py) across
+"""twinkle's ``MegatronModel(model_id=...)`` built through mcore_bridge (cpu_harness/mcore_bridge.py) across
 ranks: gloo worlds of 2 CPU processes, each against the same layout of twinkle-kit as shipped.
 
 - TP = 2 (twinkle wraps the model in Megatron's DDP): no tensor with the vocab (1018) or its shard (509)
@@ -24,16 +24,16 @@ import tempfile
 
 import pytest
 import torch
-from gloo_worlds import Cases
+from helpers import (ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, SEQ, VOCAB, Cases, VocabTensors, assert_close,
+                     blocks, grpo)
 
 WORLD = 2
-VOCAB = 1018
 MODES = ("shipped", "install", "fused")
 
 
 @contextlib.contextmanager
 def _on_cpu():
-    import mcore_bridge_models as mb
+    from cpu_harness import mcore_bridge as mb
     with mb.mcore_bridge_on_cpu():
         yield
 
@@ -47,7 +47,7 @@ def _checkpoint(tied=False, layers=2):
     """The tiny Qwen3 (weights exact in bf16), saved once per world by rank 0."""
     import torch.distributed as dist
 
-    import mcore_bridge_models as mb
+    from cpu_harness import mcore_bridge as mb
     if (tied, layers) not in _CHECKPOINTS:
         path = [tempfile.mkdtemp(prefix="tiny-qwen3-") if dist.get_rank() == 0 else None]
         if dist.get_rank() == 0:
@@ -66,12 +66,9 @@ def _steps(modes, *, tp=1, pp=1, entropy=False, tied=False, layers=2, mixed_prec
     """One model (twinkle's strategy sets up megatron's parallel state for it) and one GRPO step per mode."""
     import copy
 
-    import mcore_bridge_models as mb
-    import twinkle_helpers as th
+    from cpu_harness import mcore_bridge as mb
+    from cpu_harness import megatron as th
     from megatron.core import parallel_state as mpu
-    from test_integration_twinkle_fused import ADVANTAGES, CHUNK, FUSED_BLOCKS, grpo
-    from test_integration_twinkle_mcore_bridge import LENGTHS, PROMPT
-    from test_linear_selective_log_softmax import blocks
 
     from twinkle_mem.integrations import twinkle as integration
     if mpu.model_parallel_is_initialized():
@@ -93,8 +90,7 @@ def _steps(modes, *, tp=1, pp=1, entropy=False, tied=False, layers=2, mixed_prec
         try:
             call = dict(inputs=copy.deepcopy(samples), micro_batch_size=2, temperature=0.7)
             with (spies or {}).get(mode, contextlib.nullcontext()), blocks(*FUSED_BLOCKS):
-                out = model.forward_only(**call) if forward_only else model.forward_backward(advantages=ADVANTAGES,
-                                                                                             **call)
+                out = th.run_step(model, forward_only, ADVANTAGES, **call)
         finally:
             integration.uninstall()
         chunks = model.strategy.unwrap_model(model.model)  # more than one with virtual pipeline stages
@@ -104,16 +100,13 @@ def _steps(modes, *, tp=1, pp=1, entropy=False, tied=False, layers=2, mixed_prec
             if g is not None:
                 grads[name] = (g.detach().float().clone(), getattr(p, "tensor_model_parallel", False),
                                getattr(p, "partition_dim", 0))
-        group = model.optimizer_group[""]
-        status = group.eval_status if forward_only else group.train_status
         runs[mode] = dict(loss=out["loss"], logps=out["logps"], seen=loss.seen, grads=grads,
-                          labels=torch.cat([inp["labels"] for inp in status.inputs]))
+                          labels=th.step_labels(model, forward_only))
     runs["model"] = model
     return runs
 
 
 def _assert_logps(got, want, what, tol=1e-4):
-    from test_integration_twinkle_fused import assert_close
     mask = want["labels"] != -100
     assert torch.equal(got["labels"], want["labels"])
     assert got["loss"] == pytest.approx(want["loss"], rel=tol, abs=1e-6), what
@@ -121,7 +114,6 @@ def _assert_logps(got, want, what, tol=1e-4):
 
 
 def _assert_entropy(got, want, what):
-    from test_integration_twinkle_fused import assert_close
     mask = want["labels"] != -100
     ent = torch.cat([e for _, e in got["seen"]])
     ref = torch.cat([e for _, e in want["seen"]])
@@ -134,8 +126,6 @@ def _norm_err(a, b):
 
 @case
 def tp2_same_as_shipped(rank, world):
-    from test_integration_twinkle_fused import VocabTensors, assert_close
-    from test_integration_twinkle_mcore_bridge import SEQ
     # the vocab or its shard as last dim, or half a micro-batch's logits shard
     spies = {mode: VocabTensors((VOCAB, VOCAB // WORLD), 2 * SEQ * VOCAB // WORLD // 2) for mode in ("shipped", "fused")}
     tp2 = _steps(MODES, tp=2, spies=spies)
@@ -169,10 +159,9 @@ def tp2_same_as_shipped(rank, world):
 
 @case
 def tp2_sequence_parallel(rank, world):
-    """TP = 2 with sequence parallelism, run for real (stand-ins 10-11 of tests/mcore_bridge_models.py):
+    """TP = 2 with sequence parallelism, run for real (stand-ins 10-11 of cpu_harness/mcore_bridge.py):
     the same log-probs as shipped with SP, and every gradient shard as install() without SP."""
-    import mcore_bridge_models as mb
-    from test_integration_twinkle_fused import assert_close
+    from cpu_harness import mcore_bridge as mb
     with mb.sequence_parallel_on_cpu():
         sp = _steps(MODES, tp=2, sequence_parallel=True)
         sp_entropy = _steps(["install", "fused"], tp=2, sequence_parallel=True, entropy=True)
@@ -193,7 +182,6 @@ def tp2_sequence_parallel(rank, world):
 
 
 def _pp2_checks(rank, want, got, what, entropy):
-    from test_integration_twinkle_fused import assert_close
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6), what
     assert got["grads"].keys() == want["grads"].keys() and want["grads"]
     for name, (grad, _, _) in want["grads"].items():

@@ -15,15 +15,14 @@ import warnings
 
 import pytest
 import torch
-from gloo_worlds import Cases
+from helpers import ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, VOCAB, Cases, assert_close, grpo, scale_output
 
 WORLD = 2
-VOCAB = 1018
 
 
 @contextlib.contextmanager
 def _megatron_on_cpu():
-    import twinkle_helpers as th
+    from cpu_harness import megatron as th
     with th.cpu_schedules(), th.cpu_p2p(), th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
         yield
 
@@ -35,9 +34,8 @@ case = cases.register(WORLD)
 def _pp_step(fused, failing, *, entropy, forward_only=False, micro_batch_size=1, edit=None):
     """One twinkle step at PP = 2 on a fresh two-layer GPTModel (the same seed: the same weights):
     (output, this stage's gradients, FailedMicroBatchWarnings, labels)."""
-    import twinkle_helpers as th
+    from cpu_harness import megatron as th
     from megatron.core import parallel_state as mpu
-    from test_integration_twinkle_fused import ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, grpo
     from twinkle.processor.base import InputProcessor
     from twinkle.utils.nccl_safe import SafeLossWrapper
 
@@ -46,7 +44,7 @@ def _pp_step(fused, failing, *, entropy, forward_only=False, micro_batch_size=1,
     integration.install(mask_skip="never", fused_lm_head=fused, fused_chunk_bytes=CHUNK if fused else None)
     monkeypatch = pytest.MonkeyPatch()
     try:
-        # the fused op's small test blocks (test_integration_twinkle_fused.FUSED_BLOCKS; undone with monkeypatch)
+        # the fused op's small test blocks (helpers.FUSED_BLOCKS; undone with monkeypatch)
         from twinkle_mem import linear
         monkeypatch.setattr(linear, "VOCAB_BLOCK", FUSED_BLOCKS[0])
         monkeypatch.setattr(linear, "ROW_TILE", FUSED_BLOCKS[1])
@@ -60,12 +58,8 @@ def _pp_step(fused, failing, *, entropy, forward_only=False, micro_batch_size=1,
         kwargs = dict(inputs=samples, micro_batch_size=micro_batch_size, temperature=0.7)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", integration.FailedMicroBatchWarning)
-            if forward_only:
-                out = model.forward_only(**kwargs)
-            else:
-                out = model.forward_backward(advantages=ADVANTAGES, **kwargs)
-        status = model.optimizer_group[""].eval_status if forward_only else model.optimizer_group[""].train_status
-        labels = torch.cat([inp["labels"] for inp in status.inputs])
+            out = th.run_step(model, forward_only, ADVANTAGES, **kwargs)
+        labels = th.step_labels(model, forward_only)
         grads = {n: p.grad.detach().clone() for n, p in chunk.named_parameters() if p.grad is not None}
         failed = [(w.message.micro_batches, w.message.rows) for w in caught
                   if isinstance(w.message, integration.FailedMicroBatchWarning)]
@@ -78,7 +72,6 @@ def _pp_step(fused, failing, *, entropy, forward_only=False, micro_batch_size=1,
 
 def _fused_failure_as_unfused(rank, *, entropy, forward_only, micro_batch_size, failing):
     from megatron.core import parallel_state as mpu
-    from test_integration_twinkle_fused import assert_close
     want = _pp_step(False, failing, entropy=entropy, forward_only=forward_only, micro_batch_size=micro_batch_size)
     got = _pp_step(True, failing, entropy=entropy, forward_only=forward_only, micro_batch_size=micro_batch_size)
     # both stages returned from both steps: no stage raised inside the schedule, none stalled
@@ -124,8 +117,7 @@ def pp2_refusal_raises_after_the_step(rank, world):
     twinkle's catch and SafeLossWrapper: the last stage raises once the schedule has returned, the first
     stage finishes the step."""
     from megatron.core import parallel_state as mpu
-    from test_integration_twinkle_fused import _scale_output
-    edit = _scale_output if rank == WORLD - 1 else None  # the last stage's GPTModel returns the logits
+    edit = scale_output if rank == WORLD - 1 else None  # the last stage's GPTModel returns the logits
     error = None
     try:
         out = _pp_step(True, set(), entropy=False, edit=edit)

@@ -15,18 +15,16 @@
   torch.compile(fullgraph=True); opcheck; the composite backend.
 Memory (peak RSS): tests/test_linear_memory.py. Tensor parallel: tests/test_linear_vocab_parallel.py.
 """
-import contextlib
 import math
 
 import pytest
 import torch
 
 import twinkle_mem
-from helpers import assert_stats_close
-from numerics import SUBNORMAL_STEP, Impl, check_case, make_cases, ulp
+from helpers import assert_stats_close, blocks, make_head, op_bound, reference, through_matmul
+from numerics import Impl, check_case, make_cases, ulp
 from twinkle_mem import composite, linear
 from twinkle_mem.linear import block_width, linear_bwd, linear_fwd, tile_bytes, tiles_in_flight
-from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
 
 lsls = twinkle_mem.linear_selective_log_softmax
 NO_IGNORE = -(2**63)
@@ -71,19 +69,6 @@ class _Fused:
         return grad_weight.t()
 
 
-@contextlib.contextmanager
-def blocks(cols=None, rows=None):
-    """Vocab blocks of `cols` columns and row tiles of `rows` rows (linear.VOCAB_BLOCK, linear.ROW_TILE)
-    for the duration, so that small test sizes see several blocks and tiles (None: the default)."""
-    saved = linear.VOCAB_BLOCK, linear.ROW_TILE
-    linear.VOCAB_BLOCK = saved[0] if cols is None else cols
-    linear.ROW_TILE = saved[1] if rows is None else rows
-    try:
-        yield
-    finally:
-        linear.VOCAB_BLOCK, linear.ROW_TILE = saved
-
-
 def smallest_chunk(vocab, hidden_size, dtype):
     """The smallest chunk_bytes accepted: one row tile of a vocab block, as the backward needs it."""
     return sum(tile_bytes(block_width(vocab), hidden_size, dtype, True))
@@ -104,57 +89,6 @@ def test_op_numerics_long_rows():
 
 
 # ------------------------------------------------------------------ random LM heads against float64
-def _dyadic(shape, scale, gen):
-    """Values k * scale, |k| <= 8: products and their sums over H <= 64 are exact in fp32."""
-    return torch.randint(-8, 9, shape, generator=gen).double() * scale
-
-
-def make_head(n, h, v, dtype, *, bias=True, ignore_frac=0.0, k=None, seed=0, lead=None):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = _dyadic((n, h), 0.25, gen)
-    weight = _dyadic((v, h), 0.125, gen)
-    b = _dyadic((v,), 0.5, gen) if bias else None
-    labels = torch.randint(0, v, (n,) if k is None else (n, k), generator=gen)
-    if ignore_frac:
-        drop = torch.rand(n, generator=gen) < ignore_frac
-        labels[drop] = -100
-        if k is not None:
-            labels[~drop, 0] = torch.where(torch.rand(int((~drop).sum()), generator=gen) < 0.3, -100,
-                                           labels[~drop, 0])
-    cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
-    hidden, weight, b = cast(hidden), cast(weight), cast(b)
-    if lead is not None:
-        hidden, labels = hidden.view(*lead, h), labels.view(*lead, *labels.shape[1:])
-    return hidden, weight, b, labels
-
-
-def reference(hidden, weight, bias, labels, g_logp, g_entropy, temperature, ignore_index):
-    """float64 values and gradients, from the logits as the dtype's matmul rounds them
-    (exact fp32 sums of exact products, rounded once to the dtype)."""
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    x = (h2.double() @ weight.double().t() + (0 if bias is None else bias.double()))
-    x = x.to(hidden.dtype).double()  # the logits' rounding, as any matmul in that dtype rounds them
-    y = labels.reshape(h2.shape[0], *labels.shape[hidden.dim() - 1:])
-    logp, entropy, lse, mean = selective_log_softmax_ref(x, y, temperature, ignore_index)
-    gl = g_logp.reshape(y.shape).double()
-    ge = None if g_entropy is None else g_entropy.reshape(-1).double()
-    d = selective_log_softmax_grad_ref(x, y, gl, ge, temperature, ignore_index)
-    return dict(logp=logp.view(labels.shape), entropy=entropy.view(labels.shape[:hidden.dim() - 1]), d=d, x=x,
-                lse=lse, mean=mean)
-
-
-def _op_bound(d, dtype):
-    """The op's per-element bound on the logits' gradient d [N, V] (tests/numerics.py): 2 ulp of the
-    dtype + 2^-22 of the row's largest gradient + the dtype's subnormal step."""
-    return 2 * ulp(d, dtype) + 2.0**-22 * d.abs().amax(-1, keepdim=True) + SUBNORMAL_STEP[dtype]
-
-
-def _through_matmul(bound, d, operand_abs):
-    """|error| allowed in d @ operand: the per-element bound carried through the sum, plus fp32
-    accumulation over the summed dim."""
-    return bound @ operand_abs + d.shape[-1] * 2.0**-24 * (d.abs() @ operand_abs)
-
-
 def check_against_float64(hidden, weight, bias, labels, *, temperature=1.0, ignore_index=None, entropy=True,
                           chunk_bytes=None, seed=0, cols=None, rows=None):
     """cols, rows: vocab blocks and row tiles of that size (blocks()); chunk_bytes as given."""
@@ -185,14 +119,14 @@ def _check_against_float64(hidden, weight, bias, labels, *, temperature, ignore_
         assert_stats_close(ent, ref["entropy"].view(ent.shape), "entropy")
 
     d = ref["d"]
-    e = _op_bound(d, dtype)
+    e = op_bound(d, dtype)
     h2 = hidden.reshape(-1, hidden.shape[-1]).double()
     got = dict(zip(("hidden", "weight", "bias"), grads))
-    want_grads = {"hidden": (d @ weight.double(), _through_matmul(e, d, weight.double().abs())),
-                  "weight": (d.t() @ h2, _through_matmul(e.t(), d.t(), h2.abs()))}
+    want_grads = {"hidden": (d @ weight.double(), through_matmul(e, d, weight.double().abs())),
+                  "weight": (d.t() @ h2, through_matmul(e.t(), d.t(), h2.abs()))}
     if bias is not None:
         ones = torch.ones(d.shape[0], 1, dtype=torch.float64)
-        want_grads["bias"] = (d.sum(0), _through_matmul(e.t(), d.t(), ones)[:, 0])
+        want_grads["bias"] = (d.sum(0), through_matmul(e.t(), d.t(), ones)[:, 0])
     for name, (ref_g, bound) in want_grads.items():
         g = got[name].reshape(ref_g.shape)
         assert g.dtype == dtype

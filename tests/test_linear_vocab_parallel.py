@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gloo_worlds import Cases
-from helpers import assert_stats_close
+from helpers import Cases, assert_stats_close, blocks, make_head, op_bound, reference, through_matmul
+from numerics import ulp
 
 cases = Cases(__name__, timeout_s=180)
 case = cases.register
@@ -31,7 +31,6 @@ def _shard(t, rank, world):
 
 def run_and_check(rank, world, *, chunk_cols=None, **kw):
     """chunk_cols: vocab blocks of that width (and row tiles of 16) instead of the defaults."""
-    from test_linear_selective_log_softmax import blocks
     with blocks(chunk_cols, 16 if chunk_cols else None):
         return _run_and_check(rank, world, **kw)
 
@@ -39,7 +38,6 @@ def run_and_check(rank, world, *, chunk_cols=None, **kw):
 def _run_and_check(rank, world, *, n=24, h=32, shard=250, dtype=torch.float32, bias=True, k=None,
                    ignore_frac=0.0, temperature=1.0, seed=0, group=None, through_megatron=False):
     import twinkle_mem
-    from test_linear_selective_log_softmax import _op_bound, _through_matmul, make_head, reference, ulp
     group = group if group is not None else dist.group.WORLD
     v = world * shard
     hidden, weight, b, labels = make_head(n, h, v, dtype, bias=bias, k=k, ignore_frac=ignore_frac, seed=seed)
@@ -86,16 +84,16 @@ def _run_and_check(rank, world, *, n=24, h=32, shard=250, dtype=torch.float32, b
             f"{name} vs single process"
 
     d = ref["d"]
-    e = _op_bound(d, dtype)
+    e = op_bound(d, dtype)
     d_shard, e_shard = _shard(d.t(), rank, world), _shard(e.t(), rank, world)
     checks = [("grad_hidden summed over ranks", summed, one[0], d @ weight.double(),
-               _through_matmul(e, d, weight.double().abs())),
+               through_matmul(e, d, weight.double().abs())),
               ("grad_weight shard", grads[1], _shard(one[1], rank, world), d_shard @ hidden.double(),
-               _through_matmul(e_shard, d_shard, hidden.double().abs()))]
+               through_matmul(e_shard, d_shard, hidden.double().abs()))]
     if bias:
         ones = torch.ones(n, 1, dtype=torch.float64)
         checks.append(("grad_bias shard", grads[2], _shard(one[2], rank, world), d_shard.sum(1),
-                       _through_matmul(e_shard, d_shard, ones)[:, 0]))
+                       through_matmul(e_shard, d_shard, ones)[:, 0]))
     for name, got, single, r, bound in checks:
         assert got.shape == single.shape and got.dtype == dtype, name
         allowed = ulp(r, dtype) + bound
@@ -153,7 +151,6 @@ def megatron_copy_to_tp_region_gives_the_full_gradient(rank, world):
 @case()
 def saves_only_inputs_and_row_statistics(rank, world):
     import twinkle_mem
-    from test_linear_selective_log_softmax import make_head
     n = 20
     hidden, weight, b, labels = make_head(n, 16, world * 100, torch.float32, ignore_frac=0.3, seed=7)
     h = hidden.clone().requires_grad_()
@@ -172,7 +169,6 @@ def saves_only_inputs_and_row_statistics(rank, world):
 @case()
 def compile_fullgraph_with_process_group(rank, world):
     import twinkle_mem
-    from test_linear_selective_log_softmax import make_head
     hidden, weight, b, labels = make_head(10, 16, world * 64, torch.float32, seed=8)
     w = _shard(weight, rank, world)
     group = dist.group.WORLD
@@ -222,7 +218,6 @@ def rows_bitwise_whatever_the_batch(rank, world):
 @case(2)
 def bad_labels_raise_on_every_rank_before_communicating(rank, world):
     import twinkle_mem
-    from test_linear_selective_log_softmax import make_head
     hidden, weight, b, labels = make_head(6, 8, 80, torch.float32, seed=9)
     labels[2] = 80  # global vocab is 80: out of range on every rank
     with pytest.raises(RuntimeError, match="out of range"):

@@ -2,7 +2,7 @@
 CPU: on its own (a hand-written forward step) and inside twinkle-kit 0.5.1's
 ``MegatronModel.forward_backward``.
 
-Liveness is measured on storages (``twinkle_helpers.LogitsTracker``): a logits
+Liveness is measured on storages (``cpu_harness.megatron.LogitsTracker``): a logits
 tensor counts as alive while anything, Python or autograd, still holds its memory.
 """
 
@@ -12,10 +12,7 @@ import torch
 from twinkle_mem.megatron import (collect_reports, current_logits_reporting, guard_report, logits_guard,
                                   logits_wanted, micro_batch_report, reporting_logits)
 
-try:  # tests/ as a package, or as a plain directory on sys.path
-    from . import twinkle_helpers as th
-except ImportError:
-    import twinkle_helpers as th
+from cpu_harness import megatron as th
 
 VOCAB, SEQ = 512, 32
 LOGITS_BYTES = SEQ * VOCAB * 4  # one micro-batch of [1, SEQ, VOCAB] fp32 logits
@@ -253,8 +250,7 @@ def test_twinkle_guarded_failed_micro_batch_keeps_rows_aligned(cpu, guard, fail_
     assert logps.shape == want.shape == (3, SEQ)
     assert torch.isnan(logps).all(-1).tolist() == [False, True, False]
     torch.testing.assert_close(logps[[0, 2]], want[[0, 2]], rtol=0, atol=0)
-    group = model.optimizer_group[""]
-    status = group.eval_status if forward_only else group.train_status
+    status = th.step_status(model, forward_only)
     assert status.outputs["logps"] is logps  # what twinkle keeps for the loss/metrics, aligned too
     assert [inp["labels"].shape[0] for inp in status.inputs] == [1, 1, 1]
 
@@ -339,9 +335,7 @@ def _twinkle_call(install_kwargs, loss_cls, variable_seq_lengths, forward_only, 
     finally:
         if install_kwargs is not None:
             integration.uninstall()
-    group = model.optimizer_group[""]
-    status = group.eval_status if forward_only else group.train_status
-    return dict(out), dict(status.outputs)
+    return dict(out), dict(th.step_status(model, forward_only).outputs)
 
 
 GUARD_ONLY = dict(log_softmax=False, mask_skip="never", logits_guard=True)

@@ -6,10 +6,7 @@ import torch
 from twinkle_mem.processor import (MASK_SKIP_MODES, batch_attention_mask, dense_causal_mask, resolve_mask_type,
                                    skip_dense_mask)
 
-try:  # tests/ as a package, or as a plain directory on sys.path
-    from . import twinkle_helpers as th
-except ImportError:
-    import twinkle_helpers as th
+from cpu_harness import memory
 
 
 def twinkle_mask_builder():
@@ -95,23 +92,23 @@ def test_batch_attention_mask_decides_before_building():
 def test_dense_mask_is_one_allocation():
     seq_lens = [384, 300]
     nbytes = len(seq_lens) * max(seq_lens)**2
-    mask, ours = th.large_allocations(lambda: dense_causal_mask(seq_lens), nbytes // 4)
+    mask, ours = memory.large_allocations(lambda: dense_causal_mask(seq_lens), nbytes // 4)
     assert mask.untyped_storage().nbytes() == nbytes
     assert ours == [nbytes]
     # Control: the same accounting sees twinkle's ones/tril/~ as three mask-sized tensors.
     samples = [torch.ones(n) for n in seq_lens]
-    _, theirs = th.large_allocations(lambda: twinkle_mask_builder()(samples), nbytes // 4)
+    _, theirs = memory.large_allocations(lambda: twinkle_mask_builder()(samples), nbytes // 4)
     assert theirs == [nbytes] * 3
 
 
 def test_dense_mask_peak_memory():
     size = 8192  # a 64 MiB mask: far above glibc's mmap threshold, so RSS follows every allocation
     nbytes = size * size
-    ours = th.peak_rss_delta("from twinkle_mem.processor import dense_causal_mask",
+    ours = memory.peak_rss_delta("from twinkle_mem.processor import dense_causal_mask",
                              f"return dense_causal_mask([{size}, ])")
     assert ours <= 1.1 * nbytes, f"peak {ours / nbytes:.2f}x the mask"
     # Control: the measurement sees twinkle's temporaries (2x on the CPU allocator).
-    theirs = th.peak_rss_delta(
+    theirs = memory.peak_rss_delta(
         "import torch\nfrom twinkle.processor.base import InputProcessor",
         f"return InputProcessor._create_4d_attention_mask([torch.ones({size})])")
     assert theirs >= 1.8 * nbytes, f"twinkle's peak measured {theirs / nbytes:.2f}x the mask"

@@ -407,13 +407,17 @@ PEAK_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _run_peak_script(tmp_path, source, *args):
+    """``source`` run as a script in a fresh interpreter (its peak RSS its own) with ``args``: the ints it prints."""
+    script = tmp_path / "peak.py"
+    script.write_text(source)
+    out = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True, check=True)
+    return [int(x) for x in out.stdout.split()]
+
+
 @pytest.mark.parametrize("mode", ["out_of_place", "inplace"])
 def test_peak_memory_beyond_logits(mode, tmp_path):
-    script = tmp_path / "peak.py"
-    script.write_text(PEAK_SCRIPT)
-    out = subprocess.run([sys.executable, str(script), "1024", "65536", mode], capture_output=True, text=True,
-                         check=True).stdout.split()
-    extra, logits_bytes, same_storage = int(out[0]), int(out[1]), int(out[2])
+    extra, logits_bytes, same_storage = _run_peak_script(tmp_path, PEAK_SCRIPT, 1024, 65536, mode)
     grad_bytes = 0 if mode == "inplace" else logits_bytes
     assert same_storage == (mode == "inplace")
     assert extra - grad_bytes <= 0.01 * logits_bytes, (extra, grad_bytes, logits_bytes)
@@ -445,11 +449,7 @@ def test_sliced_views_are_not_copied(layout, tmp_path):
     # logits[:, :-1] (TRL) and logits[:, -r - 1:-1] (verl) at B = 4: the peak beyond the gradient's own
     # storage stays within 1% of the view's logits plus the 2 MiB huge-page rounding at either end of the
     # gradient (a copy would add 100%).
-    script = tmp_path / "view_peak.py"
-    script.write_text(VIEW_PEAK_SCRIPT)
-    out = subprocess.run([sys.executable, str(script), "513", "32768", layout], capture_output=True, text=True,
-                         check=True).stdout.split()
-    extra, logits_bytes, grad_storage = int(out[0]), int(out[1]), int(out[2])
+    extra, logits_bytes, grad_storage = _run_peak_script(tmp_path, VIEW_PEAK_SCRIPT, 513, 32768, layout)
     assert grad_storage <= 1.125 * logits_bytes + 4096, (grad_storage, logits_bytes)
     assert extra - grad_storage <= 0.01 * logits_bytes + (4 << 20), (extra, grad_storage, logits_bytes)
 

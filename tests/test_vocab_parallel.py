@@ -1,6 +1,6 @@
 """Vocab-parallel selective_log_softmax (process_group=...) on gloo worlds of 2 and 4 CPU processes.
 
-The worlds and the per-(world, case) pytest items come from tests/gloo_worlds.py.
+The worlds and the per-(world, case) pytest items come from tests/helpers.py (``Cases``).
 
 The reference is the float64 result on the concatenated vocab (twinkle_mem.reference),
 with the bound of tests/numerics.py (check_outputs); the single-process native op on
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gloo_worlds import Cases
+from helpers import Cases
 
 cases = Cases(__name__, timeout_s=150)
 case = cases.register
