@@ -4,8 +4,10 @@ lines, Markdown tables, matplotlib figures written as PNG files, and the step ta
 checks (gpu_check.sh, npu_check.sh: ``python bench/bench_common.py steps ...``). Measuring itself
 (peak RSS, the CPU's name) lives in ``twinkle_mem.measure``, which the tests use too.
 
-The scripts import it as ``bench_common`` (Python puts a script's own folder on ``sys.path``). At
-import it needs only the standard library: the device checks run it before anything is built.
+The scripts import it as ``bench_common`` (Python puts a script's own folder on ``sys.path``); it puts
+the repository root there too, so that the twinkle-kit benchmarks import ``cpu_harness`` (the CPU
+harness they share with tests/; bench/ imports nothing from tests/). At import it needs only the
+standard library: the device checks run it before anything is built.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.append(ROOT)  # after the script's folder and PYTHONPATH: cpu_harness is the only package there
 
 
 # ------------------------------------------------------------------ the run's record
@@ -110,7 +114,11 @@ class Progress:
         print(f"[{self.count}/{self.total}] {what} ... ", end="", flush=True, file=self.stream or sys.stdout)
 
     def done(self, result: str) -> None:
-        print(f"{result} ({time.time() - self.started:.0f} s elapsed)", flush=True, file=self.stream or sys.stdout)
+        print(f"{result} ({self.elapsed():.0f} s elapsed)", flush=True, file=self.stream or sys.stdout)
+
+    def elapsed(self) -> float:
+        """Seconds since the run started."""
+        return time.time() - self.started
 
 
 # ------------------------------------------------------------------ tables and figures

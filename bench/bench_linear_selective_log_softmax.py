@@ -34,15 +34,15 @@ Writes bench/results/linear_selective_log_softmax.{json,md,png}; progress on std
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from bench_common import (HERE, ROOT, ChildFailed, Progress, markdown_table, new_figure, read_json, run_child,
+                          run_metadata, save_png, write_json)
+
 IGNORE = -100
 
 PEERS = {
@@ -174,20 +174,17 @@ def child(cfg):
 
 
 # ------------------------------------------------------------------ the parent
-def _run(cfg, python, log):
+def _run(cfg):
+    """One child run of ``cfg`` (its own process: its own peak RSS); its JSON, with ``wall_s``."""
     tree = cfg["base_tree"] if cfg["kind"] == "fused_base" else ROOT
     env = dict(os.environ, PYTHONPATH=os.path.join(tree, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
                MALLOC_MMAP_THRESHOLD_="65536")
     t0 = time.monotonic()
-    proc = subprocess.run([python, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env,
-                          capture_output=True, text=True)
-    wall = time.monotonic() - t0
-    if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or ["?"]
-        log(f"    failed ({proc.returncode}): {tail[0][:200]}")
-        return {"error": f"exit {proc.returncode}: {tail[0][:300]}", "wall_s": wall}
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    res["wall_s"] = wall
+    try:
+        res = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env)
+    except ChildFailed as e:
+        res = {"error": f"exit {e.returncode}: {e.last_line[:300]}"}
+    res["wall_s"] = time.monotonic() - t0
     return res
 
 
@@ -220,8 +217,7 @@ def main(argv=None):
         return child(json.loads(args.child))
     if args.replot:
         stem = os.path.join(args.out, args.name)
-        with open(stem + ".json") as f:
-            saved = json.load(f)
+        saved = read_json(stem + ".json")
         print(_table(saved["rows"], saved["meta"]))
         _plot(saved["rows"], saved["meta"], stem + ".png")
         return 0
@@ -230,12 +226,6 @@ def main(argv=None):
         p.error("the fused_base peer needs --base-tree")
     import torch
 
-    from twinkle_mem.measure import cpu_name
-    start = time.monotonic()
-
-    def log(msg):
-        print(f"[{time.monotonic() - start:7.1f} s] {msg}", file=sys.stderr, flush=True)
-
     names = {kind: name for name, kind in PEERS.items()}
     # Round robin: rep r of every peer at one N before rep r + 1 of any, so that a change of load on a
     # shared machine falls on all peers alike. Each run is its own process with one timed call.
@@ -243,24 +233,26 @@ def main(argv=None):
     plan += [(n, "fused", 0) for n in args.rss_n if n not in args.n]
     results = {}
     load_before = _loadavg()
+    progress = Progress(len(plan), stream=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (n, kind, rep) in enumerate(plan, 1):
-            log(f"[{i}/{len(plan)}] {names[kind]}, N={n}, H={args.h}, V={args.vocab}, {args.dtype}, rep {rep + 1}")
+        for n, kind, rep in plan:
+            progress.step(f"{names[kind]}, N={n}, H={args.h}, V={args.vocab}, {args.dtype}, rep {rep + 1}")
             cfg = {"kind": kind, "n": n, "h": args.h, "vocab": args.vocab, "dtype": args.dtype, "reps": 1,
                    "chunk_bytes": args.chunk_mib << 20, "device": args.device, "base_tree": args.base_tree,
                    "out": os.path.join(tmp, f"{kind}_{n}.pt")}
-            res = _run(cfg, sys.executable, log)
+            res = _run(cfg)
             acc = results.setdefault((n, kind), {"peer": names[kind], "kind": kind, "n": n, "times": [],
                                                  "peaks": [], "wall_s": 0.0})
             acc["wall_s"] += res.get("wall_s", 0.0)
             if res.get("error"):
                 acc["error"] = res["error"]
+                progress.done(f"failed: {res['error'][:200]}")
                 continue
             acc["times"] += res["times"]
             acc["peaks"].append(res["peak"])
             acc["held"], acc["threads"] = res["held"], res["threads"]
-            log(f"    {res['times'][0]:.2f} s, peak rise {(res['peak'] or 0) / 2**20:.0f} MiB, beyond outputs+grads "
-                f"{((res['peak'] or 0) - res['held']) / 2**20:.0f} MiB")
+            progress.done(f"{res['times'][0]:.2f} s, peak rise {(res['peak'] or 0) / 2**20:.0f} MiB, beyond outputs+grads "
+                          f"{((res['peak'] or 0) - res['held']) / 2**20:.0f} MiB")
         rows = list(results.values())
         for row in rows:
             if row["times"]:
@@ -287,24 +279,22 @@ def main(argv=None):
                 row["vs_base_tree"] = row["time_s"] / base_tree["time_s"]
             if row["kind"] == "fused_ignored" and row.get("time_s") and full:
                 row["vs_all_rows"] = row["time_s"] / full["time_s"]
-    meta = {"h": args.h, "vocab": args.vocab, "dtype": args.dtype, "reps": args.reps, "chunk_mib": args.chunk_mib,
-            "device": args.device, "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "loadavg_before": load_before, "loadavg_after": _loadavg(),
-            "total_s": time.monotonic() - start, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "base_tree": args.base_tree}
+    meta = run_metadata(h=args.h, vocab=args.vocab, dtype=args.dtype, reps=args.reps, chunk_mib=args.chunk_mib,
+                        device=args.device, loadavg_before=load_before, loadavg_after=_loadavg(),
+                        total_s=progress.elapsed(), command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+                        base_tree=args.base_tree)
     if args.base_tree:
         meta["base_commit"] = subprocess.run(["git", "-C", args.base_tree, "rev-parse", "--short", "HEAD"],
                                              capture_output=True, text=True).stdout.strip()
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.name)
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    write_json(stem + ".json", {"meta": meta, "rows": rows}, indent=1)
     table = _table(rows, meta)
     with open(stem + ".md", "w") as f:
         f.write(table)
     print(table)
     _plot(rows, meta, stem + ".png")
-    log(f"done in {meta['total_s']:.0f} s; load average before {load_before}, after {meta['loadavg_after']}")
+    print(f"done in {meta['total_s']:.0f} s; load average before {load_before}, after {meta['loadavg_after']}",
+          file=sys.stderr)
     return 0
 
 
@@ -313,40 +303,36 @@ def _mib(x):
 
 
 def _table(rows, meta):
-    lines = [f"fwd+bwd of log-probs (+ entropy) from hidden [N, {meta['h']}] and weight [{meta['vocab']}, "
+    title = (f"fwd+bwd of log-probs (+ entropy) from hidden [N, {meta['h']}] and weight [{meta['vocab']}, "
              f"{meta['h']}], {meta['dtype']}, {meta['device']} ({meta['cpu']}, {meta['threads']} threads), "
-             f"chunk {meta['chunk_mib']} MiB, min of {meta['reps']}; torch {meta['torch']}",
-             "",
-             "| peer | N | entropy | time (s) | vs unfused | peak rise (MiB) | beyond outputs + grads (MiB) | "
-             "max abs dlogp vs unfused | max abs dentropy |",
-             "|---|---:|:---:|---:|---:|---:|---:|---:|---:|"]
+             f"chunk {meta['chunk_mib']} MiB, min of {meta['reps']}; torch {meta['torch']}")
+    cells = []
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['peer']} | {r['n']} | | {r['error'][:60]} | | | | | |")
+            cells.append([r["peer"], r["n"], "", r["error"][:60], "", "", "", "", ""])
             continue
-        ent = "no" if r["kind"] == "cce" else "yes"
         ratio = f"{r['vs_unfused']:.2f}x" if r.get("vs_unfused") else ""
         if r.get("vs_all_rows"):
             ratio += f" ({r['vs_all_rows']:.2f}x of all rows)"
         if r.get("vs_base_tree"):
             ratio += f" ({r['vs_base_tree']:.2f}x of the base tree)"
-        lines.append(f"| {r['peer']} | {r['n']} | {ent} | {r['time_s']:.2f} | {ratio} | {_mib(r.get('peak'))} | "
-                     f"{_mib(r.get('beyond'))} | {r.get('max_dlogp', float('nan')):.2g} | "
-                     f"{r.get('max_dentropy', float('nan')):.2g} |")
-    return "\n".join(lines) + "\n"
+        cells.append([r["peer"], r["n"], "no" if r["kind"] == "cce" else "yes", f"{r['time_s']:.2f}", ratio,
+                      _mib(r.get("peak")), _mib(r.get("beyond")), f"{r.get('max_dlogp', float('nan')):.2g}",
+                      f"{r.get('max_dentropy', float('nan')):.2g}"])
+    header = ["peer", "N", "entropy", "time (s)", "vs unfused", "peak rise (MiB)", "beyond outputs + grads (MiB)",
+              "max abs dlogp vs unfused", "max abs dentropy"]
+    return title + "\n\n" + markdown_table(header, cells, align="lrcrrrrrr")
 
 
 def _plot(rows, meta, path):
     try:
-        import matplotlib
+        fig = new_figure((14, 2.6 + 2.2 * len({r["n"] for r in rows if r.get("time_s") is not None})))
     except ImportError:
         print("matplotlib not installed: no PNG", file=sys.stderr)
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     done = [r for r in rows if r.get("time_s") is not None]
     ns = sorted({r["n"] for r in done})
-    fig, axes = plt.subplots(len(ns), 2, figsize=(14, 2.6 + 2.2 * len(ns)), squeeze=False)
+    axes = fig.subplots(len(ns), 2, squeeze=False)
     for row_axes, n in zip(axes, ns):
         rs = [r for r in done if r["n"] == n]
         labels = [r["peer"] for r in rs]
@@ -364,7 +350,7 @@ def _plot(rows, meta, path):
     fig.suptitle(f"LM head log-probs from hidden states: H={meta['h']}, V={meta['vocab']}, {meta['dtype']}, "
                  f"{meta['device']} ({meta['threads']} threads); dashed: chunk_bytes", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_png(fig, path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ before and after twinkle-mem's logits guard, each case in a fresh process.
 
 twinkle-kit 0.5.1's real ``MegatronModel.forward_backward`` / ``forward_only`` on
 megatron-core 0.16.1's real no-pipelining scheduler (gloo, world size 1, CPU),
-around a one-layer bf16 toy LM (``tests/twinkle_helpers.ToyLM``), ``return_logits=False``.
+around a one-layer bf16 toy LM (``cpu_harness.megatron.ToyLM``), ``return_logits=False``.
 Per case: logits bytes still alive when the scheduler returns (weak references to
 the logits' storages), the most logits bytes alive at once, the rise of the
 resident-set high-water mark over the call, and its time.
@@ -14,13 +14,12 @@ Writes bench/results/bench_logits_guard.json and .png (another stem: --out).
 import argparse
 import os
 import statistics
-import sys
 
 from bench_common import new_figure, run_metadata, save_png, write_json
 
+from cpu_harness import memory  # importable: bench_common puts the repository root on sys.path
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-import twinkle_helpers as th  # noqa: E402
 
 VARIANTS = [
     ("twinkle-kit 0.5.1", None),
@@ -30,7 +29,7 @@ VARIANTS = [
 
 SETUP = """
 import torch
-import twinkle_helpers as th
+from cpu_harness import megatron as th
 from twinkle_mem.integrations import twinkle as integration
 megatron = th.megatron_cpu()  # kept referenced: left when the process ends
 megatron.__enter__()
@@ -70,7 +69,7 @@ def main():
     rows = []
     for forward_only in (False, True):
         for name, install in VARIANTS:
-            got = th.measure_in_subprocess(
+            got = memory.measure_in_subprocess(
                 SETUP.format(install=install or "", vocab=args.vocab, hidden=args.hidden),
                 STMT.format(seq=args.seq, vocab=args.vocab, forward_only=forward_only), reps=args.reps)
             extra = got["extra"]

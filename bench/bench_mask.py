@@ -12,13 +12,12 @@ Writes bench/results/bench_mask.json and .png (another stem: --out).
 import argparse
 import os
 import statistics
-import sys
 
 from bench_common import new_figure, run_metadata, save_png, write_json
 
+from cpu_harness import memory  # importable: bench_common puts the repository root on sys.path
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-import twinkle_helpers as th  # noqa: E402
 
 BUILDER_SETUP = """
 import torch
@@ -30,7 +29,7 @@ lengths = [{seq}] * {batch}
 
 PROCESSOR_SETUP = """
 import torch
-import twinkle_helpers as th
+from cpu_harness import megatron as th
 from twinkle.processor.base import InputProcessor
 from twinkle_mem.integrations import twinkle as integration
 platform = th.cpu_platform({platform!r})
@@ -77,7 +76,7 @@ def main():
     rows = []
     for level, name, setup, stmt in CASES:
         fmt = dict(batch=args.batch, seq=args.seq)
-        got = th.measure_in_subprocess(setup.format(**fmt), stmt.format(**fmt), reps=args.reps)
+        got = memory.measure_in_subprocess(setup.format(**fmt), stmt.format(**fmt), reps=args.reps)
         times = sorted(t * 1e3 for t in got["times"])
         rows.append(dict(level=level, case=name, peak_bytes=got["peak"], peak_x_mask=got["peak"] / mask_bytes,
                          ms_median=statistics.median(times), ms_min=times[0], ms_max=times[-1],

@@ -5,7 +5,7 @@ case in a fresh process: peak RSS rise and time.
 
 twinkle-kit 0.5.1's real ``MegatronModel.forward_backward`` on megatron-core 0.16.1's real
 no-pipelining scheduler (gloo, world size 1, CPU, 1 thread) around a one-layer megatron-core
-``GPTModel`` (``tests/twinkle_helpers.gpt_model``: local spec, learned positions), fp32 (bf16
+``GPTModel`` (``cpu_harness.megatron.gpt_model``: local spec, learned positions), fp32 (bf16
 matmuls are ~10x slower than fp32 on this CPU), GRPOLoss with an entropy bonus, 2 micro-batches
 of one ``--seq`` sample each (``--prompt`` tokens of each with label -100), ``return_logits=False``.
 Cases: twinkle-kit as shipped, ``install()`` (logits guard + twinkle-mem's op on the logits) and
@@ -15,16 +15,11 @@ returned log-probs under the loss mask (the cases must agree).
 Writes bench/results/twinkle_fused.json, .md and .png.
 """
 import argparse
-import json
 import os
-import platform
 import statistics
-import sys
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-import twinkle_helpers as th  # noqa: E402
+from bench_common import HERE, Progress, markdown_table, new_figure, read_json, run_metadata, save_png, write_json
+from cpu_harness import memory  # importable: bench_common puts the repository root on sys.path
 
 CASES = [
     ("twinkle-kit 0.5.1", None),
@@ -34,7 +29,7 @@ CASES = [
 
 SETUP = """
 import torch
-import twinkle_helpers as th
+from cpu_harness import megatron as th
 from twinkle.loss import GRPOLoss
 from twinkle_mem.integrations import twinkle as integration
 contexts = [th.megatron_cpu(), th.megatron_gpt_cpu(), th.cpu_platform("cpu")]  # kept referenced
@@ -72,74 +67,64 @@ def main():
     parser.add_argument("--out", default="twinkle_fused", help="results file stem under bench/results/")
     parser.add_argument("--replot", action="store_true", help="redraw the table and PNG from the JSON only")
     args = parser.parse_args()
-    out_dir = os.path.join(HERE, "results")
+    stem = os.path.join(HERE, "results", args.out)
     if args.replot:
-        with open(os.path.join(out_dir, f"{args.out}.json")) as f:
-            saved = json.load(f)
-        _write(saved["rows"], saved["meta"], out_dir, args.out)
+        saved = read_json(stem + ".json")
+        _write(saved["rows"], saved["meta"], stem)
         return
 
     import megatron.core
-    import torch
     import twinkle.version
     logits_bytes = args.seq * args.vocab * 4  # one micro-batch's fp32 logits
     rows = []
-    started = time.perf_counter()
-    for forward_only in (False, True):
-        for name, install in [CASES[i] for i in args.cases]:
-            t0 = time.perf_counter()
-            print(f"{'forward_only' if forward_only else 'forward_backward':16} {name:28} ...", end=" ", flush=True)
-            got = th.measure_in_subprocess(
-                SETUP.format(install=install or "", vocab=args.vocab, hidden=args.hidden, seq=args.seq,
-                             prompt=args.prompt),
-                STMT.format(forward_only=forward_only), reps=args.reps)
-            rows.append(dict(mode="forward_only" if forward_only else "forward_backward", case=name,
-                             peak_rss_bytes=got["peak"], s_median=statistics.median(got["times"]),
-                             times=got["times"], loss=got["extra"]["loss"], logps_sum=got["extra"]["logps_sum"]))
-            r = rows[-1]
-            print(f"peak RSS rise {r['peak_rss_bytes'] / 2**20:8.1f} MiB  {r['s_median']:7.2f} s  loss {r['loss']:.6f}"
-                  f"  sum(logps) {r['logps_sum']:.4f}   ({time.perf_counter() - t0:.0f} s with setup and warm-up)",
-                  flush=True)
+    runs = [(forward_only, CASES[i]) for forward_only in (False, True) for i in args.cases]
+    progress = Progress(len(runs))
+    for forward_only, (name, install) in runs:
+        mode = "forward_only" if forward_only else "forward_backward"
+        progress.step(f"{mode} {name}")
+        got = memory.measure_in_subprocess(
+            SETUP.format(install=install or "", vocab=args.vocab, hidden=args.hidden, seq=args.seq, prompt=args.prompt),
+            STMT.format(forward_only=forward_only), reps=args.reps)
+        rows.append(dict(mode=mode, case=name, peak_rss_bytes=got["peak"], s_median=statistics.median(got["times"]),
+                         times=got["times"], loss=got["extra"]["loss"], logps_sum=got["extra"]["logps_sum"]))
+        r = rows[-1]
+        progress.done(f"peak RSS rise {r['peak_rss_bytes'] / 2**20:,.1f} MiB, {r['s_median']:.2f} s, "
+                      f"loss {r['loss']:.6f}, sum(logps) {r['logps_sum']:.4f}")
 
-    meta = dict(vocab=args.vocab, seq=args.seq, hidden=args.hidden, layers=1, heads=2, prompt=args.prompt,
-                micro_batches=2, micro_batch_size=1, dtype="float32", temperature=0.7,
-                loss="GRPOLoss(entropy_coef=0.01)", logits_bytes_per_micro_batch=logits_bytes, reps=args.reps,
-                threads=1, wall_s=round(time.perf_counter() - started, 1), load_average=os.getloadavg(),
-                torch=torch.__version__, twinkle_kit=twinkle.version.__version__,
-                megatron_core=megatron.core.__version__, python=platform.python_version(), cores=os.cpu_count())
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{args.out}.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=2)
-    _write(rows, meta, out_dir, args.out)
+    meta = run_metadata(vocab=args.vocab, seq=args.seq, hidden=args.hidden, layers=1, heads=2, prompt=args.prompt,
+                        micro_batches=2, micro_batch_size=1, dtype="float32", temperature=0.7,
+                        loss="GRPOLoss(entropy_coef=0.01)", logits_bytes_per_micro_batch=logits_bytes, reps=args.reps,
+                        threads=1, wall_s=round(progress.elapsed(), 1), load_average=os.getloadavg(),
+                        twinkle_kit=twinkle.version.__version__, megatron_core=megatron.core.__version__)
+    write_json(stem + ".json", dict(meta=meta, rows=rows))
+    _write(rows, meta, stem)
 
 
-def _write(rows, meta, out_dir, stem):
+def _write(rows, meta, stem):
     table = _table(rows, meta)
-    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+    with open(stem + ".md", "w") as f:
         f.write(table)
     print(table)
-    _plot(rows, meta, os.path.join(out_dir, f"{stem}.png"))
+    _plot(rows, meta, stem + ".png")
 
 
 def _table(rows, meta):
-    lines = [f"twinkle-kit Megatron, 2 micro-batches of [1, {meta['seq']}], V = {meta['vocab']}, H = {meta['hidden']}, "
+    title = (f"twinkle-kit Megatron, 2 micro-batches of [1, {meta['seq']}], V = {meta['vocab']}, H = {meta['hidden']}, "
              f"fp32, one micro-batch's logits = {meta['logits_bytes_per_micro_batch'] / 2**20:.0f} MiB, 1 thread, "
-             f"load average at the end {meta['load_average'][0]:.2f}",
-             "", "| mode | case | peak RSS rise | vs first | time | vs first | loss | sum of logps under the mask |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"load average at the end {meta['load_average'][0]:.2f}")
+    cells = []
     for r in rows:
         base = next(b for b in rows if b["mode"] == r["mode"])  # the first case run
-        lines.append(f"| {r['mode']} | {r['case']} | {r['peak_rss_bytes'] / 2**20:,.0f} MiB | "
-                     f"{r['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}x | {r['s_median']:.2f} s | "
-                     f"{r['s_median'] / base['s_median']:.2f}x | {r['loss']:.6f} | {r['logps_sum']:.4f} |")
-    return "\n".join(lines) + "\n"
+        cells.append([r["mode"], r["case"], f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB",
+                      f"{r['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}x", f"{r['s_median']:.2f} s",
+                      f"{r['s_median'] / base['s_median']:.2f}x", f"{r['loss']:.6f}", f"{r['logps_sum']:.4f}"])
+    return title + "\n\n" + markdown_table(["mode", "case", "peak RSS rise", "vs first", "time", "vs first", "loss",
+                                             "sum of logps under the mask"], cells)
 
 
 def _plot(rows, meta, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig = new_figure((12, 4.5))
+    axes = fig.subplots(1, 2)
     modes = ["forward_backward", "forward_only"]
     width = 0.27
     for ax, key, unit, scale in ((axes[0], "peak_rss_bytes", "peak RSS rise (MiB)", 2**20),
@@ -157,7 +142,7 @@ def _plot(rows, meta, path):
     fig.suptitle(f"twinkle-kit Megatron forward_backward / forward_only, 2 micro-batches of [1, {meta['seq']}], "
                  f"V = {meta['vocab']}, H = {meta['hidden']}, fp32, CPU, 1 thread")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
 
 
 if __name__ == "__main__":

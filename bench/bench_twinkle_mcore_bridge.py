@@ -6,28 +6,25 @@ per rank and time, for twinkle-kit as shipped, ``install()`` and ``install(fused
 
 A tiny Qwen3 (``--layers`` layers, hidden ``--hidden``, vocab ``--vocab``, untied, random weights) saved
 locally, built by twinkle's ``MegatronModel(model_id=...)`` through mcore_bridge as a user builds it
-(the CPU stand-ins of tests/mcore_bridge_models.py), fp32 (``mixed_precision='no'``; bf16 matmuls are
+(the CPU stand-ins of cpu_harness/mcore_bridge.py), fp32 (``mixed_precision='no'``; bf16 matmuls are
 ~10x slower on this CPU), in a gloo world of 4 processes (TP = 2, PP = 2: ranks 0-1 the first stage,
 2-3 the last, each TP rank its vocab shard). One ``forward_backward`` of GRPOLoss without an entropy
 bonus (shipped twinkle-kit refuses entropy under TP > 1), T = 0.7, 2 micro-batches of one ``--seq`` sample each (``--prompt`` tokens with label -100).
 Each case in a fresh world; per rank: the rise of the resident-set high-water mark over the step (model
 built and wrapped before, after one warm-up step) and the step's time; the loss and the sum of the returned log-probs under
-the loss mask (the cases must agree). Writes bench/results/twinkle_mcore_bridge.{json,md}.
+the loss mask (the cases must agree). Writes bench/results/twinkle_mcore_bridge.{json,md,png};
+``--replot`` redraws the table and the PNG from the JSON.
 """
 import argparse
 import copy
 import datetime
 import json
 import os
-import platform
 import subprocess
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.join(HERE, "..")
-sys.path[:0] = [os.path.join(ROOT, "tests"), os.path.join(ROOT, "python")]
+from bench_common import HERE, Progress, markdown_table, new_figure, read_json, run_metadata, save_png, write_json
 
 CASES = {"shipped": ("twinkle-kit 0.5.1", None), "install": ("install()", dict()),
          "fused": ("install(fused_lm_head=True)", dict(fused_lm_head=True))}
@@ -43,8 +40,8 @@ def _worker(rank, init_file, out_dir, ckpt, case, args):
                             timeout=datetime.timedelta(seconds=1800))
     import warnings
     warnings.simplefilter("ignore")
-    import mcore_bridge_models as mb
-    import twinkle_helpers as th
+    from cpu_harness import mcore_bridge as mb
+    from cpu_harness import megatron as th
     from twinkle.loss import GRPOLoss
 
     from twinkle_mem.integrations import twinkle as integration
@@ -96,45 +93,81 @@ def run_case(ckpt, case, args):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=0)
     parser.add_argument("--cases", default="shipped,install,fused")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "twinkle_mcore_bridge"))
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "twinkle_mcore_bridge"), help="results stem")
+    parser.add_argument("--replot", action="store_true", help="redraw the table and the PNG from the JSON only")
     args = parser.parse_args()
-    import mcore_bridge_models as mb
+    if args.replot:
+        saved = read_json(args.out + ".json")
+        _write(saved["meta"], saved["results"], args.out)
+        return
+    from cpu_harness import mcore_bridge as mb
     ckpt = tempfile.mkdtemp(prefix="bench-qwen3-")
     mb.save_tiny_qwen3(ckpt, vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2)
+    cases = args.cases.split(",")
+    progress = Progress(len(cases))
     results = {}
-    for case in args.cases.split(","):
+    for case in cases:
         free = subprocess.run(["free", "-m"], capture_output=True, text=True).stdout.strip()
-        print(f"--- {case}\n{free}", flush=True)
+        progress.step(f"{CASES[case][0]}: a fresh world of {WORLD} processes")
         start = time.perf_counter()
         results[case] = dict(ranks=run_case(ckpt, case, args), wall_s=time.perf_counter() - start, free_before=free)
-        print(json.dumps(results[case]["ranks"]), flush=True)
-    logits_mib = args.seq * (args.vocab // TP) * 4 / 2**20
-    meta = dict(vocab=args.vocab, seq=args.seq, hidden=args.hidden, layers=args.layers, prompt=args.prompt,
-                world=WORLD, tp=TP, pp=PP, dtype="float32", threads_per_rank=1,
-                one_micro_batch_logits_shard_mib=logits_mib, machine=platform.processor() or platform.machine(),
-                date=datetime.datetime.utcnow().isoformat(timespec="seconds") + "Z")
-    with open(args.out + ".json", "w") as f:
-        json.dump(dict(meta=meta, results=results), f, indent=1)
-    lines = [f"twinkle-kit 0.5.1 `MegatronModel.forward_backward`, mcore_bridge Qwen3 (V = {args.vocab}, "
-             f"H = {args.hidden}, {args.layers} layers, fp32), TP = 2 x PP = 2 (gloo, 4 CPU processes, 1 thread "
-             f"each), 2 micro-batches of [1, {args.seq}]; one micro-batch's logits shard: {logits_mib:,.0f} MiB",
-             "", "| case | rank (pp, tp) | peak RSS rise | step time | loss | sum of log-probs |",
-             "| --- | --- | --- | --- | --- | --- |"]
+        peaks = ", ".join(f"{r['peak_bytes'] / 2**20:,.0f}" for r in results[case]["ranks"])
+        progress.done(f"peak RSS rise per rank {peaks} MiB")
+    meta = run_metadata(vocab=args.vocab, seq=args.seq, hidden=args.hidden, layers=args.layers, prompt=args.prompt,
+                        world=WORLD, tp=TP, pp=PP, dtype="float32", threads_per_rank=1, threads=1,
+                        one_micro_batch_logits_shard_mib=args.seq * (args.vocab // TP) * 4 / 2**20)
+    write_json(args.out + ".json", dict(meta=meta, results=results), indent=1)
+    _write(meta, results, args.out)
+
+
+def _table(meta, results):
+    rows = []
     for case, res in results.items():
         for r, rr in enumerate(res["ranks"]):
             logps = f"{rr['logps_sum']:.4f}" if "logps_sum" in rr else "-"
-            lines.append(f"| {CASES[case][0]} | {r} ({rr['pp_rank']}, {rr['tp_rank']}) | "
-                         f"{rr['peak_bytes'] / 2**20:,.0f} MiB | {rr['time_s']:.1f} s | {rr['loss']:.6f} | {logps} |")
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+            rows.append([CASES[case][0], f"{r} ({rr['pp_rank']}, {rr['tp_rank']})", f"{rr['peak_bytes'] / 2**20:,.0f} MiB",
+                         f"{rr['time_s']:.1f} s", f"{rr['loss']:.6f}", logps])
+    title = (f"twinkle-kit 0.5.1 `MegatronModel.forward_backward`, mcore_bridge Qwen3 (V = {meta['vocab']}, "
+             f"H = {meta['hidden']}, {meta['layers']} layers, fp32), TP = 2 x PP = 2 (gloo, 4 CPU processes, 1 thread "
+             f"each), 2 micro-batches of [1, {meta['seq']}]; one micro-batch's logits shard: "
+             f"{meta['one_micro_batch_logits_shard_mib']:,.0f} MiB")
+    return title + "\n\n" + markdown_table(["case", "rank (pp, tp)", "peak RSS rise", "step time", "loss",
+                                             "sum of log-probs"], rows)
+
+
+def _write(meta, results, stem):
+    """The table (printed, and to stem.md) and the figure (stem.png): peak RSS rise and step time per rank."""
+    table = _table(meta, results)
+    with open(stem + ".md", "w") as f:
+        f.write(table)
+    print(table, end="")
+    fig = new_figure((11, 4.2))
+    axes = fig.subplots(1, 2)
+    width = 0.8 / len(results)
+    for i, (case, res) in enumerate(results.items()):
+        ranks = res["ranks"]
+        xs = [r + (i - (len(results) - 1) / 2) * width for r in range(len(ranks))]
+        axes[0].bar(xs, [rr["peak_bytes"] / 2**20 for rr in ranks], width, label=CASES[case][0])
+        axes[1].bar(xs, [rr["time_s"] for rr in ranks], width, label=CASES[case][0])
+    labels = [f"rank {r}\n(pp {rr['pp_rank']}, tp {rr['tp_rank']})" for r, rr in enumerate(ranks)]
+    for ax, unit in ((axes[0], "peak RSS rise over the step (MiB)"), (axes[1], "step time (s)")):
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_ylabel(unit)
+    axes[0].axhline(meta["one_micro_batch_logits_shard_mib"], color="k", ls="--", lw=1,
+                    label="one micro-batch's logits shard")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"twinkle-kit Megatron step, mcore_bridge Qwen3, TP = 2 x PP = 2, V = {meta['vocab']}, "
+                 f"S = {meta['seq']}, fp32, CPU", fontsize=10)
+    fig.tight_layout()
+    save_png(fig, stem + ".png")
 
 
 if __name__ == "__main__":
