@@ -22,7 +22,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
-    sys.path.append(ROOT)  # after the script's folder and PYTHONPATH: cpu_harness is the only package there
+    sys.path.append(ROOT)  # last: the script's folder and PYTHONPATH come first (the package is under python/)
 
 
 # ------------------------------------------------------------------ the run's record

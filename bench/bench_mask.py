@@ -13,11 +13,8 @@ import argparse
 import os
 import statistics
 
-from bench_common import new_figure, run_metadata, save_png, write_json
-
-from cpu_harness import memory  # importable: bench_common puts the repository root on sys.path
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from bench_common import HERE, new_figure, run_metadata, save_png, write_json
+from cpu_harness import memory  # importable once bench_common has put the repository root on sys.path
 
 BUILDER_SETUP = """
 import torch

@@ -19,7 +19,7 @@ import os
 import statistics
 
 from bench_common import HERE, Progress, markdown_table, new_figure, read_json, run_metadata, save_png, write_json
-from cpu_harness import memory  # importable: bench_common puts the repository root on sys.path
+from cpu_harness import memory  # importable once bench_common has put the repository root on sys.path
 
 CASES = [
     ("twinkle-kit 0.5.1", None),

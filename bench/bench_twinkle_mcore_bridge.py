@@ -156,7 +156,8 @@ def _write(meta, results, stem):
         xs = [r + (i - (len(results) - 1) / 2) * width for r in range(len(ranks))]
         axes[0].bar(xs, [rr["peak_bytes"] / 2**20 for rr in ranks], width, label=CASES[case][0])
         axes[1].bar(xs, [rr["time_s"] for rr in ranks], width, label=CASES[case][0])
-    labels = [f"rank {r}\n(pp {rr['pp_rank']}, tp {rr['tp_rank']})" for r, rr in enumerate(ranks)]
+    first = next(iter(results.values()))["ranks"]  # every case ran the same world
+    labels = [f"rank {r}\n(pp {rr['pp_rank']}, tp {rr['tp_rank']})" for r, rr in enumerate(first)]
     for ax, unit in ((axes[0], "peak RSS rise over the step (MiB)"), (axes[1], "step time (s)")):
         ax.set_xticks(range(len(labels)))
         ax.set_xticklabels(labels, fontsize=8)

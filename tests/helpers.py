@@ -32,7 +32,6 @@ import time
 import traceback
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -245,9 +244,6 @@ def scale_output(chunk):  # a post-processing the static checks do not know abou
     chunk.register_forward_hook(lambda module, args, output: output * 1.0)
 
 
-_PYTHON_OPS = {linear_fwd._opoverload: linear_fwd._init_fn, linear_bwd._opoverload: linear_bwd._init_fn}
-
-
 class VocabTensors(TorchDispatchMode):
     """Every tensor any op returns while active, also inside twinkle-mem's Python custom ops
     (run with the mode on): those with a last dim in ``vocab_dims``, and those of at least
@@ -257,12 +253,14 @@ class VocabTensors(TorchDispatchMode):
         super().__init__()
         self.vocab_dims, self.numel = tuple(vocab_dims), numel
         self.last_dim, self.large, self.ops = [], [], 0
+        # twinkle-mem's Python custom ops, run under the mode so that the ops inside them are seen too
+        self.python_ops = {linear_fwd._opoverload: linear_fwd._init_fn, linear_bwd._opoverload: linear_bwd._init_fn}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _PYTHON_OPS:
+        if func in self.python_ops:
             with self:
-                out = _PYTHON_OPS[func](*args, **kwargs)
+                out = self.python_ops[func](*args, **kwargs)
         else:
             out = func(*args, **kwargs)
         self.ops += 1
@@ -307,6 +305,8 @@ class Cases:
 
 
 def _worker(rank, world, init_file, out_dir, module_name):
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     if os.path.exists("/sys/class/net/lo"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback, whatever the hostname resolves to

@@ -1,6 +1,6 @@
 """Where code lives (issue 18): package modules stay small, bench/ imports nothing from tests/, no test
-module imports another (what they share is in tests/helpers.py and conftest.py), and the harness the
-two share (cpu_harness/) stays out of the wheel's package."""
+module imports another (what they share is in tests/helpers.py and conftest.py). That the wheel holds
+only the package (no stand-in, no cpu_harness/): tests/test_packaging.py."""
 import ast
 import pathlib
 
@@ -8,8 +8,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _imported_modules(path):
-    """The top-level names of every module ``path`` imports (absolute imports), and the folders it puts on
-    ``sys.path`` that end in ``tests``."""
+    """The top-level names of every module ``path`` imports (absolute imports), and every string constant
+    that names the tests folder (``"tests"``, ``"../tests"``: how a script would put it on ``sys.path``)."""
     tree = ast.parse(path.read_text())
     names, paths = set(), []
     for node in ast.walk(tree):
@@ -28,8 +28,6 @@ def _test_modules():
 
 def test_package_modules_stay_small():
     """Issue 18: no Python module of the package above 400 lines (split by concern instead)."""
-    import pathlib
-
     import twinkle_mem
     root = pathlib.Path(twinkle_mem.__file__).parent
     sizes = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
@@ -49,9 +47,3 @@ def test_no_test_module_imports_another():
     for module in sorted((ROOT / "tests").glob("*.py")):
         names, _ = _imported_modules(module)
         assert not names & tests, f"{module.name} imports {sorted(names & tests)}: shared code goes to helpers.py"
-
-
-def test_cpu_harness_is_not_in_the_package():
-    import twinkle_mem
-    package = pathlib.Path(twinkle_mem.__file__).resolve().parent
-    assert not list(package.rglob("cpu_harness*")) and not (package.parent / "cpu_harness").exists()

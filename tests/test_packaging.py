@@ -42,6 +42,8 @@ def test_sdist_and_wheel_hold_the_license(tmp_path):
     (wheel,) = dist.glob("twinkle_mem-*.whl")
     with zipfile.ZipFile(wheel) as whl:
         (dist_info,) = {n.split("/")[0] for n in whl.namelist() if n.split("/")[0].endswith(".dist-info")}
+        # the package alone: no device stand-in (tests/standins/), no CPU harness (cpu_harness/)
+        assert {n.split("/")[0] for n in whl.namelist()} == {"twinkle_mem", dist_info}, whl.namelist()
         assert whl.read(f"{dist_info}/licenses/LICENSE") == LICENSE
         metadata = whl.read(f"{dist_info}/METADATA").decode()
         assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
