@@ -175,8 +175,6 @@ def sequence_parallel_on_cpu():
     from megatron.core.tensor_parallel import layers, mappings
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     original = WrappedTorchNorm.__new__
-    real_torch = mappings.torch
-    mappings.torch = layers.torch = th._CpuCudaTorch(real_torch)
 
     def __new__(cls, config, *args, **kwargs):
         if not config.sequence_parallel:
@@ -190,10 +188,10 @@ def sequence_parallel_on_cpu():
 
     WrappedTorchNorm.__new__ = __new__
     try:
-        yield
+        with th.torch_on_cpu(mappings, layers):
+            yield
     finally:
         WrappedTorchNorm.__new__ = original
-        mappings.torch = layers.torch = real_torch
 
 
 @contextlib.contextmanager
@@ -220,8 +218,7 @@ def mcore_bridge_on_cpu(fp32_params: bool = True):
         return set_state_dict(self, mg_module, _LOCAL_NAMES.get(mg_key, mg_key), *args, **kwargs)
 
     saved = [(register, "get_gpt_decoder_block_spec"), (register, "get_gpt_mtp_block_spec"),
-             (GPTBridge, "_set_state_dict"), (rotary_pos_embedding, "torch"), (param_and_grad_buffer, "torch"),
-             (tp_random, "model_parallel_cuda_manual_seed"), (tp_random, "_get_cuda_rng_state"),
+             (GPTBridge, "_set_state_dict"), (tp_random, "model_parallel_cuda_manual_seed"), (tp_random, "_get_cuda_rng_state"),
              (tp_random, "_set_cuda_rng_state")]
     if fp32_params:
         saved.append((MegatronStrategy, "params_type"))
@@ -229,14 +226,14 @@ def mcore_bridge_on_cpu(fp32_params: bool = True):
     register.get_gpt_decoder_block_spec = local_spec(register.get_gpt_decoder_block_spec)
     register.get_gpt_mtp_block_spec = local_spec(register.get_gpt_mtp_block_spec)
     GPTBridge._set_state_dict = local_names
-    rotary_pos_embedding.torch = param_and_grad_buffer.torch = th._CpuCudaTorch(torch)
     tp_random.model_parallel_cuda_manual_seed = lambda seed, *args, **kwargs: None
     tp_random._get_cuda_rng_state = lambda *args, **kwargs: None
     tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
     if fp32_params:
         MegatronStrategy.params_type = property(lambda self: self._params_dtype)
     try:
-        with th.cpu_schedules(), th.cpu_p2p(), th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
+        with (th.torch_on_cpu(rotary_pos_embedding, param_and_grad_buffer), th.cpu_schedules(), th.cpu_p2p(),
+              th.megatron_gpt_cpu(), th.cpu_platform("cpu")):
             yield
     finally:
         for owner, name, raw in saved:

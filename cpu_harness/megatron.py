@@ -33,37 +33,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class _CpuZerosTorch:
-    """``torch`` for megatron's schedules module, with ``zeros(device="cuda")`` on the CPU."""
-
-    def __init__(self, real):
-        self._real = real
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-    def zeros(self, *args, device=None, **kwargs):
-        if device is not None and torch.device(device).type == "cuda":
-            device = "cpu"
-        return self._real.zeros(*args, device=device, **kwargs)
-
-
-@contextlib.contextmanager
-def cpu_schedules():
-    """megatron-core's schedules module with its one CUDA allocation (``torch.zeros(device="cuda")``)
-    on the CPU; undone on exit."""
-    from megatron.core.pipeline_parallel import schedules
-    real_torch = schedules.torch
-    schedules.torch = _CpuZerosTorch(real_torch)
-    try:
-        yield
-    finally:
-        schedules.torch = real_torch
-
-
-class _CpuCudaTorch:
-    """``torch`` for a megatron module: ``torch.cuda.current_device()`` answers "cpu" (the p2p module's
-    receive buffers and shape tensors, RoPE's frequencies) and ``torch.cuda.synchronize()`` does nothing."""
+class _CpuTorch:
+    """``torch`` as a megatron module sees it on the CPU: ``zeros(device="cuda")`` allocates on the CPU
+    (the schedules' one CUDA allocation), ``torch.cuda.current_device()`` answers "cpu" (p2p receive
+    buffers and shape tensors, RoPE's frequencies, the SP and DDP buffers) and
+    ``torch.cuda.synchronize()`` does nothing."""
 
     class _Cuda:
         def __init__(self, real):
@@ -87,17 +61,41 @@ class _CpuCudaTorch:
     def __getattr__(self, name):
         return getattr(self._real, name)
 
+    def zeros(self, *args, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return self._real.zeros(*args, device=device, **kwargs)
+
+
+@contextlib.contextmanager
+def torch_on_cpu(*modules):
+    """Each of ``modules`` (megatron modules that ask ``torch`` for a CUDA device) sees
+    :class:`_CpuTorch` as its ``torch``; undone on exit."""
+    saved = [(module, module.torch) for module in modules]
+    for module, real in saved:
+        module.torch = _CpuTorch(real)
+    try:
+        yield
+    finally:
+        for module, real in saved:
+            module.torch = real
+
+
+@contextlib.contextmanager
+def cpu_schedules():
+    """megatron-core's schedules module with its one CUDA allocation (``torch.zeros(device="cuda")``)
+    on the CPU; undone on exit."""
+    from megatron.core.pipeline_parallel import schedules
+    with torch_on_cpu(schedules):
+        yield
+
 
 @contextlib.contextmanager
 def cpu_p2p():
     """megatron-core's pipeline p2p communication on the CPU (gloo carries the traffic); undone on exit."""
     from megatron.core.pipeline_parallel import p2p_communication
-    real_torch = p2p_communication.torch
-    p2p_communication.torch = _CpuCudaTorch(real_torch)
-    try:
+    with torch_on_cpu(p2p_communication):
         yield
-    finally:
-        p2p_communication.torch = real_torch
 
 
 @contextlib.contextmanager
