@@ -423,6 +423,31 @@ def test_take_checks_the_labels_and_the_entropy_request():
         lm_head._CALL.reset(token)
 
 
+def test_a_micro_batch_never_hands_over_the_previous_ones_result():
+    # The hooks' sequence (megatron_steps.py) when micro-batch 0 loses its log-probs after twinkle took them
+    # (its re-armed loss takes them again) and micro-batch 1 loses them before: micro-batch 1 hands over its
+    # own result, never micro-batch 0's.
+    call = lm_head.FusedCall(1.0, False, None)
+    labels = torch.tensor([[-100, 3, 5]])
+    token = lm_head._CALL.set(call)
+    try:
+        call.start_micro_batch()
+        call.set_labels(labels)
+        first = torch.tensor([[0.0, -1.0, -2.0]])
+        lm_head.take(call.defer(first, None, torch.zeros(1, 3, 4)), torch.tensor([[0, 3, 5]]), False)
+        _refused, _pending, taken = call.finish_micro_batch()
+        loss = call.rearmed(lambda placeholder: lm_head.take(placeholder, torch.tensor([[0, 3, 5]]), False), taken)
+        assert loss(taken.placeholder) is first
+        call.start_micro_batch()
+        call.set_labels(labels)
+        second = torch.tensor([[0.0, -4.0, -8.0]])
+        call.defer(second, None, torch.zeros(1, 3, 4))
+        refused, pending, taken = call.finish_micro_batch()
+        assert refused is None and taken is None and pending.logp is second
+    finally:
+        lm_head._CALL.reset(token)
+
+
 def test_output_layer_restored_after_each_call(monkeypatch):
     from twinkle.processor.base import InputProcessor
     chunks = []

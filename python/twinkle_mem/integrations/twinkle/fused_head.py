@@ -77,9 +77,10 @@ class FusedCall:
         self.labels = labels
 
     def start_micro_batch(self) -> int:
-        """Before twinkle's forward step of a micro-batch: forget a refusal made inside the previous
-        micro-batch's loss (not this one's); returns the count of deferred results so far."""
-        self.refused = None
+        """Before twinkle's forward step of a micro-batch: forget what the previous micro-batch's loss
+        left (a refusal, or the result a re-armed loss took again); returns the count of deferred
+        results so far."""
+        self.refused = self.taken = None
         return self.deferred
 
     def finish_micro_batch(self) -> Tuple[Optional[str], Optional["_Deferred"], Optional["_Deferred"]]:
