@@ -23,7 +23,7 @@ import torch
 import twinkle_mem
 from helpers import assert_stats_close, blocks, make_head, op_bound, reference, through_matmul
 from numerics import Impl, check_case, make_cases, ulp
-from twinkle_mem import composite, linear
+from twinkle_mem import composite, functional, linear
 from twinkle_mem.linear import block_width, linear_bwd, linear_fwd, tile_bytes, tiles_in_flight
 
 lsls = twinkle_mem.linear_selective_log_softmax
@@ -334,6 +334,28 @@ def test_block_plan():
         tiles_in_flight(4096, 64, torch.float32, tile - 1, False)
     with pytest.raises(ValueError, match="chunk_bytes"):
         tiles_in_flight(4096, 64, torch.bfloat16, fixed + tile // 2 - 1, True)
+
+
+def test_default_chunk_bytes_holds_one_tile(monkeypatch):
+    # A call without chunk_bytes runs where the 256 MiB default is below one row tile of a vocab block (bf16
+    # at H = 4096 and 8192 columns needs 288 MiB): here, small blocks and a default made smaller than one.
+    hidden, weight, bias, labels = make_head(40, 16, 300, torch.bfloat16, seed=5)
+    hidden.requires_grad_()
+    with blocks(64, 16):
+        smallest = smallest_chunk(300, 16, torch.bfloat16)
+        for module in (linear, functional):
+            monkeypatch.setattr(module, "DEFAULT_CHUNK_BYTES", smallest - 1)
+        got = lsls(hidden, weight, labels, True, bias=bias)
+        (grad,) = torch.autograd.grad(got[0].sum() + got[1].sum(), hidden)
+        want = lsls(hidden, weight, labels, True, bias=bias, chunk_bytes=smallest)
+        (want_grad,) = torch.autograd.grad(want[0].sum() + want[1].sum(), hidden)
+        with pytest.raises(ValueError, match="below one row tile"):
+            lsls(hidden, weight, labels, True, bias=bias, chunk_bytes=smallest - 1)
+    assert all(torch.equal(a, b) for a, b in zip((*got, grad), (*want, want_grad)))
+    monkeypatch.undo()
+    for h in (2560, 4096, 5120, 8192):  # Qwen3 4B, 8B, 14B, 32B+: the real default at V = 151936
+        tiles_in_flight(block_width(151936), h, torch.bfloat16, linear.default_chunk_bytes(8192, h, torch.bfloat16),
+                        backward=True)
 
 
 # ------------------------------------------------------------------ errors

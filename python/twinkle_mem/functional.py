@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from . import ops
 from ._contract import check_float_tensor, check_index_and_options, check_logits_args, ignore_value
-from .linear import DEFAULT_CHUNK_BYTES, block_width, linear_fwd, tiles_in_flight
+from .linear import DEFAULT_CHUNK_BYTES, block_width, default_chunk_bytes, linear_fwd, tiles_in_flight
 from .vocab_parallel import rank_and_world
 from .rows import to_op_rows
 
@@ -109,19 +109,22 @@ def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *,
     fp64 hidden), or ``(logp, entropy)`` with entropy [...] when ``return_entropy``; ``temperature``
     divides the logits. An index equal to ``ignore_index`` gives logp 0 and no gradient; a row
     whose indices are all ignored gives entropy 0 and costs no matmul. Gradients flow to hidden,
-    weight and bias from logp and entropy. ``chunk_bytes`` (default 256 MiB) bounds the block
-    working memory of both passes. Under ``process_group`` (world size > 1) the outputs are the
+    weight and bias from logp and entropy. ``chunk_bytes`` (default 256 MiB, or one row tile of a
+    vocab block where that is more) bounds the block working memory of both passes. Under ``process_group`` (world size > 1) the outputs are the
     full-vocab ones on every rank and the hidden gradient is this rank's partial sum (all-reduce it,
     as Megatron's copy_to_tensor_model_parallel_region does). Details: module docstring,
     docs/linear.md. Labels outside [0, V) (other than ignore_index) raise RuntimeError.
     """
-    chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
-    multi = _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_bytes)
+    multi = _check_args(hidden, weight, bias, index, temperature, ignore_index,
+                        DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
     h_size = hidden.shape[-1]
     n = math.prod(hidden.shape[:-1])
+    cols = block_width(weight.shape[0])
+    if chunk_bytes is None:
+        chunk_bytes = default_chunk_bytes(cols, h_size, hidden.dtype)
     # Refuse, before any work, a chunk_bytes below one row tile of a vocab block (the backward's need,
     # the larger): it depends on V, H and the dtype only.
-    tiles_in_flight(block_width(weight.shape[0]), h_size, hidden.dtype, chunk_bytes, backward=True)
+    tiles_in_flight(cols, h_size, hidden.dtype, chunk_bytes, backward=True)
     rows = hidden.reshape(n, h_size)  # a view unless the leading dims cannot be merged
     labels = index.reshape(n, index.shape[-1] if multi else 1)
     ignore = ignore_value(ignore_index)

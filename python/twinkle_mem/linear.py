@@ -86,6 +86,12 @@ def tile_bytes(cols: int, hidden_size: int, dtype: torch.dtype, backward: bool) 
     return per_tile, fixed
 
 
+def default_chunk_bytes(cols: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """The chunk_bytes of a call that gives none: DEFAULT_CHUNK_BYTES, or one row tile of a vocab block
+    where that needs more (the bf16/fp16 backward's fp32 copies: H above about 3,600 at 8192 columns)."""
+    return max(DEFAULT_CHUNK_BYTES, sum(tile_bytes(cols, hidden_size, dtype, backward=True)))
+
+
 def tiles_in_flight(cols: int, hidden_size: int, dtype: torch.dtype, chunk_bytes: int, backward: bool) -> int:
     """How many row tiles of a block one buffer holds within chunk_bytes (>= 1, else ValueError).
 
