@@ -49,9 +49,13 @@ def selective_log_softmax(logits, index, return_entropy=False, *, temperature=1.
                                                              process_group)
     else:
         vocab = rows.logits.shape[-1]
-        # 1/T as a tensor: a temperature that changes between torch.compile'd calls then costs no recompile.
-        logp, entropy, _shift, _log_sum = ops.fwd_t(rows.logits, rows.labels, ops.inv_temperature_tensor(temperature),
-                                                    ignore, 0, vocab, bool(return_entropy), bool(inplace_backward))
+        if torch.compiler.is_compiling():
+            # 1/T as a tensor: a temperature that changes between compiled calls then costs no recompile.
+            forward, inv_temperature = ops.fwd_t, ops.inv_temperature_tensor(temperature)
+        else:  # eager: the native op straight away (the same double; no Python custom op in between)
+            forward, inv_temperature = ops.fwd, 1.0 / temperature
+        logp, entropy, _shift, _log_sum = forward(rows.logits, rows.labels, inv_temperature, ignore, 0, vocab,
+                                                  bool(return_entropy), bool(inplace_backward))
     logp = logp.view(rows.logp_shape)
     if return_entropy:
         return logp, entropy.view(rows.lead_shape)
