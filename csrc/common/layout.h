@@ -11,13 +11,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "row_index.h"
-
-#if defined(__CUDACC__) || defined(__HIPCC__)
-#define TM_LAYOUT_FN __host__ __device__ __forceinline__
-#else
-#define TM_LAYOUT_FN inline
-#endif
+#include "row_index.h"  // also TM_INDEX_FN, the qualifiers of the functions below
 
 namespace twinkle_mem {
 
@@ -29,7 +23,7 @@ struct LabelIndex {
   RowIndex row;
   int64_t k;
   int64_t k_stride;
-  TM_LAYOUT_FN int64_t operator()(int64_t r, int64_t j) const { return row(r) + j * k_stride; }
+  TM_INDEX_FN int64_t operator()(int64_t r, int64_t j) const { return row(r) + j * k_stride; }
 };
 
 // Labels of any strides: [L] (k = 1) or [L, k]; label j of a row, widened to int64.
@@ -37,8 +31,8 @@ template <typename label_t>
 struct Labels {
   const label_t* ptr;
   LabelIndex index;
-  TM_LAYOUT_FN int64_t operator()(int64_t row, int64_t j) const { return static_cast<int64_t>(ptr[index(row, j)]); }
-  TM_LAYOUT_FN int64_t k() const { return index.k; }
+  TM_INDEX_FN int64_t operator()(int64_t row, int64_t j) const { return static_cast<int64_t>(ptr[index(row, j)]); }
+  TM_INDEX_FN int64_t k() const { return index.k; }
 };
 
 // ------------------------------------------------------------------ host only

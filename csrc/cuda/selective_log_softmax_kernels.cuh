@@ -28,6 +28,7 @@
 //
 // Out-of-range labels (neither ignore_index nor in [0, vocab_size)) are never used
 // as an index. The forward checks them on the device, as PyTorch's own nll_loss
+// does: a device-side assert, no host synchronization (see docs/cuda.md).
 #pragma once
 
 #include "../common/layout.h"
