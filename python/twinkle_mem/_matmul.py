@@ -27,7 +27,8 @@ def mixed_addmm(device: torch.device) -> bool:
     if device.type not in _mixed_addmm_ok:
         try:
             a = torch.zeros((2, 2), dtype=torch.bfloat16, device=device)
-            torch.addmm(a.float(), a, a, out_dtype=torch.float32)
+            acc = a.float()
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)  # the very call add_matmul makes
             _mixed_addmm_ok[device.type] = True
         except torch.OutOfMemoryError:
             raise

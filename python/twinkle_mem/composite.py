@@ -35,8 +35,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from . import _contract as contract
-from ._contract import stats_dtype
-from .ops import new_grad_like  # (importing ops loads the schemas)
+from . import ops  # noqa: F401  (loads the schemas)
+from ._contract import new_grad_like, stats_dtype
 from .row_stats import label_matrix, output_shift
 
 DEFAULT_BUDGET_BYTES = 64 << 20

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from . import ops
 from ._contract import check_float_tensor, check_index_and_options, check_logits_args, ignore_value
 from .linear import DEFAULT_CHUNK_BYTES, block_width, default_chunk_bytes, linear_fwd, tiles_in_flight
-from .vocab_parallel import rank_and_world
+from .vocab_parallel import rank_and_world, vocab_parallel_selective_log_softmax
 from .rows import to_op_rows
 
 def selective_log_softmax(logits, index, return_entropy=False, *, temperature=1.0, ignore_index=None,
@@ -42,8 +42,7 @@ def selective_log_softmax(logits, index, return_entropy=False, *, temperature=1.
     multi = check_logits_args(logits, index, temperature, ignore_index)
     rows = to_op_rows(logits, index, multi)
     ignore = ignore_value(ignore_index)
-    if process_group is not None and torch.distributed.get_world_size(process_group) > 1:
-        from .vocab_parallel import vocab_parallel_selective_log_softmax
+    if process_group is not None and dist.get_world_size(process_group) > 1:
         logp, entropy = vocab_parallel_selective_log_softmax(rows.logits, rows.labels, return_entropy,
                                                              1.0 / temperature, ignore, inplace_backward,
                                                              process_group)

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
+from ._contract import stats_dtype
 from ._matmul import add_matmul, logits_tile, mixed_addmm
 from .row_stats import combine_shard_stats_in_tiles, output_shift
 from .vocab_parallel import gather_shard_stats
@@ -223,7 +224,7 @@ def linear_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: T
     a 0-dim CPU tensor (ops.inv_temperature_tensor: no recompile when T changes under torch.compile)."""
     inv_temperature = inv_temperature.item()
     n, k = labels.shape
-    acc = ops.stats_dtype(hidden)
+    acc = stats_dtype(hidden)
     logp = hidden.new_zeros((n, k), dtype=acc)
     entropy = hidden.new_zeros((n if with_entropy else 0,), dtype=acc)
     shift = hidden.new_zeros((n,), dtype=acc)
@@ -263,7 +264,7 @@ def linear_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: T
 def _linear_fwd_fake(hidden, weight, bias, labels, inv_temperature, ignore_index, with_entropy, chunk_bytes,
                      vocab_start, vocab_size, group_name):
     n, k = labels.shape
-    acc = ops.stats_dtype(hidden)
+    acc = stats_dtype(hidden)
     return (hidden.new_empty((n, k), dtype=acc), hidden.new_empty((n if with_entropy else 0,), dtype=acc),
             hidden.new_empty((n,), dtype=acc), hidden.new_empty((n,), dtype=acc))
 
@@ -284,9 +285,12 @@ def linear_bwd(grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor
     kept = _kept_rows(labels, ignore_index)
     h = _select(hidden, kept)
     m = h.shape[0]
-    grad_weight = weight.new_zeros(weight.shape) if need_weight else none()
-    grad_bias = bias.new_zeros(bias.shape) if need_bias else none()
     reduced = _accumulates_in_fp32(hidden.dtype)
+    # bf16/fp16 with kept rows: every block of grad_weight / grad_bias is written whole from its fp32
+    # accumulator below, so nothing needs zeroing first; fp32 sums into the gradients themselves.
+    new_grad = (lambda t: t.new_empty(t.shape)) if reduced and m > 0 else (lambda t: t.new_zeros(t.shape))  # noqa: E731
+    grad_weight = new_grad(weight) if need_weight else none()
+    grad_bias = new_grad(bias) if need_bias else none()
     acc_dtype = torch.float32 if reduced else hidden.dtype
     if not need_hidden:
         grad_hidden = acc = none()

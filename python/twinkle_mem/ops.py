@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _native
-from ._contract import OpOptions, new_grad_like, stats_dtype  # noqa: F401  (used by composite, linear)
+from ._contract import OpOptions, new_grad_like, stats_dtype
 
 _native.load()
 
