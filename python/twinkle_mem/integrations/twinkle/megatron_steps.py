@@ -122,6 +122,10 @@ class _MegatronSteps:
         self.model = model
         self.expects_logps = (kwargs.get("task", "causal_lm") != "embedding" and loss is not None
                               and getattr(loss, "require_logps", True))
+        # No log-probs wanted, variable lengths: twinkle's own `logps` is a list of None per micro-batch, so a
+        # None from a micro-batch is no failure and stays in the report (with fixed lengths twinkle-kit 0.5.1
+        # hands those None to torch.cat, which raises: the guard's fix, `logps` None, stands there).
+        self.reports_none_logps = not self.expects_logps and getattr(model, "variable_seq_lengths", False)
         self.fused: Optional[fused_head.FusedCall] = None
         self.labels = None
         self.loss_steps = 0  # micro-batches seen by the last pipeline stage
@@ -194,11 +198,7 @@ def guarded_reduce_loss(original):
         # Leaving out None entries makes twinkle's `'logps' in report` collection skip failed micro-batches.
         report = guard_report(report, keep_logits)
         steps = _STEPS.get()
-        if logps is None and steps is not None and not steps.expects_logps \
-                and getattr(steps.model, "variable_seq_lengths", False):
-            # No log-probs wanted (a None here is no failure): twinkle's own `logps`, a list of None per
-            # micro-batch. (With fixed lengths twinkle-kit 0.5.1 hands those None to torch.cat, which raises:
-            # the guard's fix, `logps` None, stands there.)
+        if logps is None and steps is not None and steps.reports_none_logps:
             report["logps"] = None
         return loss, count, report
 
