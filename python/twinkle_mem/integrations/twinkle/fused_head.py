@@ -54,6 +54,10 @@ class _Deferred:
     loss_fallback: bool = False
 
 
+NOT_TAKEN = ("the output layer's log-probs were computed but twinkle did not ask for them; its logits (a zero-width "
+             "placeholder) must not reach a loss")
+
+
 class FusedCall:
     """State of one eligible model call: what the deferred heads compute with, and the
     result waiting for twinkle's ``selective_log_softmax``."""
@@ -141,9 +145,8 @@ class FusedCall:
         """Raise if a deferred result was not taken by twinkle's ``selective_log_softmax``."""
         if self.pending is not None:
             self.pending = None
-            raise RuntimeError(f"twinkle-mem fused LM head: {where}: the output layer's log-probs were computed but "
-                               "twinkle did not ask for them; its logits (a zero-width placeholder) must not reach "
-                               "a loss. install(fused_lm_head=False) runs twinkle-kit unchanged.")
+            raise RuntimeError(f"twinkle-mem fused LM head: {where}: {NOT_TAKEN}. install(fused_lm_head=False) runs "
+                               "twinkle-kit unchanged.")
 
 
 _CALL: ContextVar[Optional[FusedCall]] = ContextVar("twinkle_mem_fused_call", default=None)

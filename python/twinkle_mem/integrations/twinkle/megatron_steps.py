@@ -155,8 +155,7 @@ class _MegatronSteps:
                 # the other stages would wait in their p2p receives (see _refusals_after_the_step).
                 refused, pending, taken = call.finish_micro_batch()
                 if refused is None and pending is not None and not lost:
-                    refused = ("the output layer's log-probs were computed but twinkle did not ask for them; its "
-                               "logits (a zero-width placeholder) must not reach a loss")
+                    refused = fused_head.NOT_TAKEN
                 if refused is not None:
                     self.refused.append((index, refused))
                 elif lost:
