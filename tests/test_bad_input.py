@@ -46,3 +46,6 @@ def test_bad_op_arguments_raise(impl):
         for inplace in (False, True):
             with pytest.raises(RuntimeError, match=match):
                 impl.backward(*args, 1.0, IGNORE, 0, inplace)
+    for inplace in (False, True):  # a negative shard start would shift the labels onto other columns
+        with pytest.raises(RuntimeError, match="vocab_start must be >= 0"):
+            impl.backward(shift, None, logits, labels, shift, log_sum, None, 1.0, IGNORE, -1, inplace)

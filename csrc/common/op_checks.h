@@ -132,6 +132,10 @@ void check_backward_args(const BackwardInputs<TensorT>& in, const OpOptions& o) 
     check_stats_tensor(*in.entropy, "entropy", in.logits, lead, in.logits);
   }
   check_inv_temperature(o.inv_temperature);
+  // The forward's shard check without a vocab_size: labels shifted by a negative start would take
+  // the gradient of other columns.
+  STD_TORCH_CHECK(o.vocab_start >= 0, "twinkle_mem: vocab_start must be >= 0 (the logits' shard starts at a token "
+                  "id), got ", o.vocab_start);
 }
 
 // Labels must be ignore_index or within [0, vocab_size) (online_softmax.h's

@@ -157,7 +157,8 @@ def check_op_label_range(y: torch.Tensor, ignored: torch.Tensor, vocab_size: int
                            f"in [0, {vocab_size}) and is not ignore_index ({ignore_index})")
 
 
-def check_op_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature) -> None:
+def check_op_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
+                      vocab_start) -> None:
     check_op_logits(logits)
     check_op_labels(labels, logits)
     lead = logits.shape[:-1]
@@ -170,6 +171,8 @@ def check_op_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, e
             fail("grad_entropy needs entropy (run the forward with_entropy)")
         check_op_stats(entropy, "entropy", lead, "the logits' leading dims", logits)
     check_op_inv_temperature(inv_temperature)
+    if vocab_start < 0:
+        fail(f"vocab_start must be >= 0 (the logits' shard starts at a token id), got {vocab_start}")
 
 
 # ------------------------------------------------------------ the out-of-place gradient's layout

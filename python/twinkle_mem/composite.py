@@ -254,7 +254,8 @@ def _backward_into(out, grad_logp, grad_entropy, logits, labels, shift, log_sum,
 def selective_log_softmax_bwd(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
                               ignore_index, vocab_start, *, budget_bytes: Optional[int] = None):
     """Composite twinkle_mem::selective_log_softmax_bwd: returns d logits (logits' dtype, layout as native)."""
-    contract.check_op_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature)
+    contract.check_op_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
+                               vocab_start)
     grad = new_grad_like(logits)
     _backward_into(grad, grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
                    ignore_index, vocab_start, resolve_budget(budget_bytes))
@@ -265,7 +266,8 @@ def selective_log_softmax_bwd(grad_logp, grad_entropy, logits, labels, shift, lo
 def selective_log_softmax_bwd_(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
                                ignore_index, vocab_start, *, budget_bytes: Optional[int] = None):
     """Composite twinkle_mem::selective_log_softmax_bwd_: writes d logits over the logits."""
-    contract.check_op_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature)
+    contract.check_op_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
+                               vocab_start)
     _backward_into(logits, grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,
                    ignore_index, vocab_start, resolve_budget(budget_bytes))
 
