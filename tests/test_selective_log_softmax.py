@@ -498,7 +498,9 @@ def test_bitwise_deterministic_across_runs_and_threads(device):
 def test_bad_input_raises_clear_errors(device):
     logits, labels = make_case(4, 10, torch.float32, device)
     cases = [
-        (dict(logits=logits.long(), index=labels), "logits"),
+        (dict(logits=logits.long(), index=labels), "logits must be a bf16/fp16/fp32/fp64 tensor"),
+        (dict(logits=logits.to(torch.float8_e4m3fn), index=labels), "logits must be a bf16/fp16/fp32/fp64 tensor"),
+        (dict(logits=logits.tolist(), index=labels), "logits must be"),
         (dict(logits=logits, index=labels.float()), "index"),
         (dict(logits=logits, index=labels[:3]), "index shape"),
         (dict(logits=logits, index=labels, temperature=0.0), "temperature"),

@@ -55,10 +55,7 @@ def check_float_tensor(name: str, t) -> None:
 
 def check_logits_args(logits, index, temperature, ignore_index) -> bool:
     """selective_log_softmax's checks; returns whether ``index`` is ``[..., k]``."""
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
-        raise ValueError(f"logits must be a floating-point tensor, got {getattr(logits, 'dtype', type(logits))}")
-    if logits.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"logits dtype {logits.dtype} is not supported (bf16, fp16, fp32, fp64)")
+    check_float_tensor("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have a vocab dim of size >= 1, got shape {tuple(logits.shape)}")
     return check_index_and_options(index, logits, "logits", temperature, ignore_index)
