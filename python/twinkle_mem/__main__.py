@@ -1,4 +1,6 @@
-"""`python -m twinkle_mem`: version, torch, and which backends are built and loaded."""
+"""`python -m twinkle_mem`: version, torch, which backends are built and loaded, and whether the start-up
+hook is installed and what TWINKLE_MEM_INSTALL, as set now, would do."""
+import os
 import platform
 
 import torch
@@ -21,6 +23,9 @@ def main() -> None:
         loaded = state == "loaded"
         extra = f" [cpu kernel path: {_cpu_isa()}, {torch.get_num_threads()} threads]" if backend == "cpu" and loaded else ""
         print(f"  {backend:5s} {state}{extra}")
+    from twinkle_mem.integrations.twinkle import startup
+    print(f"start-up hook: {startup.hook_status()}")
+    print(f"  {startup.describe(os.environ.get(startup.ENV_VAR))}")
 
 
 if __name__ == "__main__":
