@@ -45,6 +45,8 @@ def make_venv(path: str, with_hook: bool) -> str:
     if with_hook:
         for name in HOOK_FILES:
             shutil.copy(os.path.join(hook_source_dir(), name), site)
+        # its bytecode, as pip writes it at install (PYTHONDONTWRITEBYTECODE would leave it compiling every start)
+        subprocess.run([python, "-m", "py_compile", os.path.join(site, "twinkle_mem_startup.py")], check=True)
     return python
 
 
