@@ -24,22 +24,15 @@ import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # cpu_harness/
 VAR = "TWINKLE_MEM_INSTALL"
 LENGTHS, PROMPT, VOCAB = [24, 17], 6, 512  # the tiny Qwen3 that test saves: vocab 512
 ADVANTAGES = [1.0, -0.5]
 
 
 def samples():
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for n in LENGTHS:
-        ids = torch.randint(5, VOCAB, (n, ), generator=gen)
-        labels = torch.roll(ids, -1)
-        labels[-1] = -100
-        labels[:PROMPT] = -100
-        out.append({"input_ids": ids, "labels": labels, "attention_mask": torch.ones(n, dtype=torch.long),
-                    "position_ids": torch.arange(n)})
-    return out
+    from cpu_harness.megatron import lm_samples
+    return lm_samples(LENGTHS, VOCAB, prompt=PROMPT)
 
 
 def free_port():
