@@ -6,7 +6,7 @@ twinkle-kit's ``GKDLoss(beta, temperature)`` sums for that token in its top-k mo
 tokens. The student's logits are needed only at the teacher's k ids, so only those are computed:
 
     x[n, j] = hidden[n] . weight[ids[n, j]] + bias[ids[n, j]]          (fp32 sums; fp64 for fp64 inputs)
-    s = x / T,  t = teacher_logprobs / T                                 (both sides, as twinkle does)
+    s = x / T,  t = teacher_logprobs / T        (both sides, as twinkle does; each shifted by its row max first)
     ls = log_softmax_k(s),  lt = log_softmax_k(t),  p = exp(ls),  q = exp(lt)   (renormalized over the k)
     beta = 0:  L = sum_j q (lt - ls)                         = KL(teacher || student)
     beta = 1:  L = sum_j p (ls - lt)                         = KL(student || teacher)
@@ -73,11 +73,18 @@ def _weighted_log_ratio(w: Tensor, a: Tensor, b: Tensor) -> Tensor:
     return torch.where(w == 0, 0.0, w * (a - b))
 
 
+def _scaled(x: Tensor, temperature: float) -> Tensor:
+    """(x - max_k x) / T in float64: log_softmax's own shift, taken before the division, so that a
+    finfo.min logit (a mask) stays finite at T < 1 where x / T overflows (as the op computes
+    (x - shift) / T, docs/numerics.md); a row of -inf or NaN stays NaN, as in twinkle."""
+    x = x.double()
+    return (x - x.amax(-1, keepdim=True)) / temperature
+
+
 def gkd_rows(x: Tensor, teacher_logprobs: Tensor, beta: float, temperature: float) -> tuple[Tensor, Tensor]:
     """(L [m], dL/dx [m, k]) in float64 from the student's logits x [m, k] at the teacher's ids and the
     teacher's log-probs [m, k] (the module docstring's formulas)."""
-    s = x.double() / temperature
-    t = teacher_logprobs.double() / temperature
+    s, t = _scaled(x, temperature), _scaled(teacher_logprobs, temperature)
     ls, lt = s.log_softmax(-1), t.log_softmax(-1)
     p, q = ls.exp(), lt.exp()
     if beta == 0:
