@@ -19,7 +19,11 @@ per-entry rounding. Where twinkle's code gives NaN from 0 x inf (a teacher log-p
 the reference is twinkle's code with that log-prob at -1e300: exp(-1e300) = 0 in float64, the limit
 0 log 0 = 0 the op computes.
 """
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -201,6 +205,29 @@ def test_twinkle_gives_nan_where_the_op_takes_the_limit():
     assert torch.isfinite(per).all()
 
 
+def test_float64_finfo_min_mask_at_low_temperature():
+    # A row whose k ids are all masked at finfo(float64).min: twinkle's x / T overflows to -inf at T = 0.5 and
+    # its log_softmax gives NaN; the op shifts by the row max first (the student uniform over the k, as at
+    # T = 1). Reference: twinkle with the mask at finfo.min / 4, which does not overflow.
+    hidden, weight, bias, ids, lp, labels = make_case("teacher_topk", 24, 32, 300, 8, torch.float64, 0.5, 14)
+    unused = [i for i in range(300) if not (ids == i).any()][0]
+    ids[0, 0] = unused
+    ids[1, 3] = unused
+    labels[0, 0] = labels[1, 3] = 1
+    for beta in BETAS:
+        b_op, b_ref = bias.clone(), bias.clone()
+        b_op[unused] = torch.finfo(torch.float64).min
+        b_ref[unused] = torch.finfo(torch.float64).min / 4
+        logits = hidden @ weight.t() + b_op
+        raw = GKDLoss(beta=beta, temperature=0.5)({"labels": labels}, {"logits": logits}, teacher_topk_logprobs=lp,
+                                                  teacher_topk_indices=ids)["loss"]
+        assert torch.isnan(raw)
+        _avg, per_ref, _g, _d = twinkle_reference(hidden, weight, b_ref, ids, lp, labels, beta, 0.5)
+        _avg, per, _g = run_op(hidden, weight, b_op, ids, lp, labels, beta, 0.5)
+        assert per[0, 0] > 0 and per[1, 3] > 0
+        assert_loss_close(per, per_ref, torch.float64, f"per-token loss, beta {beta}")
+
+
 def test_beta1_teacher_neg_inf_where_the_student_has_mass_is_inf():
     hidden, weight, bias, ids, lp, labels = make_case("teacher_topk", 8, 16, 100, 4, torch.float32, 1.0, 6)
     lp[0, 0, 1] = float("-inf")
@@ -340,3 +367,70 @@ def test_no_tensor_with_the_vocab_as_a_dim_beyond_the_weight():
     rows = distill.tile_rows(k, h)
     gathers = [s for s in shapes if len(s) == 3 and s[1:] == [k, h]]
     assert gathers and all(s[0] <= rows for s in gathers), gathers[:4]
+
+
+def measure(n, h, v, k, dtype="float32", path="op", ignore_frac=0.0, gather_bytes=None):
+    """Runs in this process: one forward + backward (gradients of hidden and weight); the peak RSS rise,
+    what the call holds at the end (per-token loss, the two gradients) and what it may use beyond.
+    gather_bytes: distill.GATHER_BYTES instead of the default."""
+    from twinkle_mem.measure import peak_rss
+    distill.GATHER_BYTES = gather_bytes or distill.GATHER_BYTES
+    assert twinkle_mem.backends()["cpu"] == "loaded", twinkle_mem.backends()
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=gen).to(dt)
+    weight = (torch.randn(v, h, generator=gen) * 0.05).to(dt)
+    ids = torch.randint(0, v, (n, k), generator=gen)
+    lp = torch.randn(n, k, generator=gen).log_softmax(-1)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < ignore_frac] = -100
+
+    def call():
+        hd, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if path == "op":
+            per = twinkle_mem.linear_gkd_topk(hd, w, ids, lp, labels)
+        else:  # the student's logits, then the gather (twinkle's GKDLoss path): the control
+            x = (hd @ w.t()).gather(-1, ids)
+            per = distill.gkd_rows(x.float(), lp, 0.5, 1.0)[0].float() * (labels != -100)
+        return (per, *torch.autograd.grad(per.sum(), (hd, w)))
+
+    call()  # warm-up
+    inputs = 2 * (hidden.nbytes + weight.nbytes)  # the call's clones of hidden and weight
+    with peak_rss() as m:
+        held = sum(t.nbytes for t in call())
+    kept = int((labels != -100).sum())
+    item = dt.itemsize
+    # Beyond inputs and results: the gathers of one tile or entry chunk (GATHER_BYTES in fp32, their copies
+    # in the input dtype and one product: 3x), the k-wide float64 math (about 16 [N, k] float64 tensors),
+    # the kept rows of hidden and a grad_hidden of kept rows (O(N H)), a vocab block's fp32 accumulator.
+    bound = (3 * distill.GATHER_BYTES + 16 * n * k * 8 + kept * h * (item + 4) + 4 * 8192 * h + (3 << 20))
+    return {"n": n, "h": h, "v": v, "k": k, "dtype": dtype, "path": path, "peak_rise": m.bytes, "held": held,
+            "inputs": inputs, "beyond": m.bytes - held - inputs, "bound": bound, "logits_bytes": n * v * item}
+
+
+def run_child(**cfg):
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed buffers go back to the OS (test_linear_memory)
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(cfg)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(n=4096, h=128, v=32768, k=64, dtype="float32", gather_bytes=8 << 20),
+    dict(n=4096, h=128, v=32768, k=64, dtype="bfloat16", ignore_frac=0.5, gather_bytes=8 << 20),
+    dict(n=4096, h=128, v=32768, k=64, dtype="float32"),  # the default tiles
+], ids=["fp32", "bf16 half ignored", "fp32 default tiles"])
+def test_peak_memory_is_bounded_by_a_tile_and_o_nk(cfg):
+    r = run_child(**cfg)
+    assert r["beyond"] <= r["bound"], (
+        f"peak RSS rise {r['peak_rise'] / 2**20:.1f} MiB = inputs {r['inputs'] / 2**20:.1f} + results "
+        f"{r['held'] / 2**20:.1f} + {r['beyond'] / 2**20:.1f} MiB beyond, above {r['bound'] / 2**20:.1f} MiB; the "
+        f"student's logits would be {r['logits_bytes'] / 2**20:.0f} MiB")
+    if cfg.get("gather_bytes"):  # the control: the measurement sees the student's logits, above the bound
+        control = run_child(**cfg, path="logits")
+        assert control["beyond"] >= control["logits_bytes"] > 2 * r["bound"], control
+
+
+if __name__ == "__main__":
+    print(json.dumps(measure(**json.loads(sys.argv[1]))))
