@@ -305,6 +305,35 @@ def test_float64_gradcheck():
         assert torch.autograd.gradcheck(fn, (h, w, b))
 
 
+def test_torch_compile_fullgraph():
+    hidden, weight, bias, ids, lp, labels = make_case("padding_and_repeats", 12, 16, 300, 8, torch.float32, 0.3, 15)
+
+    def model(h, w, b):
+        return twinkle_mem.linear_gkd_topk(h, w, ids, lp, labels, bias=b, beta=0.3, temperature=0.9)
+
+    def fwd_bwd(fn):
+        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        loss = (fn(h, w, b) * 2.0).sum()
+        return [loss.detach(), *torch.autograd.grad(loss, (h, w, b))]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for got, want in zip(fwd_bwd(compiled), fwd_bwd(model)):
+        assert torch.equal(got, want)
+
+
+def test_opcheck():
+    hidden, weight, bias, ids, lp, labels = make_case("teacher_neg_inf", 10, 8, 200, 4, torch.float32, 0.5, 16)
+    h2, i2, l2, y2 = hidden.reshape(10, 8), ids.reshape(10, 4), lp.reshape(10, 4), labels.reshape(10)
+    h, w, b = (t.clone().requires_grad_() for t in (h2, weight, bias))
+    torch.library.opcheck(distill.gkd_fwd, (h, w, b, i2, l2, y2, 0.5, 0.7, -100, 0, 200, ""))
+    torch.library.opcheck(distill.gkd_fwd, (h, w, None, i2, l2, None, 0.0, 1.0, -100, 0, 200, ""))
+    _loss, coef = distill.gkd_fwd(h2, weight, bias, i2, l2, y2, 0.5, 0.7, -100, 0, 200, "")
+    torch.library.opcheck(distill.gkd_bwd, (torch.randn(10), coef, h2, weight, bias, i2, y2, -100, 0, True, True,
+                                            True))
+    torch.library.opcheck(distill.gkd_bwd, (torch.randn(10), coef, h2, weight, None, i2, y2, -100, 0, True, False,
+                                            False))
+
+
 # ------------------------------------------------------------------ batch invariance
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rows_bitwise_the_same_whatever_the_batch(dtype, monkeypatch):
