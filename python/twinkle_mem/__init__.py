@@ -4,6 +4,7 @@ from . import ops  # noqa: F401  (loads the native libraries, registers fake + a
 from . import composite  # noqa: F401  (the composite kernel for devices without a native one)
 from ._native import status as _backend_status
 from .functional import entropy_from_logits, linear_selective_log_softmax, selective_log_softmax
+from .distill import gkd_average, linear_gkd_topk
 
 __version__ = "0.1.0"
 
@@ -16,4 +17,5 @@ def backends() -> dict[str, str]:
     return dict(_backend_status)
 
 
-__all__ = ["selective_log_softmax", "linear_selective_log_softmax", "entropy_from_logits", "backends", "__version__"]
+__all__ = ["selective_log_softmax", "linear_selective_log_softmax", "linear_gkd_topk", "gkd_average",
+           "entropy_from_logits", "backends", "__version__"]

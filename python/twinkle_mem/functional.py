@@ -76,8 +76,9 @@ def entropy_from_logits(logits, chunk_size=None, *, temperature=1.0, inplace_bac
     return entropy
 
 
-def _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_bytes) -> bool:
-    """Raises ValueError naming the bad argument; returns whether ``index`` is ``[..., k]``."""
+def check_head_args(hidden, weight, bias) -> None:
+    """The LM head's hidden states, weight and bias (linear_selective_log_softmax, distill.linear_gkd_topk):
+    ValueError naming the bad argument."""
     check_float_tensor("hidden", hidden)
     check_float_tensor("weight", weight)
     if hidden.dim() < 1 or hidden.shape[-1] < 1:
@@ -96,6 +97,11 @@ def _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_by
         if bias.dtype != hidden.dtype or bias.device != hidden.device:
             raise ValueError(f"bias must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), got "
                              f"{bias.dtype}, {bias.device}")
+
+
+def _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_bytes) -> bool:
+    """Raises ValueError naming the bad argument; returns whether ``index`` is ``[..., k]``."""
+    check_head_args(hidden, weight, bias)
     multi = check_index_and_options(index, hidden, "hidden", temperature, ignore_index)
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")

@@ -1,0 +1,344 @@
+"""Distillation from the LM head's input: twinkle's GKDLoss over a top-k teacher, per token, in fp32.
+
+``linear_gkd_topk(hidden, weight, teacher_ids, teacher_logprobs, labels)`` returns, per token, the loss
+twinkle-kit's ``GKDLoss(beta, temperature)`` sums for that token in its top-k mode (twinkle/loss/gkd.py,
+``teacher_topk_logprobs`` / ``teacher_topk_indices``), and ``gkd_average`` its average over the kept
+tokens. The student's logits are needed only at the teacher's k ids, so only those are computed:
+
+    x[n, j] = hidden[n] . weight[ids[n, j]] + bias[ids[n, j]]          (fp32 sums; fp64 for fp64 inputs)
+    s = x / T,  t = teacher_logprobs / T        (both sides, as twinkle does; each shifted by its row max first)
+    ls = log_softmax_k(s),  lt = log_softmax_k(t),  p = exp(ls),  q = exp(lt)   (renormalized over the k)
+    beta = 0:  L = sum_j q (lt - ls)                         = KL(teacher || student)
+    beta = 1:  L = sum_j p (ls - lt)                         = KL(student || teacher)
+    else:      lm = log((1 - beta) p + beta q)
+               L = beta sum_j q (lt - lm) + (1 - beta) sum_j p (ls - lm)
+
+and its gradient, in closed form (derived in docs/distillation.md):
+
+    dL/dx_j = (p_j - q_j) / T                                 beta = 0
+            = p_j (ls_j - lt_j - L) / T                       beta = 1
+            = (1 - beta) p_j (ls_j - lm_j - K) / T            else, K = sum_j p_j (ls_j - lm_j)
+
+A term whose weight (q or p) is exactly 0 counts 0 (the limit 0 log 0 = 0): twinkle's code, through
+``F.kl_div(..., log_target=True)`` = exp(target) (target - input), makes it NaN where a teacher
+log-prob is -inf (and at beta = 1 where the student's is); everywhere else the values are twinkle's.
+The k-wide math runs in float64 (O(N k)) and the loss is rounded once. Repeated ids (the recipe's
+padding rows: k ids 0 with log-probs 0.0) are k separate entries, as in twinkle.
+
+Work, by row tiles of ``tile_rows(k, H)`` rows (fixed by k, H: a row's results do not depend on the
+batch; the last tile zero-padded): gather the tile's k weight rows ([R, k, H], in fp32), one batched
+matmul with the hidden rows. Rows whose label is ``ignore_index`` are dropped before any of it.
+Saved for backward: the inputs (references) and dL/dx [N, k]. Backward:
+
+    grad_hidden[n] = sum_j g_n dL/dx[n, j] weight[ids[n, j]]     (per row tile, fp32, rounded once)
+    grad_weight[v] = sum_{(n, j): ids[n, j] = v} g_n dL/dx[n, j] hidden[n]   (per vocab block of
+                     linear.block_width columns, an fp32 accumulator for bf16/fp16, rounded once)
+    grad_bias[v]   likewise with 1 for hidden[n].
+
+Tensor parallelism (``process_group``): ``weight`` / ``bias`` are this rank's vocab shard
+``[r Vs, (r + 1) Vs)`` and the ids global. Each rank computes the x of the ids it holds (0 elsewhere),
+one all_reduce (sum) of x [N_kept, k] makes the full x on every rank (each id is held by one rank, the
+others add exact zeros), and every rank computes the same loss. Backward: no collective; the upstream
+gradient is the same on every rank, grad_weight / grad_bias are this shard's, and grad_hidden is this
+rank's partial sum (Megatron's ColumnParallelLinear convention, as linear_selective_log_softmax).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ._contract import check_float_tensor, stats_dtype
+from .functional import check_head_args
+from .linear import _pad_rows, _resolve_group, block_width
+from .vocab_parallel import rank_and_world
+
+# The gathered weight rows of one row tile, in fp32: R k H 4 bytes at most this (and R <= MAX_TILE_ROWS).
+# With the tile's copy in the input dtype and the hidden tile, a pass holds about twice this at once.
+GATHER_BYTES = 32 << 20
+MAX_TILE_ROWS = 512
+
+
+def tile_rows(k: int, hidden_size: int) -> int:
+    """Rows per tile: from k and H alone (never N), so that a row's matmuls have one shape whatever the batch."""
+    return max(1, min(MAX_TILE_ROWS, GATHER_BYTES // max(1, 4 * k * hidden_size)))
+
+
+# ------------------------------------------------------------------ the k-wide math (float64)
+def _weighted_log_ratio(w: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """w (a - b), 0 where w == 0 (the limit 0 log 0 = 0; NaN in w still propagates)."""
+    return torch.where(w == 0, 0.0, w * (a - b))
+
+
+def _scaled(x: Tensor, temperature: float) -> Tensor:
+    """(x - max_k x) / T in float64: log_softmax's own shift, taken before the division, so that a
+    finfo.min logit (a mask) stays finite at T < 1 where x / T overflows (as the op computes
+    (x - shift) / T, docs/numerics.md); a row of -inf or NaN stays NaN, as in twinkle."""
+    x = x.double()
+    return (x - x.amax(-1, keepdim=True)) / temperature
+
+
+def gkd_rows(x: Tensor, teacher_logprobs: Tensor, beta: float, temperature: float) -> tuple[Tensor, Tensor]:
+    """(L [m], dL/dx [m, k]) in float64 from the student's logits x [m, k] at the teacher's ids and the
+    teacher's log-probs [m, k] (the module docstring's formulas)."""
+    s, t = _scaled(x, temperature), _scaled(teacher_logprobs, temperature)
+    ls, lt = s.log_softmax(-1), t.log_softmax(-1)
+    p, q = ls.exp(), lt.exp()
+    if beta == 0:
+        loss = _weighted_log_ratio(q, lt, ls).sum(-1)
+        d = p - q
+    elif beta == 1:
+        loss = _weighted_log_ratio(p, ls, lt).sum(-1)
+        d = _weighted_log_ratio(p, ls, lt + loss.unsqueeze(-1))
+    else:
+        lm = torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
+        k_student = _weighted_log_ratio(p, ls, lm).sum(-1)
+        loss = beta * _weighted_log_ratio(q, lt, lm).sum(-1) + (1 - beta) * k_student
+        d = (1 - beta) * _weighted_log_ratio(p, ls, lm + k_student.unsqueeze(-1))
+    return loss, d / temperature
+
+
+# ------------------------------------------------------------------ gathers by row tiles
+def _kept_rows(labels: Optional[Tensor], n: int, ignore_index: int) -> Optional[Tensor]:
+    if labels is None:
+        return None
+    kept = (labels != ignore_index).nonzero().squeeze(1)
+    return None if kept.numel() == n else kept
+
+
+def _select(t: Optional[Tensor], kept: Optional[Tensor]) -> Optional[Tensor]:
+    return t if t is None or kept is None else t.index_select(0, kept)
+
+
+def _local_ids(ids: Tensor, vocab_start: int, shard: int) -> tuple[Tensor, Tensor]:
+    """(ids on this shard, local and 0 elsewhere; whether each id is on this shard)."""
+    local = ids - vocab_start
+    own = (local >= 0) & (local < shard)
+    return torch.where(own, local, 0), own
+
+
+def _tiles(m: int, rows: int):
+    for r0 in range(0, m, rows):
+        yield r0, min(r0 + rows, m)
+
+
+def _gathered_weight(weight: Tensor, ids_tile: Tensor, rows: int, acc: torch.dtype) -> Tensor:
+    """weight[ids] of a tile padded to ``rows`` rows, [rows, k, H] in acc (padding: id 0)."""
+    ids_tile = _pad_rows(ids_tile, rows)
+    return weight.index_select(0, ids_tile.reshape(-1)).view(rows, ids_tile.shape[1], -1).to(acc)
+
+
+def _student_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], local: Tensor, acc) -> Tensor:
+    """x [m, k] = h . weight[local] + bias[local], in acc, by row tiles of tile_rows(k, H) rows."""
+    m, k = local.shape
+    rows = tile_rows(k, h.shape[1])
+    x = h.new_empty((m, k), dtype=acc)
+    for r0, r1 in _tiles(m, rows):
+        w = _gathered_weight(weight, local[r0:r1], rows, acc)
+        ht = _pad_rows(h[r0:r1], rows).to(acc)
+        xt = torch.bmm(w, ht.unsqueeze(2)).squeeze(2)[: r1 - r0]
+        if bias is not None:
+            xt = xt + bias[local[r0:r1]].to(acc)
+        x[r0:r1] = xt
+    return x
+
+
+# ------------------------------------------------------------------ forward op
+@torch.library.custom_op("twinkle_mem::linear_gkd_topk_fwd", mutates_args=())
+def gkd_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher_ids: Tensor, teacher_logprobs: Tensor,
+            labels: Optional[Tensor], beta: float, temperature: float, ignore_index: int, vocab_start: int,
+            vocab_size: int, group_name: str) -> tuple[Tensor, Tensor]:
+    """hidden [N, H], weight [Vs, H] (the vocab [vocab_start, vocab_start + Vs) of vocab_size), bias [Vs]
+    or None, teacher_ids [N, k] global ids, teacher_logprobs [N, k], labels [N] or None. Returns
+    (loss [N], dL/dx [N, k]) in fp32 (fp64 for fp64 hidden), 0 on rows whose label is ignore_index."""
+    n, k = teacher_ids.shape
+    acc = stats_dtype(hidden)
+    loss, coef = hidden.new_zeros((n,), dtype=acc), hidden.new_zeros((n, k), dtype=acc)
+    kept = _kept_rows(labels, n, ignore_index)
+    ids = _select(teacher_ids, kept).long()
+    if ids.numel() == 0:  # (the same on every rank: the labels are)
+        return loss, coef
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():  # before any collective; every rank holds the same ids and raises alike
+        i = int(bad.flatten().nonzero()[0])
+        raise RuntimeError(f"twinkle_mem: teacher id out of range: {int(ids.flatten()[i])} is not in "
+                           f"[0, {vocab_size}) (at kept row {i // k}, entry {i % k})")
+    local, own = _local_ids(ids, vocab_start, weight.shape[0])
+    x = _student_logits(_select(hidden, kept), weight, bias, local, acc)
+    x = torch.where(own, x, 0.0)
+    if group_name:  # each id on one rank, zeros elsewhere: the sum is the full x, exactly, on every rank
+        dist.all_reduce(x, group=_resolve_group(group_name))
+    rows_loss, rows_coef = gkd_rows(x, _select(teacher_logprobs, kept), beta, temperature)
+    if kept is None:
+        return rows_loss.to(acc), rows_coef.to(acc)
+    return loss.index_copy_(0, kept, rows_loss.to(acc)), coef.index_copy_(0, kept, rows_coef.to(acc))
+
+
+@gkd_fwd.register_fake
+def _gkd_fwd_fake(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, beta, temperature, ignore_index,
+                  vocab_start, vocab_size, group_name):
+    n, k = teacher_ids.shape
+    acc = stats_dtype(hidden)
+    return hidden.new_empty((n,), dtype=acc), hidden.new_empty((n, k), dtype=acc)
+
+
+# ------------------------------------------------------------------ backward op
+def _grad_weight_blocks(g: Tensor, h: Tensor, local: Tensor, own: Tensor, grad_weight: Optional[Tensor],
+                        grad_bias: Optional[Tensor], acc) -> None:
+    """grad_weight[v] += sum over entries (n, j) with local id v of g[n, j] h[n] (grad_bias: of g[n, j]),
+    by vocab blocks, each summed in acc and written once; entries in row-major order, in chunks."""
+    shard = (grad_weight if grad_weight is not None else grad_bias).shape[0]
+    h_size = h.shape[1]
+    cols = block_width(shard)
+    chunk = max(1, GATHER_BYTES // (4 * h_size))
+    for v0 in range(0, shard, cols):
+        v1 = min(v0 + cols, shard)
+        entries = (own & (local >= v0) & (local < v1)).flatten().nonzero().squeeze(1)
+        if entries.numel() == 0:
+            continue
+        target = (grad_weight, grad_bias)
+        blocks = [None if t is None else (t[v0:v1] if t.dtype == acc else t[v0:v1].to(acc)) for t in target]
+        for e0 in range(0, entries.numel(), chunk):
+            e = entries[e0:e0 + chunk]
+            at = local.flatten()[e] - v0
+            ge = g.flatten()[e]
+            if blocks[0] is not None:
+                blocks[0].index_add_(0, at, h.index_select(0, e // local.shape[1]).to(acc) * ge.unsqueeze(1))
+            if blocks[1] is not None:
+                blocks[1].index_add_(0, at, ge)
+        for t, b in zip(target, blocks):
+            if t is not None and t.dtype != acc:
+                t[v0:v1] = b
+
+
+@torch.library.custom_op("twinkle_mem::linear_gkd_topk_bwd", mutates_args=())
+def gkd_bwd(grad_loss: Tensor, coef: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+            teacher_ids: Tensor, labels: Optional[Tensor], ignore_index: int, vocab_start: int, need_hidden: bool,
+            need_weight: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden [N, H], grad_weight [Vs, H], grad_bias [Vs]); an empty [0] for one not needed.
+    coef: the forward's dL/dx. grad_hidden is this shard's term (the ids it holds)."""
+    n, h_size = hidden.shape
+    none = lambda: hidden.new_empty(0)  # noqa: E731  (a fresh one each: outputs may not alias)
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    grad_hidden = hidden.new_zeros((n, h_size)) if need_hidden else none()
+    grad_weight = torch.zeros_like(weight) if need_weight else none()
+    grad_bias = torch.zeros_like(bias) if need_bias else none()
+    kept = _kept_rows(labels, n, ignore_index)
+    ids = _select(teacher_ids, kept).long()
+    if ids.numel() == 0:
+        return grad_hidden, grad_weight, grad_bias
+    local, own = _local_ids(ids, vocab_start, weight.shape[0])
+    g = torch.where(own, _select(grad_loss, kept).to(acc).unsqueeze(1) * _select(coef, kept).to(acc), 0.0)
+    h = _select(hidden, kept)
+    if need_hidden:
+        m, k = ids.shape
+        rows = tile_rows(k, h_size)
+        for r0, r1 in _tiles(m, rows):
+            w = _gathered_weight(weight, local[r0:r1], rows, acc)
+            gt = _pad_rows(g[r0:r1], rows).unsqueeze(1)  # [rows, 1, k]
+            part = torch.bmm(gt, w).squeeze(1)[: r1 - r0].to(hidden.dtype)
+            if kept is None:
+                grad_hidden[r0:r1] = part
+            else:
+                grad_hidden.index_copy_(0, kept[r0:r1], part)
+    if need_weight or need_bias:
+        _grad_weight_blocks(g, h, local, own, grad_weight if need_weight else None,
+                            grad_bias if need_bias else None, acc)
+    return grad_hidden, grad_weight, grad_bias
+
+
+@gkd_bwd.register_fake
+def _gkd_bwd_fake(grad_loss, coef, hidden, weight, bias, teacher_ids, labels, ignore_index, vocab_start, need_hidden,
+                  need_weight, need_bias):
+    return (hidden.new_empty(hidden.shape if need_hidden else 0), weight.new_empty(weight.shape if need_weight else 0),
+            bias.new_empty(bias.shape) if need_bias else hidden.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, teacher_ids, _tlp, labels, _beta, _t, ignore_index, vocab_start, _vs, _g = inputs
+    _loss, coef = output
+    ctx.save_for_backward(hidden, weight, bias, teacher_ids, labels, coef)
+    ctx.args = (ignore_index, vocab_start)
+    ctx.mark_non_differentiable(coef)
+
+
+def _backward(ctx, grad_loss, _grad_coef):
+    hidden, weight, bias, teacher_ids, labels, coef = ctx.saved_tensors
+    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+    need_bias = need_bias and bias is not None
+    grads = gkd_bwd(grad_loss, coef, hidden, weight, bias, teacher_ids, labels, *ctx.args, need_hidden, need_weight,
+                    need_bias)
+    grads = [gr if need else None for gr, need in zip(grads, (need_hidden, need_weight, need_bias))]
+    return (*grads, None, None, None, None, None, None, None, None, None)
+
+
+gkd_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------ public functions
+def _check_args(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, beta, temperature, ignore_index):
+    check_head_args(hidden, weight, bias)
+    lead = tuple(hidden.shape[:-1])
+    if not isinstance(teacher_ids, Tensor) or teacher_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"teacher_ids must be an int64 or int32 tensor, got {getattr(teacher_ids, 'dtype', None)}")
+    if teacher_ids.dim() != hidden.dim() or tuple(teacher_ids.shape[:-1]) != lead:
+        raise ValueError(f"teacher_ids must be [..., k] with [...] = hidden.shape[:-1] = {lead}, got "
+                         f"{tuple(teacher_ids.shape)}")
+    check_float_tensor("teacher_logprobs", teacher_logprobs)
+    if teacher_logprobs.shape != teacher_ids.shape:
+        raise ValueError(f"teacher_logprobs shape {tuple(teacher_logprobs.shape)} differs from teacher_ids shape "
+                         f"{tuple(teacher_ids.shape)}")
+    if labels is not None and (not isinstance(labels, Tensor) or labels.dtype not in (torch.int64, torch.int32)
+                               or tuple(labels.shape) != lead):
+        raise ValueError(f"labels must be None or an int64/int32 tensor of shape hidden.shape[:-1] = {lead}, got "
+                         f"{getattr(labels, 'dtype', type(labels))} {tuple(getattr(labels, 'shape', ()))}")
+    for name, t in (("teacher_ids", teacher_ids), ("teacher_logprobs", teacher_logprobs), ("labels", labels)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    if isinstance(beta, Tensor) or not (0.0 <= beta <= 1.0):
+        raise ValueError(f"beta must be a Python number in [0, 1], got {beta!r}")
+    if isinstance(temperature, Tensor) or not (0 < temperature < math.inf):
+        raise ValueError(f"temperature must be a finite Python number > 0, got {temperature!r}")
+    if not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+def linear_gkd_topk(hidden, weight, teacher_ids, teacher_logprobs, labels=None, *, bias=None, beta=0.5,
+                    temperature=1.0, ignore_index=-100, process_group=None):
+    """twinkle's GKDLoss per token over a top-k teacher, from the LM head's input; nothing [N, V].
+
+    hidden: [..., H] bf16/fp16/fp32/fp64; weight: [V, H] of hidden's dtype (under ``process_group``, this
+    rank's vocab shard, Megatron's split); bias: [V] or None; teacher_ids: [..., k] int64/int32 global ids;
+    teacher_logprobs: [..., k] (fp32 from the recipes); labels: [...] or None (every row kept): a row whose
+    label is ``ignore_index`` gives 0 and costs nothing. Returns the per-token loss [...], fp32 (fp64 for
+    fp64 hidden), with gradients to hidden, weight and bias; ``gkd_average`` gives GKDLoss's scalar. Under
+    ``process_group`` (world size > 1) the loss is the same on every rank and the hidden gradient is this
+    rank's partial sum (all-reduce it, as Megatron's copy_to_tensor_model_parallel_region does).
+    Formulas, memory and semantics: the module docstring and docs/distillation.md.
+    """
+    _check_args(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, beta, temperature, ignore_index)
+    h_size = hidden.shape[-1]
+    n = math.prod(hidden.shape[:-1])
+    k = teacher_ids.shape[-1]
+    shard = weight.shape[0]
+    rank, world, group_name = 0, 1, ""
+    if process_group is not None and dist.get_world_size(process_group) > 1:
+        rank, world = rank_and_world(process_group, shard, "weight")
+        group_name = process_group.group_name
+    loss, _coef = gkd_fwd(hidden.reshape(n, h_size), weight, bias, teacher_ids.reshape(n, k),
+                          teacher_logprobs.reshape(n, k), None if labels is None else labels.reshape(n),
+                          float(beta), float(temperature), int(ignore_index), rank * shard, world * shard, group_name)
+    return loss.view(hidden.shape[:-1])
+
+
+def gkd_average(per_token: Tensor, labels: Optional[Tensor] = None, ignore_index: int = -100) -> Tensor:
+    """GKDLoss's scalar from linear_gkd_topk's per-token loss: the sum over the kept tokens divided by
+    their number (0 when none is kept, as GKDLoss returns)."""
+    if labels is None:
+        count = per_token.numel()
+    else:
+        count = int((labels != ignore_index).sum())
+    return per_token.sum() / count if count else per_token.sum() * 0.0
