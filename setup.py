@@ -218,11 +218,21 @@ class BuildPy(build_py):
 
 class EditableWheel(editable_wheel):
     """An editable wheel holds only setuptools' own path .pth, not build_py's files: add the hook's .pth
-    beside it (the files setuptools writes into the wheel's top from this method go into site-packages)."""
+    beside it (the files setuptools writes into the wheel's top from this method go into site-packages).
+    Both methods are setuptools' own, not public API: the check fails the build if the .pth is missing."""
 
     def _install_namespaces(self, installation_dir, pth_prefix):
         super()._install_namespaces(installation_dir, pth_prefix)
         shutil.copy(os.path.join(ROOT, "python", STARTUP_PTH), os.path.join(installation_dir, STARTUP_PTH))
+
+    def _create_wheel_file(self, bdist_wheel):
+        import zipfile
+        path = super()._create_wheel_file(bdist_wheel)
+        with zipfile.ZipFile(path) as wheel:
+            if STARTUP_PTH not in wheel.namelist():
+                raise RuntimeError(f"this setuptools' editable wheel lacks {STARTUP_PTH} (setup.py's EditableWheel "
+                                   "needs updating for it); install without -e meanwhile")
+        return path
 
 
 if __name__ == "__main__":  # pip's build backend runs this file as __main__; tests import its helpers

@@ -33,7 +33,12 @@ class _InstallAfterTwinkle:
         self.loader.exec_module(module)
         # twinkle's package replaces itself by a lazy module sharing this spec: give both the real loader back.
         module.__spec__.loader = module.__loader__ = self.loader
-        from twinkle_mem.integrations.twinkle.startup import install_from_environment
+        try:
+            from twinkle_mem.integrations.twinkle.startup import install_from_environment
+        except Exception as error:
+            raise ImportError(f"{ENV_VAR}={os.environ.get(ENV_VAR)!r} asks to install twinkle-mem, which does not "
+                              f"import here ({type(error).__name__}: {error}); reinstall twinkle-mem or unset "
+                              f"{ENV_VAR}") from error
         install_from_environment()  # an error here fails `import twinkle`, and so the job, at its start
 
     def __getattr__(self, name):  # anything else a caller asks a loader for

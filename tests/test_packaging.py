@@ -71,6 +71,18 @@ def test_sdist_and_wheel_hold_the_license(built):
     assert wheel.name.endswith("-cp310-abi3-linux_x86_64.whl"), wheel.name  # still one abi3 wheel
 
 
+def test_a_wheel_built_from_the_sdist_holds_the_package_and_the_hook(built, tmp_path):
+    # what pip does where no wheel fits the machine (another CPU, an NPU host): build from the sdist
+    with tarfile.open(built[0]) as tar:
+        tar.extractall(tmp_path, filter="data")
+    (src,) = tmp_path.glob("twinkle_mem-*")
+    _build(src, tmp_path / "dist", ("build_wheel",))
+    (wheel,) = (tmp_path / "dist").glob("twinkle_mem-*.whl")
+    with zipfile.ZipFile(wheel) as whl:
+        names = whl.namelist()
+    assert HOOK_FILES <= set(names) and "twinkle_mem/_C_cpu.so" in names, names
+
+
 def _bare_venv(path):
     """A fresh virtual environment with pip and nothing else; returns (python, site-packages)."""
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=300)

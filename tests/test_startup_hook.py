@@ -2,8 +2,8 @@
 twinkle, with no code change; unset, nothing happens; a bad value fails `import twinkle`.
 
 Everything here runs fresh interpreters of the environment the package is installed in (the hook is
-the .pth that `pip install` put in site-packages): with the hook removed, every test but the grammar's
-fails. The packaging of the hook (wheel, editable, uninstall) is in test_packaging.py; the Ray workers
+the .pth that `pip install` put in site-packages): with the hook removed, every test but the grammar's,
+the logging's and the one of a process that never imports twinkle fails. The packaging of the hook (wheel, editable, uninstall) is in test_packaging.py; the Ray workers
 in test_startup_hook_ray.py.
 """
 import inspect
@@ -42,7 +42,10 @@ STATE = """
     import twinkle.utils.torch_utils as tu
     patched = sorted(f"{getattr(o, '__module__', '')}.{getattr(o, '__qualname__', getattr(o, '__name__', o))}.{n}"
                      for o, n, _ in integration._saved)
-    print(json.dumps(dict(settings=integration._settings, patched=patched,
+    # what uninstall() would put back: twinkle's own objects, never a twinkle-mem wrapper (patched twice)
+    wrapped_twice = sorted(n for _, n, raw in integration._saved
+                           if getattr(getattr(raw, "__func__", raw), "__module__", "").startswith("twinkle_mem"))
+    print(json.dumps(dict(settings=integration._settings, patched=patched, wrapped_twice=wrapped_twice,
                           log_softmax=tu.selective_log_softmax.__module__ + "." + tu.selective_log_softmax.__qualname__)))
 """
 
@@ -60,8 +63,10 @@ def state_of(proc):
     ("fused_lm_head,mask_skip=always,fused_chunk_bytes=128M",
      {"fused_lm_head": True, "mask_skip": "always", "fused_chunk_bytes": 128 << 20}),
     (" logits_guard=off , log_softmax=no,", {"logits_guard": False, "log_softmax": False}),
-    ("fused_chunk_bytes=65536", {"fused_chunk_bytes": 65536}), ("fused_chunk_bytes=2GiB", {"fused_chunk_bytes": 2 << 30}),
-    ("fused_chunk_bytes=none", {"fused_chunk_bytes": None}), ("fused_lm_head=TRUE", {"fused_lm_head": True}),
+    ("fused_lm_head,fused_chunk_bytes=65536", {"fused_lm_head": True, "fused_chunk_bytes": 65536}),
+    ("fused_chunk_bytes=2GiB,fused_lm_head", {"fused_lm_head": True, "fused_chunk_bytes": 2 << 30}),
+    ("fused_lm_head,fused_chunk_bytes=none", {"fused_lm_head": True, "fused_chunk_bytes": None}),
+    ("fused_lm_head=TRUE", {"fused_lm_head": True}),
 ])
 def test_parse(value, options):
     assert startup.parse(value) == options
@@ -71,8 +76,12 @@ def test_parse(value, options):
     ("true", "'true' is not an argument"), ("fused_lm_heads", "'fused_lm_heads' is not an argument"),
     ("fused_lm_head=maybe", "fused_lm_head is not a boolean"), ("mask_skip", "mask_skip must be one of"),
     ("mask_skip=sometimes", "mask_skip must be one of"), ("fused_chunk_bytes=0", "positive size"),
-    ("fused_chunk_bytes=12X", "positive size"), ("fused_chunk_bytes", "positive size"),
+    ("fused_lm_head,fused_chunk_bytes=12X", "positive size"), ("fused_lm_head,fused_chunk_bytes", "positive size"),
     ("fused_lm_head,fused_lm_head=0", "'fused_lm_head' is given twice"),
+    (",", "no argument given"), (" , ", "no argument given"), ("false", "('0' alone is off)"),
+    ("1,fused_lm_head", "('1' alone is install() with its defaults)"),
+    ("fused_chunk_bytes=1M", "it needs fused_lm_head"),
+    ("fused_lm_head,log_softmax=0", "fused_lm_head=True needs log_softmax=True"),  # install()'s own check
 ])
 def test_parse_refuses_with_the_variable_the_bad_part_and_the_accepted_values(value, bad):
     with pytest.raises(ValueError) as error:
@@ -127,6 +136,40 @@ def test_variable_installs_what_install_gives(first_import, value):
     assert startup.install_call(options) in lines[0] and f"{VAR}={value!r}" in lines[0] and "pid " in lines[0]
 
 
+def test_install_in_a_script_before_twinkle_wins_over_the_variable():
+    """A script whose install() comes before any twinkle import: the variable's install runs inside that
+    call (it imports twinkle), and the call's own settings then replace it, nothing patched twice."""
+    script = textwrap.dedent("""
+        from twinkle_mem.integrations import twinkle as integration
+        integration.install(logits_guard=False, mask_skip="never")
+    """) + textwrap.dedent(STATE)
+    got, want = state_of(run_python(script, "fused_lm_head")), state_of(run_python(script))
+    assert got["settings"] == want["settings"] and got["settings"]["fused_lm_head"] is False
+    assert got["wrapped_twice"] == want["wrapped_twice"] == []
+    # the same patches; the variable's install had imported more of twinkle, whose bindings are patched too
+    assert len(set(got["patched"])) == len(got["patched"]) and set(want["patched"]) <= set(got["patched"])
+    assert not any("MegatronStrategy.reduce_loss" in p for p in got["patched"])  # logits_guard=False holds
+
+
+def test_log_line_goes_where_the_application_logs(tmp_path):
+    log = tmp_path / "app.log"
+    configured = run_python(f"""
+        import logging
+        logging.basicConfig(filename={str(log)!r}, level=logging.WARNING)
+        import twinkle
+    """, "1")
+    assert configured.returncode == 0, configured.stderr[-3000:]
+    assert "twinkle_mem.startup" not in configured.stderr
+    assert log.read_text().count("twinkle-mem installed into twinkle-kit") == 1
+    silenced = run_python("""
+        import logging
+        logging.getLogger("twinkle_mem.startup").setLevel(logging.WARNING)
+        import twinkle, twinkle_mem.integrations.twinkle as integration
+        assert integration.is_installed()
+    """, "1")
+    assert silenced.returncode == 0 and "twinkle_mem.startup" not in silenced.stderr, silenced.stderr[-3000:]
+
+
 def _defaults():
     return {n: p.default for n, p in inspect.signature(integration.install).parameters.items()}
 
@@ -170,7 +213,7 @@ def test_python_m_twinkle_mem_reports_the_hook_and_the_variable():
                         ("fused_lm_head", "install(fused_lm_head=True) in every process that imports twinkle"),
                         ("nope", "invalid, `import twinkle` raises")]:
         proc = run_python("import runpy; runpy.run_module('twinkle_mem', run_name='__main__')", value)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == (2 if value == "nope" else 0), proc.stderr[-3000:]  # a script can gate on it
         assert "start-up hook: installed (" in proc.stdout and "active in this process" in proc.stdout
         assert says in proc.stdout, proc.stdout
 

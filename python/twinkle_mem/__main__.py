@@ -2,6 +2,7 @@
 hook is installed and what TWINKLE_MEM_INSTALL, as set now, would do."""
 import os
 import platform
+import sys
 
 import torch
 
@@ -16,7 +17,7 @@ def _cpu_isa() -> str:
     return "avx2+fma+f16c" if {"avx2", "fma", "f16c"} <= set(flags) else "portable"
 
 
-def main() -> None:
+def main() -> int:
     print(f"twinkle-mem {twinkle_mem.__version__}")
     print(f"torch {torch.__version__} (cuda {torch.version.cuda}), python {platform.python_version()}")
     for backend, state in twinkle_mem.backends().items():
@@ -25,8 +26,14 @@ def main() -> None:
         print(f"  {backend:5s} {state}{extra}")
     from twinkle_mem.integrations.twinkle import startup
     print(f"start-up hook: {startup.hook_status()}")
-    print(f"  {startup.describe(os.environ.get(startup.ENV_VAR))}")
+    value = os.environ.get(startup.ENV_VAR)
+    print(f"  {startup.describe(value)}")
+    try:
+        startup.parse(value)
+    except ValueError:
+        return 2  # a job script can check the variable before it starts anything
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

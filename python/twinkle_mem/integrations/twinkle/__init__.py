@@ -74,21 +74,17 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
     settings reinstalls.
     """
     global _settings, _log_softmax_pair
-    if mask_skip not in MASK_SKIP_MODES:
-        raise ValueError(f"mask_skip must be one of {MASK_SKIP_MODES}, got {mask_skip!r}")
-    if fused_lm_head and not log_softmax:
-        raise ValueError("fused_lm_head=True needs log_softmax=True: twinkle's selective_log_softmax call sites are "
-                         "where the fused results are handed over")
-    if fused_chunk_bytes is not None and not (isinstance(fused_chunk_bytes, int) and fused_chunk_bytes > 0):
-        raise ValueError(f"fused_chunk_bytes must be a positive int or None, got {fused_chunk_bytes!r}")
     settings = dict(log_softmax=log_softmax, mask_skip=mask_skip, logits_guard=logits_guard,
                     fused_lm_head=fused_lm_head, fused_chunk_bytes=fused_chunk_bytes)
+    check_settings(settings)
+    # First import twinkle: where TWINKLE_MEM_INSTALL is set, that runs the start-up hook's install() now, to
+    # completion, so that this call then reinstalls with its own settings rather than patching over it.
+    _check_version()
     if _settings == settings:
         return
     if _settings is not None:
         uninstall()
 
-    _check_version()
     # Resolve every patch point before touching any, so a failure leaves twinkle as it was.
     import twinkle.utils.torch_utils as torch_utils
     from twinkle import Platform
@@ -131,6 +127,18 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
         _restore()
         raise
     _settings = settings
+
+
+def check_settings(settings: Dict[str, Any]) -> None:
+    """Raise ValueError for install() arguments that do not go together (also TWINKLE_MEM_INSTALL's)."""
+    mask_skip, chunk_bytes = settings.get("mask_skip", "npu"), settings.get("fused_chunk_bytes")
+    if mask_skip not in MASK_SKIP_MODES:
+        raise ValueError(f"mask_skip must be one of {MASK_SKIP_MODES}, got {mask_skip!r}")
+    if settings.get("fused_lm_head", False) and not settings.get("log_softmax", True):
+        raise ValueError("fused_lm_head=True needs log_softmax=True: twinkle's selective_log_softmax call sites are "
+                         "where the fused results are handed over")
+    if chunk_bytes is not None and not (isinstance(chunk_bytes, int) and chunk_bytes > 0):
+        raise ValueError(f"fused_chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
 
 
 def uninstall() -> None:

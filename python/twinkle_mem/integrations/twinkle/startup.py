@@ -81,14 +81,29 @@ def parse(value: Optional[str]) -> Optional[Dict[str, Any]]:
         name, sep, arg = part.partition("=")
         name, arg = name.strip(), (arg.strip() if sep else None)
         if name not in OPTIONS:
-            raise _error(value, f"{part!r} is not an argument of install()")
+            hint = _HINTS.get(name.lower(), "")
+            raise _error(value, f"{part!r} is not an argument of install(){hint}")
         if name in options:
             raise _error(value, f"{name!r} is given twice")
         try:
             options[name] = OPTIONS[name](arg)
         except ValueError as why:
             raise _error(value, f"{part!r}: {name} {why}") from None
+    if not options:
+        raise _error(value, "no argument given")
+    if "fused_chunk_bytes" in options and not options.get("fused_lm_head", False):
+        raise _error(value, "fused_chunk_bytes sets the fused LM head's block memory: it needs fused_lm_head")
+    from . import check_settings
+    try:
+        check_settings(options)
+    except ValueError as why:
+        raise _error(value, str(why)) from None
     return options
+
+
+# Words meaning on or off, written where the variable wants '1' or '0'.
+_HINTS = {**{word: " ('0' alone is off)" for word in ("false", "off", "no", "none")},
+          **{word: " ('1' alone is install() with its defaults)" for word in ("1", "true", "on", "yes")}}
 
 
 def _error(value: Optional[str], problem: str) -> ValueError:
@@ -115,6 +130,7 @@ def describe(value: Optional[str]) -> str:
 
 def hook_status() -> str:
     """Whether the start-up hook is installed (its .pth in a site-packages folder) and active here."""
+    import importlib.util
     import site
     import sys
     folders = [*site.getsitepackages(), site.getusersitepackages()]
@@ -123,8 +139,12 @@ def hook_status() -> str:
     if not found:
         return (f"not installed (no {HOOK_PTH} in {', '.join(folders)}): {ENV_VAR} does nothing; "
                 f"reinstall with pip" + ("; a hook is active in this process all the same" if active else ""))
-    return f"installed ({found[0]}), " + ("active in this process" if active else
-                                         "not active in this process (Python started with -S?)")
+    if active:
+        return f"installed ({found[0]}), active in this process"
+    if importlib.util.find_spec("twinkle_mem_startup") is None:
+        return (f"broken: {found[0]} is there but its module twinkle_mem_startup is not: {ENV_VAR} does nothing; "
+                "reinstall twinkle-mem with pip")
+    return f"installed ({found[0]}), not active in this process (Python started with -S?)"
 
 
 def install_from_environment() -> Optional[Dict[str, Any]]:
@@ -149,18 +169,19 @@ _announced = False
 
 
 def _announce(value: str, options: Dict[str, Any]) -> None:
-    """One line per process. Its own stderr handler unless the application gave the logger one, so it shows
-    in a Ray worker's log and a torchrun child's output without any logging set up."""
+    """One line per process, at INFO (unless the application set the logger's level). Where no logging is set
+    up (no handler on the logger or above it) it gets a stderr handler of its own, so that the line shows in a
+    Ray worker's log and a torchrun child's output; otherwise it goes where the application's handlers send it."""
     global _announced
     if _announced:
         return
     _announced = True
-    if not logger.handlers:
+    if logger.level == logging.NOTSET:  # a level the application set stays
+        logger.setLevel(logging.INFO)
+    if not logger.hasHandlers():  # no logging set up (a Ray worker, a torchrun child): stderr
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
     from twinkle.version import __version__
     rank = os.environ.get("RANK")
     where = f"pid {os.getpid()}" + (f", rank {rank}" if rank is not None else "")
