@@ -18,10 +18,9 @@ import pytest
 import torch
 
 from cpu_harness import megatron as th
-from helpers import CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, SEQ, TOL, VOCAB, VocabTensors, assert_close, blocks
+from helpers import (CHUNK, FUSED_BLOCKS, GKD_K, LENGTHS, PROMPT, SEQ, TOL, VOCAB, VocabTensors, assert_close,
+                     blocks, gkd_in_float64, gkd_teacher)
 from twinkle_mem.integrations import twinkle as integration
-
-K = 8
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -33,31 +32,10 @@ def cpu():
 pytestmark = pytest.mark.usefixtures("uninstalled")  # conftest.py: every test starts and ends uninstalled
 
 
-def teacher(seed=1):
-    """Top-k teacher log-probs and ids as the recipe builds them: [B, SEQ + 3, K], a padding row per sample."""
-    gen = torch.Generator().manual_seed(seed)
-    shape = (len(LENGTHS), SEQ + 3, K)
-    ids = torch.stack([torch.randperm(VOCAB, generator=gen)[:K] for _ in range(shape[0] * shape[1])]).view(shape)
-    logprobs = torch.log_softmax(3 * torch.randn(shape, generator=gen), dim=-1).sort(dim=-1, descending=True).values
-    for b, n in enumerate(LENGTHS):  # the recipe's padding: ids 0, log-probs 0.0
-        ids[b, n - 1:] = 0
-        logprobs[b, n - 1:] = 0.0
-    return dict(teacher_topk_logprobs=logprobs, teacher_topk_indices=ids)
-
-
 @pytest.fixture
-def gkd_in_float64(monkeypatch):
-    """twinkle's own GKD arithmetic, in float64 (its result rounded to fp32 once): the exact reference."""
-    from twinkle.loss.gkd import GKDLoss
-    original = GKDLoss._generalized_jsd_loss
-
-    def exact(student_logits, teacher_logits=None, teacher_topk_logprobs=None, **kwargs):
-        as64 = (lambda t: t.double() if t is not None else None)  # noqa: E731
-        loss = original(as64(student_logits), teacher_logits=as64(teacher_logits),
-                        teacher_topk_logprobs=as64(teacher_topk_logprobs), **kwargs)
-        return loss.to(student_logits.dtype)
-
-    monkeypatch.setattr(GKDLoss, "_generalized_jsd_loss", staticmethod(exact))
+def exact_gkd():
+    with gkd_in_float64():
+        yield
 
 
 def run(path, *, beta, loss_temperature, install=None, spy=None, teacher_data=None, **kwargs):
@@ -75,7 +53,7 @@ def run(path, *, beta, loss_temperature, install=None, spy=None, teacher_data=No
             else:
                 model = th.twinkle_transformers_model(VOCAB, loss=loss)
                 net = model.model
-            teacher_kwargs = teacher_data if teacher_data is not None else teacher()
+            teacher_kwargs = teacher_data if teacher_data is not None else gkd_teacher()
             with spy if spy is not None else contextlib.nullcontext():
                 out = model.forward_backward(inputs=samples, temperature=0.7, **teacher_kwargs, **kwargs)
             grads = {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
@@ -89,7 +67,7 @@ CASES = [("megatron", 0.5, 1.0), ("megatron", 0.0, 0.7), ("megatron", 1.0, 1.0),
 
 
 @pytest.mark.parametrize("path,beta,loss_temperature", CASES)
-def test_fused_gkd_matches_twinkle_in_float64(path, beta, loss_temperature, gkd_in_float64):
+def test_fused_gkd_matches_twinkle_in_float64(path, beta, loss_temperature, exact_gkd):
     spy = VocabTensors((VOCAB, ), 10 ** 9)
     got = run(path, beta=beta, loss_temperature=loss_temperature, install=True, spy=spy)
     want = run(path, beta=beta, loss_temperature=loss_temperature)  # twinkle's step, GKD in float64
@@ -102,23 +80,19 @@ def test_fused_gkd_matches_twinkle_in_float64(path, beta, loss_temperature, gkd_
     assert logps is None or all(x is None for x in logps)
 
 
-def test_unfused_run_makes_the_logits(gkd_in_float64):
+def test_unfused_run_makes_the_logits(exact_gkd):
     spy = VocabTensors((VOCAB, ), 10 ** 9)
     run("megatron", beta=0.5, loss_temperature=1.0, install=False, spy=spy)
     assert spy.last_dim  # the control: the spy sees the logits where they exist
 
 
 @pytest.mark.parametrize("path", ["megatron", "transformers"])
-def test_fused_gkd_is_closer_to_exact_than_twinkle_in_fp32(path, monkeypatch):
+def test_fused_gkd_is_closer_to_exact_than_twinkle_in_fp32(path):
     # twinkle as shipped computes GKD in the logits' dtype; the fused op in float64 inside
     shipped = run(path, beta=0.5, loss_temperature=1.0)
     fused = run(path, beta=0.5, loss_temperature=1.0, install=True)
-    from twinkle.loss.gkd import GKDLoss
-    original = GKDLoss._generalized_jsd_loss
-    monkeypatch.setattr(GKDLoss, "_generalized_jsd_loss", staticmethod(
-        lambda student_logits, teacher_topk_logprobs=None, **kw: original(
-            student_logits.double(), teacher_topk_logprobs=teacher_topk_logprobs.double(), **kw)))
-    exact = run(path, beta=0.5, loss_temperature=1.0)
+    with gkd_in_float64():
+        exact = run(path, beta=0.5, loss_temperature=1.0)
     assert abs(fused["loss"] - exact["loss"]) <= abs(shipped["loss"] - exact["loss"]) + 1e-7 * abs(exact["loss"])
 
 
@@ -130,7 +104,7 @@ def test_calls_not_covered_run_twinkle_unchanged(path, change):
         kwargs["return_logits"] = True
     else:  # a local full-vocab teacher, its top 8
         gen = torch.Generator().manual_seed(2)
-        kwargs["teacher_data"] = dict(teacher_logits=torch.randn(len(LENGTHS), SEQ + 3, VOCAB, generator=gen), topk=K)
+        kwargs["teacher_data"] = dict(teacher_logits=torch.randn(len(LENGTHS), SEQ + 3, VOCAB, generator=gen), topk=GKD_K)
     shipped = run(path, beta=0.5, loss_temperature=1.0, **kwargs)
     fused = run(path, beta=0.5, loss_temperature=1.0, install=True, **kwargs)
     assert fused["loss"] == shipped["loss"]

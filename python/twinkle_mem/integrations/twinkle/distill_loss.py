@@ -72,17 +72,21 @@ def _fused_gkd(loss, labels, head: fused_head.DeferredHead, teacher_ids, teacher
     from twinkle.data_format import LossOutput
 
     from twinkle_mem import gkd_average, linear_gkd_topk
-    hidden = head.hidden.transpose(0, 1) if head.seq_first else head.hidden  # [b, s, H]
+    hidden = head.hidden  # [s, b, H] (Megatron) or [b, s, H]
+    length = labels.shape[1]  # twinkle trims the teacher's sequence to the student's
+    ids, logprobs = teacher_ids[:, :length].to(hidden.device), teacher_logprobs[:, :length].to(hidden.device)
+    if head.seq_first:
+        # The teacher and the labels go to the hidden states' [s, b] order, not the hidden states to theirs: the
+        # gradient reaching Megatron's copy_to_tensor_model_parallel_region must be contiguous, as its backward
+        # all-reduces `grad.contiguous()` and returns `grad` (a transposed gradient would stay this rank's part).
+        labels, ids, logprobs = labels.t(), ids.transpose(0, 1), logprobs.transpose(0, 1)
     if tuple(hidden.shape[:2]) != tuple(labels.shape):
         raise RuntimeError(f"twinkle-mem fused LM head: the output layer's input {tuple(hidden.shape)} does not match "
-                           f"the labels {tuple(labels.shape)} GKDLoss got (packed sequences?). "
-                           "install(fused_lm_head=False) runs twinkle-kit unchanged.")
+                           f"the labels GKDLoss got (packed sequences?). install(fused_lm_head=False) runs twinkle-kit "
+                           "unchanged.")
     if head.temperature != 1.0:  # twinkle's forward step divides the logits by its temperature before the loss
         hidden = hidden / head.temperature
-    length = labels.shape[1]  # twinkle trims the teacher's sequence to the student's
-    device = hidden.device
-    per_token = linear_gkd_topk(hidden, head.weight, teacher_ids[:, :length].to(device),
-                                teacher_logprobs[:, :length].to(device), labels, beta=loss.beta,
+    per_token = linear_gkd_topk(hidden, head.weight, ids, logprobs, labels, beta=loss.beta,
                                 temperature=loss.temperature, ignore_index=loss.ignore_index,
                                 process_group=head.process_group)
     return LossOutput(loss=gkd_average(per_token, labels, loss.ignore_index), num_tokens=0)
