@@ -30,7 +30,9 @@ that runs a model; call it before training starts):
   ``logits_guard=True``);
 - with ``fused_lm_head=True``: ``TransformersModel.forward`` / ``forward_only``
   too, and in every eligible call the output layer computes log-probs and
-  entropy from its input without the logits (``fused_head.py``).
+  entropy from its input without the logits (``fused_head.py``); and
+  ``GKDLoss.__call__``, which computes a top-k distillation call's loss from
+  the output layer's input (``distill_loss.py``).
 
 ``uninstall()`` puts every original object back.
 """
@@ -40,7 +42,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from twinkle_mem.processor import MASK_SKIP_MODES
 
-from . import fused_head, megatron_steps, transformers_path
+from . import distill_loss, fused_head, megatron_steps, transformers_path
 from . import mask_skip as mask_skip_patch  # (install() has an argument mask_skip)
 from .failed_micro_batches import FailedMicroBatchWarning
 
@@ -96,6 +98,7 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
         # None without megatron-core: no Megatron runs then
         pipeline_parallel = megatron_steps.megatron_pipeline_parallel()
     if fused_lm_head:
+        from twinkle.loss.gkd import GKDLoss
         from twinkle.model.transformers.transformers import TransformersModel
     if log_softmax:
         from twinkle_mem import selective_log_softmax as op  # the native op, loaded only now
@@ -123,6 +126,7 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
                 forward = transformers_path.transformers_model_forward(getattr(TransformersModel, name),
                                                                        fused_chunk_bytes)
                 _patch(TransformersModel, name, forward)
+            _patch(GKDLoss, "__call__", distill_loss.gkd_call(GKDLoss.__call__))
     except BaseException:
         _restore()
         raise

@@ -6,6 +6,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from . import distill_loss
 from .fused_head import IGNORE_INDEX
 
 # Config attributes that mean the logits are transformed after the output layer.
@@ -22,7 +23,7 @@ def call_ineligible(kwargs, loss) -> Optional[str]:
         return f"task={kwargs.get('task')!r} is not causal_lm"
     if loss is None:
         return "no loss instance"
-    if getattr(loss, "require_logits", False):
+    if getattr(loss, "require_logits", False) and not distill_loss.is_topk_gkd_call(kwargs, loss):
         return f"the loss {type(loss).__name__} needs logits (require_logits)"
     if getattr(loss, "require_values", False):
         return f"the loss {type(loss).__name__} needs values (require_values)"

@@ -12,7 +12,7 @@ from typing import List, Optional, Tuple
 from twinkle_mem.megatron import current_logits_reporting, guard_report
 from twinkle_mem.megatron import logits_guard as _logits_guard
 
-from . import fused_eligibility, fused_head
+from . import distill_loss, fused_eligibility, fused_head
 from ._model import loss_instance
 from .failed_micro_batches import report_failed_micro_batches
 
@@ -44,7 +44,10 @@ def megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: O
                 stack.enter_context(_logits_guard(return_logits=kwargs.get("return_logits", False), loss=loss,
                                                   forward_only=forward_only))
             if fused:
-                steps.fused = stack.enter_context(_fused_megatron(self, kwargs, loss, chunk_bytes))
+                steps.fused = stack.enter_context(_fused_megatron(self, kwargs, loss, chunk_bytes, guard))
+                if steps.fused is not None and steps.fused.distill:  # a loss without log-probs for this call
+                    steps.expects_logps = False
+                    steps.reports_none_logps = getattr(self, "variable_seq_lengths", False)
             token = _STEPS.set(steps)
             stack.callback(_STEPS.reset, token)
             out = original(self, *args, **kwargs)
@@ -58,9 +61,12 @@ def megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: O
 
 
 @contextlib.contextmanager
-def _fused_megatron(model, kwargs, loss, chunk_bytes):
+def _fused_megatron(model, kwargs, loss, chunk_bytes, guard):
     """The fused call for one MegatronModel.forward_backward, or None where it does not apply."""
     reason = fused_eligibility.call_ineligible(kwargs, loss)
+    distill = reason is None and distill_loss.is_topk_gkd_call(kwargs, loss)
+    if distill and not guard:  # its log-probs are None: twinkle-kit 0.5.1 passes those to torch.cat
+        reason = "a fused distillation call needs the logits guard (install(logits_guard=True))"
     layers = []
     if reason is None:
         model._lazy_wrap_model()  # twinkle's first step anyway: decide on the model as it will run
@@ -70,9 +76,10 @@ def _fused_megatron(model, kwargs, loss, chunk_bytes):
             logger.debug("twinkle-mem fused LM head not used: %s", reason)
         yield None
         return
-    call = fused_head.FusedCall.for_call(kwargs, loss, chunk_bytes)
+    call = fused_head.FusedCall.for_call(kwargs, loss, chunk_bytes, distill=distill)
     with fused_head.deferred(layers, fused_head.megatron_forward, call), \
-            fused_head.mtp_called_without_labels(model.model, call):
+            fused_head.mtp_called_without_labels(model.model, call), \
+            distill_loss.without_log_probs(loss) if distill else contextlib.nullcontext():
         yield call
 
 
