@@ -554,3 +554,18 @@ def test_cli_reports_backends():
     out = subprocess.run([sys.executable, "-m", "twinkle_mem"], capture_output=True, text=True, check=True).stdout
     assert "twinkle-mem" in out and "cpu   loaded" in out
     assert twinkle_mem.backends()["cpu"] == "loaded"
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_cli_tells_the_cuda_library_from_a_visible_gpu(monkeypatch, capsys, gpus):
+    # Issue 27: a CUDA build of torch loads _C_cuda on a machine without a GPU; "cuda loaded" alone read as
+    # "the GPU kernels run here".
+    from twinkle_mem import __main__ as cli
+
+    monkeypatch.setattr(twinkle_mem, "backends", lambda: {"cpu": "loaded", "cuda": "loaded", "npu": "not built"})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    cli.main()
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("cuda"))
+    gpu = "GPU: 2 visible (NVIDIA H200)" if gpus else "GPU: none visible"
+    assert line.split() == ["cuda", "library", "loaded;", *gpu.split()], line
