@@ -64,3 +64,22 @@ def test_integrations_reachable_from_the_package():
                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(
                               Path(twinkle_mem.__file__).resolve().parents[1])))
     assert proc.stdout.strip() == "True", proc.stderr[-2000:]
+
+
+def test_readme_leads_with_the_basics():
+    # Issue 27: what it is, the two commands, then a runnable example of each public function and of
+    # install(), before the long prose; the facts a newcomer needs before installing stated up front.
+    text = (ROOT / "README.md").read_text()
+    fences = [m.start() for m in re.finditer(r"^```", text, re.M)]
+    commands = text[fences[0]:fences[1]]
+    assert 'pip install ".[bench]" && python bench/bench_selective_log_softmax.py' in commands
+    assert 'pip install ".[test]" && python -m pytest tests -q' in commands
+    assert "mcore-bridge" in commands, "the test extras install mcore-bridge too"
+    first_prose = text.index("\n## ", text.index("## Install and run") + 1)
+    assert "download.pytorch.org/whl/cpu" in text[:first_prose], "how to get the CPU build of torch"
+    examples = "".join(code for path, line, code in BLOCKS[:2] if path == "README.md")
+    for call in ("selective_log_softmax(", "entropy_from_logits(", "linear_selective_log_softmax(",
+                 "twinkle_mem.integrations.twinkle.install("):
+        assert call in examples, f"the README's first examples lack {call}"
+    readme_lines = [line for path, line, _ in BLOCKS if path == "README.md"]
+    assert readme_lines[1] < text[:text.index("## What it fixes")].count("\n"), "examples before the long prose"
