@@ -103,6 +103,19 @@ def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
     return layers, None
 
 
+def megatron_output_weights(model_chunks) -> List[torch.Tensor]:
+    """The weights the output layers of a MegatronModel's chunks compute with: their own, or the word
+    embeddings' where they share them and the layer holds none (the embedding on the same stage)."""
+    from twinkle.patch.megatron_emb import _find_post_process_owner
+    weights = []
+    for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
+        owner = _find_post_process_owner(chunk)
+        if owner is not None:
+            weight = owner.output_layer.weight
+            weights.append(owner.shared_embedding_or_output_weight() if weight is None else weight)
+    return weights
+
+
 def transformers_lm_head(wrapped_model, unwrapped) -> Tuple[Optional[torch.nn.Module], Optional[str]]:
     """The ``lm_head`` of a TransformersModel's model, or a reason why the fused path cannot apply."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import List, Optional, Tuple
 
+import torch
+
 from twinkle_mem.megatron import current_logits_reporting, guard_report
 from twinkle_mem.megatron import logits_guard as _logits_guard
 
@@ -71,6 +73,8 @@ def _fused_megatron(model, kwargs, loss, chunk_bytes, guard):
     if reason is None:
         model._lazy_wrap_model()  # twinkle's first step anyway: decide on the model as it will run
         layers, reason = fused_eligibility.megatron_output_layers(model.model)
+        if chunk_bytes is not None:  # (on every stage: the call's eligibility is the same on all of them)
+            _check_chunk_bytes(model, layers, chunk_bytes)
     if reason is not None or not layers:  # (no output layer: not the last pipeline stage)
         if reason is not None:
             logger.debug("twinkle-mem fused LM head not used: %s", reason)
@@ -81,6 +85,42 @@ def _fused_megatron(model, kwargs, loss, chunk_bytes, guard):
             fused_head.mtp_called_without_labels(model.model, call), \
             distill_loss.without_log_probs(loss) if distill else contextlib.nullcontext():
         yield call
+
+
+def _check_chunk_bytes(model, layers, chunk_bytes: int) -> None:
+    """install(fused_chunk_bytes=...) judged against the output layers, before megatron's schedule starts,
+    the verdict shared by every pipeline stage: only the last stage holds the layers, and an error raised
+    there inside the schedule would leave the other stages waiting in their p2p receive. Once per model
+    and value (one small collective)."""
+    if getattr(model, "_twinkle_mem_chunk_bytes_fit", None) == chunk_bytes:
+        return
+    from twinkle_mem.linear import block_width, tiles_in_flight
+    error = None
+    for weight in fused_eligibility.megatron_output_weights(model.model) if layers else []:
+        try:
+            tiles_in_flight(block_width(weight.shape[0]), weight.shape[1], weight.dtype, chunk_bytes, backward=True)
+        except ValueError as e:
+            error = str(e)
+    group = _pipeline_group()
+    if group is not None:
+        errors = [None] * group.size()
+        torch.distributed.all_gather_object(errors, error, group=group)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise ValueError(f"twinkle-mem fused LM head: install(fused_chunk_bytes={chunk_bytes}) does not fit this "
+                         f"model: {error}; pass a larger fused_chunk_bytes, or None for the default")
+    model._twinkle_mem_chunk_bytes_fit = chunk_bytes
+
+
+def _pipeline_group():
+    """megatron-core's pipeline-parallel group of this rank when there are several stages, else None."""
+    try:
+        from megatron.core import parallel_state as mpu
+    except ImportError:
+        return None
+    if not mpu.model_parallel_is_initialized() or mpu.get_pipeline_model_parallel_world_size() < 2:
+        return None
+    return mpu.get_pipeline_model_parallel_group()
 
 
 def scheduler_with_step_hooks(original):
