@@ -119,6 +119,22 @@ def megatron_cpu():
             dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def gpt_step_on_cpu():
+    """What twinkle's Megatron step on a megatron-core GPTModel needs in one CPU process: a world of its own
+    (``megatron_cpu``), the GPTModel's CPU buffers, twinkle's Platform on the CPU."""
+    with megatron_cpu(), megatron_gpt_cpu(), cpu_platform("cpu"):
+        yield
+
+
+@contextlib.contextmanager
+def gpt_step_in_world():
+    """The same for a rank of a gloo world the caller started (tests/helpers.py's ``Cases``): megatron's
+    schedules and pipeline p2p on the CPU, the GPTModel's CPU buffers, twinkle's Platform on the CPU."""
+    with cpu_schedules(), cpu_p2p(), megatron_gpt_cpu(), cpu_platform("cpu"):
+        yield
+
+
 def fail_unpacking(monkeypatch, target, failing):
     """TWINKLE_FAIL_FAST=0, and ``target.unpack_packed_sequences`` (a processor's, or
     ``InputProcessor``'s for every processor) raising on the calls numbered in ``failing``

@@ -45,6 +45,14 @@ def uninstalled():
     integration.uninstall()
 
 
+@pytest.fixture(scope="module")
+def gpt_step_cpu():
+    """For a module of twinkle Megatron steps in this process: cpu_harness's gpt_step_on_cpu around it."""
+    from cpu_harness.megatron import gpt_step_on_cpu
+    with gpt_step_on_cpu():
+        yield
+
+
 @pytest.fixture
 def fused_calls(monkeypatch):
     """How often the fused op ran (the deferred heads call it through twinkle_mem)."""

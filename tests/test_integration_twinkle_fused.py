@@ -26,13 +26,8 @@ from twinkle_mem.integrations import twinkle as integration
 from twinkle_mem.integrations.twinkle import fused_eligibility as eligibility
 from twinkle_mem.integrations.twinkle import fused_head as lm_head
 
-@pytest.fixture(scope="module", autouse=True)
-def cpu():
-    with th.megatron_cpu(), th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
-        yield
-
-
-pytestmark = pytest.mark.usefixtures("uninstalled")  # conftest.py: every test starts and ends uninstalled
+# conftest.py: megatron-core and twinkle on the CPU for the module; every test starts and ends uninstalled
+pytestmark = pytest.mark.usefixtures("gpt_step_cpu", "uninstalled")
 
 
 # --- runs ---------------------------------------------------------------------

@@ -23,13 +23,8 @@ from helpers import (CHUNK, FUSED_BLOCKS, GKD_K, LENGTHS, PROMPT, SEQ, TOL, VOCA
 from twinkle_mem.integrations import twinkle as integration
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cpu():
-    with th.megatron_cpu(), th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
-        yield
-
-
-pytestmark = pytest.mark.usefixtures("uninstalled")  # conftest.py: every test starts and ends uninstalled
+# conftest.py: megatron-core and twinkle on the CPU for the module; every test starts and ends uninstalled
+pytestmark = pytest.mark.usefixtures("gpt_step_cpu", "uninstalled")
 
 
 @pytest.fixture

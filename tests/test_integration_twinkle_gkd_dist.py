@@ -12,6 +12,7 @@ world of 2 CPU processes running twinkle's real MegatronModel around a real mega
 import contextlib
 
 import pytest
+from cpu_harness.megatron import gpt_step_in_world
 import torch
 from helpers import (CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, VOCAB, Cases, VocabTensors, assert_close, blocks,
                      gkd_in_float64, gkd_teacher)
@@ -19,14 +20,7 @@ from helpers import (CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, VOCAB, Cases, VocabTe
 WORLD = 2
 
 
-@contextlib.contextmanager
-def _megatron_on_cpu():
-    from cpu_harness import megatron as th
-    with th.cpu_schedules(), th.cpu_p2p(), th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
-        yield
-
-
-cases = Cases(__name__, timeout_s=240, setup=_megatron_on_cpu)
+cases = Cases(__name__, timeout_s=240, setup=gpt_step_in_world)
 case = cases.register(WORLD)
 
 

@@ -10,24 +10,17 @@ hanging it. Each case runs the unfused and the fused step, then compares on ever
 (broadcast by twinkle to both stages), every parameter gradient of the stage, and on the last stage
 the log-probs (NaN rows for the failed micro-batch) and the FailedMicroBatchWarning naming it.
 """
-import contextlib
 import warnings
 
 import pytest
+from cpu_harness.megatron import gpt_step_in_world
 import torch
 from helpers import ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, VOCAB, Cases, assert_close, grpo, scale_output
 
 WORLD = 2
 
 
-@contextlib.contextmanager
-def _megatron_on_cpu():
-    from cpu_harness import megatron as th
-    with th.cpu_schedules(), th.cpu_p2p(), th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
-        yield
-
-
-cases = Cases(__name__, timeout_s=180, setup=_megatron_on_cpu)
+cases = Cases(__name__, timeout_s=180, setup=gpt_step_in_world)
 case = cases.register(WORLD)
 
 

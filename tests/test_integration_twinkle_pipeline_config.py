@@ -7,23 +7,16 @@ schedule, it left the first stage waiting in its p2p receive (gloo: until its ti
 watchdog ends the job). The world has its own deadline (``Cases(timeout_s=...)``, in a module of its own so
 that a stalled stage fails only this test): a stage left waiting fails the test instead of hanging it.
 """
-import contextlib
 
 import pytest
+from cpu_harness.megatron import gpt_step_in_world
 from helpers import ADVANTAGES, LENGTHS, PROMPT, VOCAB, Cases, grpo
 
 WORLD = 2
 BAD_CHUNK = 16384  # the issue's value: below one row tile (512 rows x 1018 columns x 4 bytes) of this model
 
 
-@contextlib.contextmanager
-def _megatron_on_cpu():
-    from cpu_harness import megatron as th
-    with th.cpu_schedules(), th.cpu_p2p(), th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
-        yield
-
-
-cases = Cases(__name__, timeout_s=150, setup=_megatron_on_cpu)
+cases = Cases(__name__, timeout_s=150, setup=gpt_step_in_world)
 case = cases.register(WORLD)
 
 
