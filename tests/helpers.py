@@ -204,6 +204,20 @@ def through_matmul(bound, d, operand_abs):
     return bound @ operand_abs + d.shape[-1] * 2.0**-24 * (d.abs() @ operand_abs)
 
 
+def gkd_grad_bounds(hidden, weight, ids, sizes, eps):
+    """linear_gkd_topk's gradients (tests/test_distill*.py): per element of (grad_hidden [N, H],
+    grad_weight [V, H], grad_bias [V]), (m + 4) eps sum of the sizes of its m terms, from the sizes
+    [N, k] of the per-entry gradients dL/dx (float64, 0 on ignored rows) and the entries' ids [N, k]:
+    each entry's dL/dx rounded once, then summed in fp32 (helpers.through_matmul's bound, per entry)."""
+    k = ids.shape[1]
+    hf = hidden.double().reshape(-1, hidden.shape[-1])
+    bh = (k + 4) * eps * torch.einsum("nk,nkh->nh", sizes, weight.double().abs()[ids])
+    dense = torch.zeros(hf.shape[0], weight.shape[0], dtype=torch.float64).scatter_add_(1, ids, sizes)
+    count = torch.zeros(weight.shape[0], dtype=torch.float64).index_add_(0, ids.flatten(),
+                                                                         (sizes > 0).double().flatten())
+    return bh, (count + 4).unsqueeze(1) * eps * (dense.t() @ hf.abs()), (count + 4) * eps * dense.sum(0)
+
+
 # ------------------------------------------------------------------ the fused head in twinkle-kit
 VOCAB = 1018  # hidden 32, ffn 64/128, 4 heads, sequences <= 40, 128 positions: no other dim is 1018
 SEQ, PROMPT = 40, 12

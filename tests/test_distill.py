@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import twinkle_mem
-from helpers import make_head, saved_for_backward
+from helpers import gkd_grad_bounds, make_head, saved_for_backward
 from numerics import ulp
 from twinkle_mem import distill
 
@@ -136,23 +136,15 @@ def assert_loss_close(got, ref, dtype, what):
 
 def gradient_bounds(hidden, weight, ids, labels, d_entries, dtype, temperature):
     """Per element of (grad_hidden, grad_weight, grad_bias): (m + 4) eps sum |terms| (see the module docstring)."""
-    k = ids.shape[-1]
     eps = EPS[dtype]
     kept = (labels != -100).reshape(-1, 1)
-    hf = hidden.double().reshape(-1, hidden.shape[-1])
-    idf = ids.reshape(-1, k)
-    d = d_entries.abs().reshape(-1, k)
+    d = d_entries.abs().reshape(kept.shape[0], -1)
     # dL/dx is a difference (p - q, p (ls - lm - K)): its error is at the row's scale, and, in float64 (the
     # reference's and the op's k-wide math), at 2^-53 of the probabilities it is a difference of (<= 1), times
     # d(average)/d(token) = 1 / (T kept), however small dL/dx is (a peaked row: p - q ~ 1e-13)
     floor64 = 16 * 2.0**-53 / (temperature * int(kept.sum()))
     d = (d + d.amax(-1, keepdim=True) + floor64 / eps) * kept
-    bh = (k + 4) * eps * torch.einsum("nk,nkh->nh", d, weight.double().abs()[idf])
-    dense = torch.zeros(hf.shape[0], weight.shape[0], dtype=torch.float64).scatter_add_(1, idf, d)
-    count = torch.zeros(weight.shape[0], dtype=torch.float64).index_add_(
-        0, idf.flatten(), kept.expand(idf.shape).flatten().double())
-    bw = (count + 4).unsqueeze(1) * eps * (dense.t() @ hf.abs())
-    bb = (count + 4) * eps * dense.sum(0)
+    bh, bw, bb = gkd_grad_bounds(hidden, weight, ids.reshape(d.shape), d, eps)
     return bh.view(hidden.shape), bw, bb
 
 

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from ._contract import check_float_tensor, stats_dtype
 from .functional import check_head_args
-from .linear import _pad_rows, _resolve_group, block_width
+from .linear import _pad_rows, _resolve_group, _select, block_width
 from .vocab_parallel import rank_and_world
 
 # The gathered weight rows of one row tile, in fp32: R k H 4 bytes at most this (and R <= MAX_TILE_ROWS).
@@ -107,10 +107,6 @@ def _kept_rows(labels: Optional[Tensor], n: int, ignore_index: int) -> Optional[
         return None
     kept = (labels != ignore_index).nonzero().squeeze(1)
     return None if kept.numel() == n else kept
-
-
-def _select(t: Optional[Tensor], kept: Optional[Tensor]) -> Optional[Tensor]:
-    return t if t is None or kept is None else t.index_select(0, kept)
 
 
 def _local_ids(ids: Tensor, vocab_start: int, shard: int) -> tuple[Tensor, Tensor]:
