@@ -5,6 +5,7 @@ from . import composite  # noqa: F401  (the composite kernel for devices without
 from ._native import status as _backend_status
 from .functional import entropy_from_logits, linear_selective_log_softmax, selective_log_softmax
 from .distill import gkd_average, linear_gkd_topk
+from .distill_logits import gkd_from_logits
 
 __version__ = "0.1.0"
 
@@ -17,5 +18,5 @@ def backends() -> dict[str, str]:
     return dict(_backend_status)
 
 
-__all__ = ["selective_log_softmax", "linear_selective_log_softmax", "linear_gkd_topk", "gkd_average",
+__all__ = ["selective_log_softmax", "linear_selective_log_softmax", "linear_gkd_topk", "gkd_average", "gkd_from_logits",
            "entropy_from_logits", "backends", "__version__"]
