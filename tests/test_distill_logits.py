@@ -122,6 +122,22 @@ def test_against_twinkle_float64(kind, topk, dtype):
                        chunk_bytes=2 * distill_logits.TEMPORARIES * 8 * 300 if beta in (0.3, 1.0) else None)
 
 
+def test_local_topk_teacher_from_hidden_states():
+    # twinkle's teacher_logits= with topk=k is its remote top-k mode with the teacher's k largest logits as the
+    # log-probs (the renormalization over the k removes the difference): linear_gkd_topk takes them as they are.
+    from helpers import make_head
+    hidden, weight, bias, labels = make_head(24, 32, 300, torch.float32, seed=11, lead=(2, 12))
+    teacher = torch.randn(2, 12, 300, generator=torch.Generator().manual_seed(12)) * 3
+    labels[:, ::5] = -100
+    for beta in BETAS:
+        values, ids = teacher.topk(8, dim=-1)
+        per = twinkle_mem.linear_gkd_topk(hidden, weight, ids, values, labels, bias=bias, beta=beta, temperature=0.7)
+        logits = hidden.double() @ weight.double().t() + bias.double()
+        ref = GKDLoss(beta=beta, temperature=0.7)({"labels": labels}, {"logits": logits}, teacher_logits=teacher.double(),
+                                                  topk=8)["loss"]
+        assert_loss_close(twinkle_mem.gkd_average(per, labels).view(1), ref.view(1), torch.float32, f"beta {beta}")
+
+
 def test_close_teacher_is_a_small_divergence():
     for beta in BETAS:
         ref = check_case("close", None, torch.bfloat16, beta, 1.0, seed=3)
