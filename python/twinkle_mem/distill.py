@@ -81,24 +81,45 @@ def _scaled(x: Tensor, temperature: float) -> Tensor:
     return (x - x.amax(-1, keepdim=True)) / temperature
 
 
-def gkd_rows(x: Tensor, teacher_logprobs: Tensor, beta: float, temperature: float) -> tuple[Tensor, Tensor]:
-    """(L [m], dL/dx [m, k]) in float64 from the student's logits x [m, k] at the teacher's ids and the
-    teacher's log-probs [m, k] (the module docstring's formulas)."""
-    s, t = _scaled(x, temperature), _scaled(teacher_logprobs, temperature)
-    ls, lt = s.log_softmax(-1), t.log_softmax(-1)
+def _mixture(ls: Tensor, lt: Tensor, beta: float) -> Tensor:
+    return torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
+
+
+def gkd_terms(ls: Tensor, lt: Tensor, beta: float) -> tuple[Tensor, Optional[Tensor]]:
+    """Per entry, from the student's and teacher's normalized log-probs (float64): (the loss's terms, the
+    terms of K = KL(student || M) for 0 < beta < 1, else None). A row's L and K are their sums."""
     p, q = ls.exp(), lt.exp()
     if beta == 0:
-        loss = _weighted_log_ratio(q, lt, ls).sum(-1)
-        d = p - q
+        return _weighted_log_ratio(q, lt, ls), None
+    if beta == 1:
+        return _weighted_log_ratio(p, ls, lt), None
+    lm = _mixture(ls, lt, beta)
+    k_student = _weighted_log_ratio(p, ls, lm)
+    return beta * _weighted_log_ratio(q, lt, lm) + (1 - beta) * k_student, k_student
+
+
+def gkd_grad(ls: Tensor, lt: Tensor, loss: Tensor, k_student: Optional[Tensor], beta: float,
+             temperature: float) -> Tensor:
+    """dL/dx per entry (the module docstring's formulas), given the row's L and K ([.., 1])."""
+    p = ls.exp()
+    if beta == 0:
+        d = p - lt.exp()
     elif beta == 1:
-        loss = _weighted_log_ratio(p, ls, lt).sum(-1)
-        d = _weighted_log_ratio(p, ls, lt + loss.unsqueeze(-1))
+        d = _weighted_log_ratio(p, ls, lt + loss)
     else:
-        lm = torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
-        k_student = _weighted_log_ratio(p, ls, lm).sum(-1)
-        loss = beta * _weighted_log_ratio(q, lt, lm).sum(-1) + (1 - beta) * k_student
-        d = (1 - beta) * _weighted_log_ratio(p, ls, lm + k_student.unsqueeze(-1))
-    return loss, d / temperature
+        d = (1 - beta) * _weighted_log_ratio(p, ls, _mixture(ls, lt, beta) + k_student)
+    return d / temperature
+
+
+def gkd_rows(x: Tensor, teacher_logprobs: Tensor, beta: float, temperature: float) -> tuple[Tensor, Tensor]:
+    """(L [m], dL/dx [m, k]) in float64 from the student's logits x [m, k] at the teacher's ids and the
+    teacher's log-probs [m, k]."""
+    ls = _scaled(x, temperature).log_softmax(-1)
+    lt = _scaled(teacher_logprobs, temperature).log_softmax(-1)
+    terms, k_terms = gkd_terms(ls, lt, beta)
+    loss = terms.sum(-1)
+    k_student = None if k_terms is None else k_terms.sum(-1, keepdim=True)
+    return loss, gkd_grad(ls, lt, loss.unsqueeze(-1), k_student, beta, temperature)
 
 
 # ------------------------------------------------------------------ gathers by row tiles
