@@ -5,6 +5,7 @@ from . import composite  # noqa: F401  (the composite kernel for devices without
 from ._native import status as _backend_status
 from .functional import entropy_from_logits, linear_selective_log_softmax, selective_log_softmax
 from .distill import gkd_average, linear_gkd_topk
+from .distill_full import linear_gkd_full
 from .distill_logits import gkd_from_logits
 
 __version__ = "0.1.0"
@@ -18,5 +19,5 @@ def backends() -> dict[str, str]:
     return dict(_backend_status)
 
 
-__all__ = ["selective_log_softmax", "linear_selective_log_softmax", "linear_gkd_topk", "gkd_average", "gkd_from_logits",
-           "entropy_from_logits", "backends", "__version__"]
+__all__ = ["selective_log_softmax", "linear_selective_log_softmax", "linear_gkd_topk", "linear_gkd_full",
+           "gkd_from_logits", "gkd_average", "entropy_from_logits", "backends", "__version__"]
