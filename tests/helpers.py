@@ -27,6 +27,8 @@ import datetime
 import importlib
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -216,6 +218,27 @@ def gkd_grad_bounds(hidden, weight, ids, sizes, eps):
     count = torch.zeros(weight.shape[0], dtype=torch.float64).index_add_(0, ids.flatten(),
                                                                          (sizes > 0).double().flatten())
     return bh, (count + 4).unsqueeze(1) * eps * (dense.t() @ hf.abs()), (count + 4) * eps * dense.sum(0)
+
+
+def twinkle_per_token(loss_fn, labels, logits, **teacher):
+    """twinkle's GKDLoss (``loss_fn``) for each kept token alone: its average over one token is that token's
+    sum (float64 [labels.shape], 0 on ignored tokens). ``teacher``: the loss's teacher keyword arguments."""
+    per_token = torch.zeros(labels.shape, dtype=torch.float64)
+    for i in (labels != -100).nonzero():
+        one = torch.full_like(labels, -100)
+        one[tuple(i)] = 0
+        per_token[tuple(i)] = loss_fn({"labels": one}, {"logits": logits.detach()}, **teacher)["loss"]
+    return per_token
+
+
+def json_child(script, cfg: dict) -> dict:
+    """``python script '<cfg as JSON>'`` in a fresh process whose freed buffers go back to the OS (a fixed
+    glibc mmap threshold, as tests/test_linear_memory.py runs its children); the JSON of its last line."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    out = subprocess.run([sys.executable, os.path.abspath(script), json.dumps(cfg)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # ------------------------------------------------------------------ the fused head in twinkle-kit

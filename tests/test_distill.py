@@ -21,15 +21,13 @@ the reference is twinkle's code with that log-prob at -1e300: exp(-1e300) = 0 in
 """
 import json
 import math
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import twinkle_mem
-from helpers import gkd_grad_bounds, make_head, saved_for_backward
+from helpers import gkd_grad_bounds, json_child, make_head, saved_for_backward, twinkle_per_token
 from numerics import ulp
 from twinkle_mem import distill
 
@@ -105,12 +103,7 @@ def twinkle_reference(hidden, weight, bias, ids, lp, labels, beta, temperature):
     cols = torch.arange(ids.shape[-1]).expand(ids.shape)
     avg_k = loss_fn({"labels": labels}, {"logits": xk}, teacher_topk_logprobs=lp, teacher_topk_indices=cols)["loss"]
     (d_entries,) = torch.autograd.grad(avg_k, xk)
-    per_token = torch.zeros(labels.shape, dtype=torch.float64)
-    for i in (labels != -100).nonzero():  # one kept row at a time: twinkle's sum for that token
-        one = torch.full_like(labels, -100)
-        one[tuple(i)] = 0
-        per_token[tuple(i)] = loss_fn({"labels": one}, {"logits": xk.detach()}, teacher_topk_logprobs=lp,
-                                      teacher_topk_indices=cols)["loss"]
+    per_token = twinkle_per_token(loss_fn, labels, xk, teacher_topk_logprobs=lp, teacher_topk_indices=cols)
     return avg.detach(), per_token, grads, d_entries
 
 
@@ -430,11 +423,7 @@ def measure(n, h, v, k, dtype="float32", path="op", ignore_frac=0.0, gather_byte
 
 
 def run_child(**cfg):
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed buffers go back to the OS (test_linear_memory)
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(cfg)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json_child(__file__, cfg)
 
 
 @pytest.mark.parametrize("cfg", [

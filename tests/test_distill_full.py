@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import twinkle_mem
-from helpers import VocabTensors, gkd_grad_bounds, make_head, saved_for_backward
+from helpers import VocabTensors, gkd_grad_bounds, make_head, saved_for_backward, twinkle_per_token
 from numerics import ulp
 from twinkle_mem import distill_full, linear
 
@@ -77,11 +77,7 @@ def twinkle_reference(hidden, weight, bias, teacher, labels, beta, temperature):
     loss_fn = GKDLoss(beta=beta, temperature=temperature)
     avg = loss_fn({"labels": labels}, {"logits": logits}, teacher_logits=t)["loss"]
     avg.backward()
-    per_token = torch.zeros(labels.shape, dtype=torch.float64)
-    for i in (labels != -100).nonzero():
-        one = torch.full_like(labels, -100)
-        one[tuple(i)] = 0
-        per_token[tuple(i)] = loss_fn({"labels": one}, {"logits": logits.detach()}, teacher_logits=t)["loss"]
+    per_token = twinkle_per_token(loss_fn, labels, logits, teacher_logits=t)
     return avg.detach(), per_token, (h.grad, w.grad, b.grad), logits.grad
 
 
@@ -163,7 +159,8 @@ def test_no_tensor_of_the_logits_size_beyond_the_teacher(small_blocks):
     hidden, weight, bias, teacher, labels = make_case("random", n, h, v, torch.bfloat16, 0.5, 4)
     hw, ww, bw = (x.clone().requires_grad_() for x in (hidden, weight, bias))
     mode = VocabTensors((), n * v)
-    mode.python_ops.update({op._opoverload: op._init_fn for op in (distill_full.gkd_full_fwd, distill_full.gkd_full_bwd)})
+    ops = (distill_full.gkd_full_fwd, distill_full.gkd_full_bwd)
+    mode.python_ops.update({op._opoverload: op._init_fn for op in ops})
     with mode:
         per = twinkle_mem.linear_gkd_full(hw, ww, teacher, labels, bias=bw)
         torch.autograd.grad(per.sum(), (hw, ww, bw))

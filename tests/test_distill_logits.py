@@ -7,22 +7,21 @@ bf16 and fp64 student logits (the teacher fp32, bf16 with a bf16 student).
 
 Bounds: the per-token loss and the average within 1e-6 absolute + 1e-6 relative (1e-12 for fp64), as
 tests/test_distill.py. The student's gradient is dL/dx computed in float64 and rounded once: within 2 ulp
-of its dtype (the rounding, and the upstream gradient 1 / kept, which gkd_average computes in fp32) + what the float64 math (the reference's and this function's) leaves on a difference of
+of its dtype (the rounding, and the upstream gradient 1 / kept, which gkd_average computes in fp32) + what
+the float64 math (the reference's and this function's) leaves on a difference of
 probabilities: 16 2^-53 / (T kept) (d(average)/d(token) = 1 / kept), for a peaked row's p - q ~ 1e-13.
 Where twinkle's code gives NaN from 0 x inf (a -inf teacher logit), the reference is twinkle's code with
 that logit at -1e300, the limit 0 log 0 = 0 this function computes.
 """
 import json
 import math
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import twinkle_mem
-from helpers import saved_for_backward
+from helpers import json_child, saved_for_backward, twinkle_per_token
 from numerics import ulp
 from twinkle_mem import distill_logits
 
@@ -68,11 +67,7 @@ def twinkle_reference(student, teacher, labels, beta, temperature, topk):
     loss_fn = GKDLoss(beta=beta, temperature=temperature)
     avg = loss_fn({"labels": labels}, {"logits": s}, teacher_logits=t, topk=topk)["loss"]
     (grad,) = torch.autograd.grad(avg, s)
-    per_token = torch.zeros(labels.shape, dtype=torch.float64)
-    for i in (labels != -100).nonzero():
-        one = torch.full_like(labels, -100)
-        one[tuple(i)] = 0
-        per_token[tuple(i)] = loss_fn({"labels": one}, {"logits": s.detach()}, teacher_logits=t, topk=topk)["loss"]
+    per_token = twinkle_per_token(loss_fn, labels, s, teacher_logits=t, topk=topk)
     return avg.detach(), per_token, grad
 
 
@@ -133,8 +128,8 @@ def test_local_topk_teacher_from_hidden_states():
         values, ids = teacher.topk(8, dim=-1)
         per = twinkle_mem.linear_gkd_topk(hidden, weight, ids, values, labels, bias=bias, beta=beta, temperature=0.7)
         logits = hidden.double() @ weight.double().t() + bias.double()
-        ref = GKDLoss(beta=beta, temperature=0.7)({"labels": labels}, {"logits": logits}, teacher_logits=teacher.double(),
-                                                  topk=8)["loss"]
+        ref = GKDLoss(beta=beta, temperature=0.7)({"labels": labels}, {"logits": logits},
+                                                  teacher_logits=teacher.double(), topk=8)["loss"]
         assert_loss_close(twinkle_mem.gkd_average(per, labels).view(1), ref.view(1), torch.float32, f"beta {beta}")
 
 
@@ -162,7 +157,8 @@ def test_rows_bitwise_the_same_whatever_the_batch_and_chunk(dtype):
             (g,) = torch.autograd.grad((per * g_out[rows]).sum(), s)
             return per.detach(), g
         full = run(torch.arange(n), None)
-        for rows, chunk in ((torch.arange(n).flip(0), 1), (torch.arange(5, 23), 3 * 20 * 8 * v), (torch.tensor([7]), 1)):
+        chunk_3 = 3 * distill_logits.TEMPORARIES * 8 * v  # chunks of 3 rows
+        for rows, chunk in ((torch.arange(n).flip(0), 1), (torch.arange(5, 23), chunk_3), (torch.tensor([7]), 1)):
             got = run(rows, chunk)
             assert torch.equal(got[0], full[0][rows]) and torch.equal(got[1], full[1][rows]), (topk, rows)
 
@@ -270,11 +266,7 @@ def measure(n, v, path="op", beta=0.5, chunk_bytes=16 << 20, topk=None):
 
 
 def run_child(**cfg):
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(cfg)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json_child(__file__, cfg)
 
 
 @pytest.mark.parametrize("topk", [None, 64], ids=["whole vocab", "topk 64"])

@@ -308,13 +308,21 @@ def _check_args(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, bet
     if teacher_logprobs.shape != teacher_ids.shape:
         raise ValueError(f"teacher_logprobs shape {tuple(teacher_logprobs.shape)} differs from teacher_ids shape "
                          f"{tuple(teacher_ids.shape)}")
-    if labels is not None and (not isinstance(labels, Tensor) or labels.dtype not in (torch.int64, torch.int32)
-                               or tuple(labels.shape) != lead):
-        raise ValueError(f"labels must be None or an int64/int32 tensor of shape hidden.shape[:-1] = {lead}, got "
-                         f"{getattr(labels, 'dtype', type(labels))} {tuple(getattr(labels, 'shape', ()))}")
-    for name, t in (("teacher_ids", teacher_ids), ("teacher_logprobs", teacher_logprobs), ("labels", labels)):
-        if t is not None and t.device != hidden.device:
+    for name, t in (("teacher_ids", teacher_ids), ("teacher_logprobs", teacher_logprobs)):
+        if t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    check_gkd_options(labels, hidden, "hidden", beta, temperature, ignore_index)
+
+
+def check_gkd_options(labels, rows: Tensor, rows_name: str, beta, temperature, ignore_index) -> None:
+    """The checks every GKD function shares (ValueError naming the argument): labels None or of the rows'
+    leading shape on their device, beta in [0, 1], temperature, ignore_index."""
+    lead = tuple(rows.shape[:-1])
+    if labels is not None and (not isinstance(labels, Tensor) or labels.dtype not in (torch.int64, torch.int32)
+                               or tuple(labels.shape) != lead or labels.device != rows.device):
+        raise ValueError(f"labels must be None or an int64/int32 tensor of shape {rows_name}.shape[:-1] = {lead} "
+                         f"on {rows.device}, got {getattr(labels, 'dtype', type(labels))} "
+                         f"{tuple(getattr(labels, 'shape', ()))}")
     if isinstance(beta, Tensor) or not (0.0 <= beta <= 1.0):
         raise ValueError(f"beta must be a Python number in [0, 1], got {beta!r}")
     if isinstance(temperature, Tensor) or not (0 < temperature < math.inf):

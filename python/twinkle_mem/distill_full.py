@@ -30,7 +30,7 @@ from torch import Tensor
 
 from . import linear
 from ._contract import check_float_tensor, stats_dtype
-from .distill import _kept_rows, _select, gkd_grad, gkd_terms
+from .distill import _kept_rows, _select, check_gkd_options, gkd_grad, gkd_terms
 from .functional import check_head_args
 
 FULL_BLOCK = 2048  # vocab columns per block of the float64 math
@@ -208,13 +208,9 @@ def linear_gkd_full(hidden, weight, teacher_logits, labels=None, *, bias=None, b
                          f"{tuple(teacher_logits.shape)}")
     if teacher_logits.requires_grad:
         raise ValueError("teacher_logits must not require grad: no gradient flows to the teacher (detach it)")
-    if labels is not None and (not isinstance(labels, Tensor) or labels.dtype not in (torch.int64, torch.int32)
-                               or tuple(labels.shape) != lead):
-        raise ValueError(f"labels must be None or an int64/int32 tensor of shape {lead}")
-    if isinstance(beta, Tensor) or not (0.0 <= beta <= 1.0):
-        raise ValueError(f"beta must be a Python number in [0, 1], got {beta!r}")
-    if isinstance(temperature, Tensor) or not (0 < temperature < float("inf")):
-        raise ValueError(f"temperature must be a finite Python number > 0, got {temperature!r}")
+    if teacher_logits.device != hidden.device:
+        raise ValueError(f"teacher_logits is on {teacher_logits.device} but hidden is on {hidden.device}")
+    check_gkd_options(labels, hidden, "hidden", beta, temperature, ignore_index)
     n, v = teacher_logits.numel() // weight.shape[0], weight.shape[0]
     loss, _stats = gkd_full_fwd(hidden.reshape(n, hidden.shape[-1]), weight, bias, teacher_logits.reshape(n, v),
                                 None if labels is None else labels.reshape(n), float(beta), float(temperature),

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ._contract import check_float_tensor, stats_dtype
-from .distill import _kept_rows, gkd_rows
+from .distill import _kept_rows, check_gkd_options, gkd_rows
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 # float64 [rows, V] tensors alive at once inside gkd_rows (and the chunk's copies), counted generously
@@ -141,17 +141,9 @@ def gkd_from_logits(student_logits, teacher_logits, labels=None, *, topk=None, b
     if teacher_logits.device != student_logits.device:
         raise ValueError(f"teacher_logits is on {teacher_logits.device} but student_logits on {student_logits.device}")
     lead, v = tuple(student_logits.shape[:-1]), student_logits.shape[-1]
-    if labels is not None and (not isinstance(labels, Tensor) or labels.dtype not in (torch.int64, torch.int32)
-                               or tuple(labels.shape) != lead or labels.device != student_logits.device):
-        raise ValueError(f"labels must be None or an int64/int32 tensor of shape {lead} on the logits' device")
+    check_gkd_options(labels, student_logits, "student_logits", beta, temperature, ignore_index)
     if topk is not None and (not isinstance(topk, int) or not 1 <= topk <= v):
         raise ValueError(f"topk must be None or an int in [1, V = {v}], got {topk!r}")
-    if isinstance(beta, Tensor) or not (0.0 <= beta <= 1.0):
-        raise ValueError(f"beta must be a Python number in [0, 1], got {beta!r}")
-    if isinstance(temperature, Tensor) or not (0 < temperature < float("inf")):
-        raise ValueError(f"temperature must be a finite Python number > 0, got {temperature!r}")
-    if not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
