@@ -22,6 +22,8 @@ import subprocess
 import sys
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
 import torch
 import torch.utils.cpp_extension as cpp_ext
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
@@ -198,12 +200,49 @@ class BuildExt(BuildExtension):
                 shutil.copy(so, os.path.join(ROOT, "python", "twinkle_mem"))
 
 
+STARTUP_PTH = "twinkle_mem_startup.pth"  # beside twinkle_mem_startup.py; see that module
+
+
+class BuildPy(build_py):
+    """build_py that also puts the start-up hook's .pth at the top of the wheel, so in site-packages;
+    pip's RECORD then lists it, and `pip uninstall` removes it."""
+
+    def run(self):
+        super().run()
+        self.copy_file(os.path.join(ROOT, "python", STARTUP_PTH), os.path.join(self.build_lib, STARTUP_PTH),
+                       preserve_mode=False)
+
+    def get_outputs(self, include_bytecode=True):
+        return super().get_outputs(include_bytecode) + [os.path.join(self.build_lib, STARTUP_PTH)]
+
+
+class EditableWheel(editable_wheel):
+    """An editable wheel holds only setuptools' own path .pth, not build_py's files: add the hook's .pth
+    beside it (the files setuptools writes into the wheel's top from this method go into site-packages).
+    Both methods are setuptools' own, not public API: the check fails the build if the .pth is missing."""
+
+    def _install_namespaces(self, installation_dir, pth_prefix):
+        super()._install_namespaces(installation_dir, pth_prefix)
+        shutil.copy(os.path.join(ROOT, "python", STARTUP_PTH), os.path.join(installation_dir, STARTUP_PTH))
+
+    def _create_wheel_file(self, bdist_wheel):
+        import zipfile
+        path = super()._create_wheel_file(bdist_wheel)
+        with zipfile.ZipFile(path) as wheel:
+            if STARTUP_PTH not in wheel.namelist():
+                raise RuntimeError(f"this setuptools' editable wheel lacks {STARTUP_PTH} (setup.py's EditableWheel "
+                                   "needs updating for it); install without -e meanwhile")
+        return path
+
+
 if __name__ == "__main__":  # pip's build backend runs this file as __main__; tests import its helpers
     setup(
         packages=find_packages("python"),
+        py_modules=["twinkle_mem_startup"],  # the start-up hook: TWINKLE_MEM_INSTALL, docs/cluster_jobs.md
         package_dir={"": "python"},
         package_data={"twinkle_mem": ["schemas.def"]},  # read by _native.py when no native library loads
         ext_modules=ext_modules,
-        cmdclass={"build_ext": BuildExt.with_options(no_python_abi_suffix=True)},
+        cmdclass={"build_ext": BuildExt.with_options(no_python_abi_suffix=True), "build_py": BuildPy,
+                  "editable_wheel": EditableWheel},
         options={"bdist_wheel": {"py_limited_api": "cp310"}},
     )

@@ -1,5 +1,5 @@
-"""What the benchmarks in bench/ share: the run's metadata record, writing results as JSON,
-running one measurement in a fresh process and reading back its JSON line, numbered progress
+"""What the benchmarks in bench/ share: the run's metadata record, how loaded the machine was (MachineLoad),
+writing results as JSON, running one measurement in a fresh process and reading back its JSON line, numbered progress
 lines, Markdown tables, matplotlib figures written as PNG files, and the step table of the device
 checks (gpu_check.sh, npu_check.sh: ``python bench/bench_common.py steps ...``). Measuring itself
 (peak RSS, the CPU's name) lives in ``twinkle_mem.measure``, which the tests use too.
@@ -73,6 +73,62 @@ def write_json(path: str, data, indent: int = 2) -> str:
 def read_json(path: str):
     with open(path) as f:
         return json.load(f)
+
+
+# ------------------------------------------------------------------ how loaded the machine was
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds every process of the machine has run since boot (/proc/stat; None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in (fields + ["0"] * 8)[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()  # this process and the children it waited for (the measurements)
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class MachineLoad:
+    """What else ran while a benchmark measured: the load average at start and end, and the CPU that
+    other processes took meanwhile, in cores (the machine's busy time minus this process and its
+    measurement children, over the wall time). Timings, and above all ratios between peers measured one
+    after another, move with it."""
+
+    def __init__(self):
+        self.cores = os.cpu_count() or 1
+        self.load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+        self._busy, self._own, self._wall = _busy_cpu_seconds(), _own_cpu_seconds(), time.monotonic()
+
+    def record(self) -> dict:
+        """The load record for the run's metadata (call when the measuring is done)."""
+        wall = time.monotonic() - self._wall
+        busy = _busy_cpu_seconds()
+        others = None
+        if busy is not None and self._busy is not None and wall > 0:
+            others = max(0.0, (busy - self._busy) - (_own_cpu_seconds() - self._own)) / wall
+        return {"cores": self.cores, "load_average_start": self.load_start,
+                "load_average_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+                "other_processes_cpu_cores": None if others is None else round(others, 2),
+                "wall_s": round(wall, 1)}
+
+
+def load_warning(load: dict) -> str | None:
+    """A warning line when ``load`` (MachineLoad.record()) says other work shared the machine, else None:
+    other processes' CPU over the run, or the 1-min load average at its start, of a quarter of the cores
+    or more (at least half a core)."""
+    limit = max(0.5, load["cores"] / 4)
+    others = load.get("other_processes_cpu_cores")
+    start = (load.get("load_average_start") or [0.0])[0]
+    if (others is None or others < limit) and start < limit:
+        return None
+    took = "unknown" if others is None else f"{others:.1f}"
+    return (f"WARNING: the machine was loaded during this run (other processes took {took} of "
+            f"{load['cores']} cores on average; 1-min load average {start:.1f} at the start): times, and "
+            "ratios between peers measured one after another, are not comparable with a quiet run")
 
 
 # ------------------------------------------------------------------ one measurement per process

@@ -8,15 +8,17 @@ Each (peer, N) runs in a fresh process so that its peak RSS is its own:
                  for twinkle-kit)
   compiled       torch.compile of naive
   twinkle_mem    this package; twinkle_mem_inplace: with inplace_backward=True
-Reported: forward+backward time (median of reps), peak RSS beyond logits and grad,
-bytes saved for backward (beyond the logits reference), max error of logp and entropy
-against float64 (first 64 rows). Prints a table, writes JSON and a PNG to bench/results/:
-one figure, fwd+bwd time and peak memory against N, every peer (--replot redraws it from
-the JSON without measuring).
+Reported at every N: forward+backward time (median of --reps calls after a warm-up call, and
+their spread), peak RSS beyond logits and grad, bytes saved for backward (beyond the logits
+reference), max error of logp and entropy against float64 (first 64 rows). Also recorded: where
+twinkle_loop came from, and how loaded the machine was (load average, other processes' CPU; a
+warning when it was loaded). Prints a table, writes JSON and a PNG: one figure, fwd+bwd time and
+peak memory against N, every peer (--replot redraws it from the JSON without measuring). A run
+writes to bench/results/local/ (not tracked); --record writes the committed bench/results/ files.
 
   python bench/bench_selective_log_softmax.py                      # N=512,1024,2048, V=151936
   python bench/bench_selective_log_softmax.py --sizes 16384 --peers twinkle_mem_inplace --reps 1
-  python bench/bench_selective_log_softmax.py --replot                # the PNG from the JSON
+  python bench/bench_selective_log_softmax.py --replot --record       # the committed PNG from its JSON
 """
 from __future__ import annotations
 
@@ -27,10 +29,29 @@ import subprocess
 import sys
 import time
 
-from bench_common import ChildFailed, Progress, new_figure, read_json, run_child, run_metadata, save_png, write_json
+from bench_common import (ChildFailed, MachineLoad, Progress, load_warning, new_figure, read_json, run_child,
+                          run_metadata, save_png, write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = ["naive", "twinkle_loop", "chunked_fp32", "compiled", "twinkle_mem", "twinkle_mem_inplace"]
+NAME = "selective_log_softmax"
+RECORDED = os.path.join(HERE, "results", NAME)  # the committed results: --record
+LOCAL = os.path.join(HERE, "results", "local", NAME)  # a user's run (bench/results/local/ is not tracked)
+TWINKLE_LOOP_COPY = "this script's copy of its algorithm (twinkle-kit not installed)"
+
+
+def twinkle_loop_source() -> str:
+    """Where the twinkle_loop peer comes from: twinkle-kit, or (without it, as with `.[bench]` alone)
+    the copy written here."""
+    try:
+        from twinkle.utils.torch_utils import selective_log_softmax  # noqa: F401
+    except ImportError:
+        return TWINKLE_LOOP_COPY
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return f"twinkle-kit {version('twinkle-kit')}"
+    except PackageNotFoundError:
+        return "twinkle-kit"
 
 
 # ----------------------------------------------------------------- peers (run in the child)
@@ -152,10 +173,19 @@ def child(peer, n, v, reps):
     ref_entropy = ref_lse - (torch.softmax(z, -1) * z).sum(-1)
     err_logp = (logp[rows].double() - ref_logp).abs().max().item()
     err_entropy = (entropy[rows].double() - ref_entropy).abs().max().item()
-    times.sort()
-    return {"peer": peer, "n": n, "v": v, "time_s": times[len(times) // 2], "times_s": times,
-            "extra_peak_bytes": extra_peak, "logits_bytes": logits_bytes, "saved_bytes": saved_bytes,
-            "err_logp": err_logp, "err_entropy": err_entropy, "logp_dtype": str(logp.dtype)}
+    out = {"peer": peer, "n": n, "v": v, **time_summary(times), "extra_peak_bytes": extra_peak,
+           "logits_bytes": logits_bytes, "saved_bytes": saved_bytes, "err_logp": err_logp,
+           "err_entropy": err_entropy, "logp_dtype": str(logp.dtype)}
+    if peer == "twinkle_loop":
+        out["source"] = twinkle_loop_source()
+    return out
+
+
+def time_summary(times) -> dict:
+    """The median of the calls and their spread ((max - min) / median): one call can be an outlier."""
+    times = sorted(times)
+    median = times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+    return {"time_s": median, "times_s": times, "spread": (times[-1] - times[0]) / median if median else 0.0}
 
 
 # ----------------------------------------------------------------- orchestration (parent)
@@ -170,17 +200,26 @@ def run_peer(peer, n, v, reps, timeout):
         return {"peer": peer, "n": n, "v": v, "error": e.last_line[:200]}
 
 
-def main():
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="512,1024,2048", help="token counts N (the table uses the largest)")
+    ap.add_argument("--sizes", default="512,1024,2048", help="token counts N")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--peers", default=",".join(PEERS))
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5, help="timed calls per (peer, N), after a warm-up call")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per (peer, N) process")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "selective_log_softmax"))
+    ap.add_argument("--out", help=f"results path without extension (default {os.path.relpath(LOCAL)}; "
+                                  f"with --record {os.path.relpath(RECORDED)}, the committed results)")
+    ap.add_argument("--record", action="store_true", help="write (or --replot) the committed results")
     ap.add_argument("--replot", action="store_true", help="only redraw OUT.png from OUT.json (no measurement)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = RECORDED if args.record else LOCAL
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.replot:
         write_plot(args.out)
         return
@@ -192,37 +231,51 @@ def main():
     peers = args.peers.split(",")
     results = []
     progress = Progress(len(peers) * len(sizes))
+    load = MachineLoad()
     for n, peer in ((n, p) for n in sizes for p in peers):
-        reps = args.reps if n == max(sizes) else 1
         progress.step(f"{peer:20s} N={n:6d} V={args.vocab}")
-        r = run_peer(peer, n, args.vocab, reps, args.timeout)
+        r = run_peer(peer, n, args.vocab, args.reps, args.timeout)
         results.append(r)
-        progress.done(r.get("error") or f"{r['time_s']:.3f} s, extra peak {r['extra_peak_bytes'] / 2**20:.0f} MiB")
-
-    n_table = max(sizes)
-    rows = [r for r in results if r["n"] == n_table]
-    ok = {r["peer"]: r for r in rows if "error" not in r}
-    ref_time = ok.get("compiled", {}).get("time_s")
-    meta = run_metadata(vocab=args.vocab)
-    print(f"\nselective log-softmax + entropy, fwd+bwd, N={n_table}, V={args.vocab}, bf16 logits "
-          f"({rows[0].get('logits_bytes', 0) / 2**30:.2f} GiB), torch {meta['torch']}, "
-          f"{meta['threads']} threads, {meta['cpu']}")
-    header = f"{'peer':22s} {'fwd+bwd s':>10s} {'vs compiled':>11s} {'peak beyond logits+grad':>24s} " \
-             f"{'saved bytes':>12s} {'err logp':>9s} {'err H':>9s}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        if "error" in r:
-            print(f"{r['peer']:22s} {r['error']}")
-            continue
-        ratio = f"{ref_time / r['time_s']:.1f}x" if ref_time else "-"
-        peak = f"{r['extra_peak_bytes'] / 2**20:8.0f} MiB ({r['extra_peak_bytes'] / r['logits_bytes']:5.1%})"
-        print(f"{r['peer']:22s} {r['time_s']:10.3f} {ratio:>11s} {peak:>24s} {r['saved_bytes']:12d} "
-              f"{r['err_logp']:9.1e} {r['err_entropy']:9.1e}")
-
+        progress.done(r.get("error") or f"{r['time_s']:.3f} s (spread {r['spread']:.0%}), extra peak "
+                                        f"{r['extra_peak_bytes'] / 2**20:.0f} MiB")
+    meta = run_metadata(vocab=args.vocab, reps=args.reps, load=load.record())
+    print()
+    print(render_table(results, meta))
+    warning = load_warning(meta["load"])
+    if warning:
+        print(warning)
     write_json(args.out + ".json", {"meta": meta, "results": results}, indent=1)
     print(f"\nwrote {args.out}.json")
     write_plot(args.out)
+
+
+def render_table(results, meta) -> str:
+    """The console table: every N, each peer's median time, the spread of its calls, the ratio against
+    torch.compile at the same N, memory, saved bytes and errors; a footnote where twinkle_loop is not
+    twinkle-kit's own."""
+    lines = [f"selective log-softmax + entropy, fwd+bwd, V={meta['vocab']}, bf16 logits, torch {meta['torch']}, "
+             f"{meta['threads']} threads, {meta['cpu']}; median of {meta['reps']} calls"]
+    header = f"{'N':>6s} {'peer':22s} {'fwd+bwd s':>10s} {'spread':>7s} {'vs compiled':>11s} " \
+             f"{'peak beyond logits+grad':>24s} {'saved bytes':>12s} {'err logp':>9s} {'err H':>9s}"
+    lines += [header, "-" * len(header)]
+    copies = False
+    for n in sorted({r["n"] for r in results}):
+        rows = [r for r in results if r["n"] == n]
+        ref_time = next((r["time_s"] for r in rows if r["peer"] == "compiled" and "error" not in r), None)
+        for r in rows:
+            name = r["peer"]
+            if r.get("source") == TWINKLE_LOOP_COPY:
+                name, copies = name + " *", True
+            if "error" in r:
+                lines.append(f"{n:6d} {name:22s} {r['error']}")
+                continue
+            ratio = f"{ref_time / r['time_s']:.1f}x" if ref_time else "-"
+            peak = f"{r['extra_peak_bytes'] / 2**20:8.0f} MiB ({r['extra_peak_bytes'] / r['logits_bytes']:5.1%})"
+            lines.append(f"{n:6d} {name:22s} {r['time_s']:10.3f} {r.get('spread', 0):7.0%} {ratio:>11s} "
+                         f"{peak:>24s} {r['saved_bytes']:12d} {r['err_logp']:9.1e} {r['err_entropy']:9.1e}")
+    if copies:
+        lines.append(f"* twinkle_loop: {TWINKLE_LOOP_COPY}; install twinkle-kit (`.[test]`) to time its own function")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------- figure
@@ -244,7 +297,9 @@ def results_figure(data):
     ax_time.set_xscale("log", base=2)
     ax_time.set_yscale("log")
     ax_time.set_ylabel("forward + backward time (s)")
-    ax_time.set_title("fwd+bwd time (median of reps at the largest N, else 1 call)", fontsize=9)
+    reps = data.get("meta", {}).get("reps")  # (results recorded before it: reps at the largest N only)
+    ax_time.set_title(f"fwd+bwd time (median of {reps} calls)" if reps else
+                      "fwd+bwd time (median of reps at the largest N, else 1 call)", fontsize=9)
     ax_mem.set_xscale("log", base=2)
     ax_mem.set_yscale("symlog", linthresh=1)
     ax_mem.set_ylabel("peak RSS beyond logits + grad (MiB)")

@@ -8,9 +8,14 @@ test on each listed device; the default is the CPU alone.
 import functools
 import os
 
-import pytest
-import torch
-from hypothesis import settings
+# A developer's exported TWINKLE_MEM_INSTALL would install twinkle-mem into this process the moment twinkle is
+# imported, and the comparisons with twinkle-kit as shipped would compare twinkle-mem with itself. The tests of
+# the variable set it in the fresh interpreters they start.
+os.environ.pop("TWINKLE_MEM_INSTALL", None)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 # CI (CI=true) replays the same examples every run, so that a submission's result does not depend on
 # the draw; a developer's run draws new ones (a failure found there is printed with its seed).

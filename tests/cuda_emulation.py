@@ -154,12 +154,12 @@ def forward(logits, labels, inv_temperature, ignore_index, vocab_start, vocab_si
     entropy = torch.empty(lead if with_entropy else (0,), dtype=acc)
     shift = torch.empty(lead, dtype=acc)
     log_sum = torch.empty(lead, dtype=acc)
-    message = ctypes.create_string_buffer(256)
+    message = ctypes.create_string_buffer(512)
     options = OpOptions(float(inv_temperature), ignore_index, vocab_start, vocab_size, bool(with_entropy),
                         bool(inplace_backward))
     rc = library().tm_emu_forward(DTYPES[logits.dtype], _ref(logits), _ref(labels), labels.dtype == torch.int64,
                                   ctypes.byref(options), _ptr(logp), _ptr(entropy) if with_entropy else None,
-                                  _ptr(shift), _ptr(log_sum), _segment_bytes(segment_bytes), max_grid, message, 256)
+                                  _ptr(shift), _ptr(log_sum), _segment_bytes(segment_bytes), max_grid, message, 512)
     _raise(rc, message)
     return logp, entropy, shift, log_sum
 
@@ -175,9 +175,9 @@ def backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, i
     # The backward's options as op_entry.h derives them from the schema's arguments.
     options = OpOptions(float(inv_temperature), ignore_index, vocab_start, vocab_start + logits.shape[-1],
                         with_entropy, bool(inplace))
-    message = ctypes.create_string_buffer(256)
+    message = ctypes.create_string_buffer(512)
     rc = library().tm_emu_backward(DTYPES[logits.dtype], _ref(logits), _ref(grad), _ref(labels),
                                    labels.dtype == torch.int64, ctypes.byref(options), *[_ptr(t) for t in per_row],
-                                   _segment_bytes(segment_bytes), max_grid, message, 256)
+                                   _segment_bytes(segment_bytes), max_grid, message, 512)
     _raise(rc, message)
     return grad

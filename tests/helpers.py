@@ -310,6 +310,44 @@ class VocabTensors(TorchDispatchMode):
         return out
 
 
+# ------------------------------------------------------------------ twinkle's GKD (distillation) calls
+GKD_K = 8  # the teacher's top-k in the integration tests
+
+
+def gkd_teacher(seed=1):
+    """Top-k teacher log-probs and ids as twinkle's GKD recipe builds them: [len(LENGTHS), SEQ + 3, GKD_K]
+    (longer than the student's sequence: GKDLoss trims it), log-probs sorted, and the recipe's padding (ids 0,
+    log-probs 0.0) past each sample's last label."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (len(LENGTHS), SEQ + 3, GKD_K)
+    ids = torch.stack([torch.randperm(VOCAB, generator=gen)[:GKD_K] for _ in range(shape[0] * shape[1])]).view(shape)
+    logprobs = torch.log_softmax(3 * torch.randn(shape, generator=gen), dim=-1).sort(dim=-1, descending=True).values
+    for b, n in enumerate(LENGTHS):
+        ids[b, n - 1:] = 0
+        logprobs[b, n - 1:] = 0.0
+    return dict(teacher_topk_logprobs=logprobs, teacher_topk_indices=ids)
+
+
+@contextlib.contextmanager
+def gkd_in_float64():
+    """twinkle's own GKD arithmetic in float64 (the loss rounded to the logits' dtype once): the exact reference
+    of a twinkle step."""
+    from twinkle.loss.gkd import GKDLoss
+    original = GKDLoss.__dict__["_generalized_jsd_loss"]
+
+    def exact(student_logits, teacher_logits=None, teacher_topk_logprobs=None, **kwargs):
+        as64 = (lambda t: t.double() if t is not None else None)  # noqa: E731
+        loss = original.__func__(as64(student_logits), teacher_logits=as64(teacher_logits),
+                                 teacher_topk_logprobs=as64(teacher_topk_logprobs), **kwargs)
+        return loss.to(student_logits.dtype)
+
+    GKDLoss._generalized_jsd_loss = staticmethod(exact)
+    try:
+        yield
+    finally:
+        GKDLoss._generalized_jsd_loss = original
+
+
 # ------------------------------------------------------------------ gloo worlds
 class Cases:
     def __init__(self, module_name: str, timeout_s: float, setup=contextlib.nullcontext):

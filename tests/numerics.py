@@ -10,7 +10,9 @@ Bound (``check_outputs``), each value against the float64 reference
 (twinkle_mem.reference):
 - logp and entropy: 1e-6 absolute + 1e-6 relative;
 - gradient: 2 ulp of its dtype at the reference value + 2^-22 of the row's
-  largest reference gradient + the dtype's subnormal step;
+  largest reference gradient + the dtype's subnormal step + twice the error that fp32
+  arithmetic from the contract's fp32 statistics cannot avoid where the gradient's terms
+  cancel (``grad_conditioning``);
 or, where a value misses that, an error at most 2x that of torch's own fp32
 path, ``(x.float() / T).log_softmax(-1)`` and its autograd, on the same input
 (per row for the gradient: the row's worst ratio against torch's worst there).
@@ -90,6 +92,47 @@ def torch_fp32(logits, labels, temperature, ignore_index, g_logp, g_entropy):
     total = (logp * g_logp).sum() + ((entropy * g_entropy).sum() if g_entropy is not None else 0.0)
     (grad,) = torch.autograd.grad(total, x)
     return logp.detach(), entropy.detach(), grad
+
+
+# ------------------------------------------------------------------ the gradient's conditioning
+EPS32 = 2.0**-24  # the unit roundoff of fp32, the precision every kernel computes in (fp64 logits aside)
+
+
+def grad_conditioning(logits, labels, g_logp, g_entropy, temperature, ignore_index):
+    """Per logit, in float64: the error that computing in fp32 from the contract's fp32 statistics
+    cannot avoid, to first order (docs/numerics.md, "Where the gradient's terms cancel"). With
+    b = 1/T, u = log p, H the entropy, w = u + H, V = sum p w^2, G the row's total upstream logp
+    gradient, h the upstream gradient at this logit's labels and g_H the entropy's:
+      d = b (h (1 - p) - (G - h) p - g_H p w)
+      1/T rounded to fp32 (as torch's fp32 path rounds T)  eps |d - b p (G w + g_H (w^2 + w - V))|
+      H saved as fp32                                      eps b |g_H| p |H|
+      u formed in fp32 from x - shift                      2 eps |u| b p |G + g_H (w + 1)|
+      each part rounded                                    2 eps b (|h (1 - p)| + p |G - h| + p |g_H w|)
+    summed (each a worst case; ``check_outputs`` adds the sum to the bound)."""
+    from twinkle_mem.reference import _label_layout, log_probs_ref
+    log_p, entropy, _ = log_probs_ref(logits.detach(), temperature)
+    multi, ignored, safe, skipped = _label_layout(logits, labels, ignore_index)
+    g = g_logp.double()
+    g = (g if multi else g.unsqueeze(-1)).masked_fill(ignored, 0.0)
+    here = torch.zeros_like(log_p).scatter_add(-1, safe, g)
+    total = g.sum(-1, keepdim=True)
+    g_h = (torch.zeros_like(entropy) if g_entropy is None else g_entropy.double()).unsqueeze(-1)
+    b = 1.0 / temperature
+    p = torch.exp(log_p)
+    live = p > 0  # p = 0 (a -inf logit, or below fp64's range): no term
+    u = torch.where(live, log_p, torch.zeros_like(log_p))
+    h_row = entropy.unsqueeze(-1)
+    w = u + h_row
+    var = torch.where(live, p * w * w, torch.zeros_like(p)).sum(-1, keepdim=True)
+    d = b * (-here * torch.expm1(u) - (total - here) * p - g_h * p * w)  # (no cancellation at a confident label)
+    temperature_term = (d - b * p * (total * w + g_h * (w * w + w - var))).abs()
+    entropy_term = b * g_h.abs() * p * h_row.abs()
+    u_term = 2 * u.abs() * b * p * (total + g_h * (w + 1)).abs()
+    # the label's part as the kernels form it, h (1 - p) = -h expm1(u): no cancellation of h against G p
+    eval_term = 2 * b * ((here * torch.expm1(u)).abs() + p * (total - here).abs() + p * (g_h * w).abs())
+    cond = EPS32 * (temperature_term + entropy_term + u_term + eval_term)
+    cond = torch.where(live, cond, torch.zeros_like(cond)).nan_to_num(0.0, 0.0, 0.0)
+    return cond.masked_fill(skipped.unsqueeze(-1), 0.0)
 
 
 # ------------------------------------------------------------------ the check
@@ -176,7 +219,8 @@ def check_outputs(what, logits, labels, temperature, ignore_index, g_logp, g_ent
     row_max = (ref_grad.abs().nan_to_num(0.0, 0.0, 0.0).amax(-1, keepdim=True) if ref_grad.numel()
                else ref_grad.new_zeros(*ref_grad.shape[:-1], 1))
     ref_grad, t_grad = ref_grad[..., vocab_slice], t_grad[..., vocab_slice]
-    grad_bound = 2 * ulp(ref_grad, dtype) + 2.0**-22 * row_max + SUBNORMAL_STEP[dtype]
+    cond = grad_conditioning(x, labels, g_logp, g_entropy, temperature, ignore_index)[..., vocab_slice]
+    grad_bound = 2 * ulp(ref_grad, dtype) + 2.0**-22 * row_max + SUBNORMAL_STEP[dtype] + cond
     assert grad.dtype == dtype and grad.shape == ref_grad.shape, (grad.dtype, tuple(grad.shape))
     _compare("grad", grad, ref_grad, grad_bound, (t_grad.double() - ref_grad).abs(), case, True)
 

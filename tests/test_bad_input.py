@@ -49,3 +49,31 @@ def test_bad_op_arguments_raise(impl):
     for inplace in (False, True):  # a negative shard start would shift the labels onto other columns
         with pytest.raises(RuntimeError, match="vocab_start must be >= 0"):
             impl.backward(shift, None, logits, labels, shift, log_sum, None, 1.0, IGNORE, -1, inplace)
+
+
+# Issue 27: twinkle's and transformers' -100 padding passed without ignore_index. Every implementation that
+# checks the labels gives one message naming the value, the entry, the vocab size and what to do, never the
+# op's placeholder for "no ignore_index" (-2**63). The CUDA kernel's emulation gives it as its device assert.
+NO_IGNORE = -(2**63)
+RANGE = "neither a token id in [0, 10) (vocab size 10) nor the ignore_index"
+LABEL_MESSAGES = [
+    (-100, NO_IGNORE, f"labels.flatten()[2] = -100 is {RANGE} (none given); to ignore such positions (logp 0, no "
+                      "gradient), pass ignore_index=-100"),
+    (-100, -1, f"labels.flatten()[2] = -100 is {RANGE} (-1); to ignore such positions (logp 0, no gradient), pass "
+               "ignore_index=-100"),
+    (V, NO_IGNORE, f"labels.flatten()[2] = 10 is {RANGE} (none given); check that the labels come from the logits' "
+                   "vocabulary"),
+]
+
+
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i.name in ("cpu", "composite", "cuda_emulated")],
+                         ids=lambda i: i.name)
+def test_out_of_range_label_message_is_one_on_every_backend(impl):
+    logits, labels = make_case(N, V, torch.float32)
+    for bad_label, ignore, want in LABEL_MESSAGES:
+        bad = labels.clone()
+        bad[2] = bad_label
+        with pytest.raises(RuntimeError) as err:
+            impl.forward(logits, bad, 1.0, ignore, 0, V, False)
+        got = str(err.value).removeprefix("device-side assert (emulated): ")
+        assert got == "twinkle_mem: label out of range: " + want

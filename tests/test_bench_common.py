@@ -123,3 +123,16 @@ def test_steps_command_writes_the_device_checks_table(tmp_path):
     bad = subprocess.run([sys.executable, str(BENCH / "bench_common.py"), "steps", str(md), str(out), "failed"],
                          input=lines, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "expected KEY=VALUE" in bad.stderr
+
+
+def test_machine_load_is_recorded_and_a_loaded_run_warned():
+    # Issue 27: ratios between peers moved from 5.1x to 1.4x under load; a run says how loaded it was.
+    record = bench_common.MachineLoad().record()
+    assert set(record) == {"cores", "load_average_start", "load_average_end", "other_processes_cpu_cores", "wall_s"}
+    assert record["other_processes_cpu_cores"] is None or record["other_processes_cpu_cores"] >= 0
+    quiet = {"cores": 2, "load_average_start": [0.2, 0.3, 0.3], "other_processes_cpu_cores": 0.1}
+    assert bench_common.load_warning(quiet) is None
+    for loaded in (dict(quiet, other_processes_cpu_cores=1.2), dict(quiet, load_average_start=[2.5, 2.0, 1.0])):
+        assert bench_common.load_warning(loaded).startswith("WARNING: the machine was loaded")
+    many_cores = {"cores": 16, "load_average_start": [2.0, 2.0, 2.0], "other_processes_cpu_cores": 2.0}
+    assert bench_common.load_warning(many_cores) is None  # 2 busy cores of 16: below a quarter

@@ -60,3 +60,61 @@ def test_recorded_results_replot_without_measuring(bench, tmp_path):
     peers = {r["peer"] for r in recorded["results"] if "error" not in r}
     for ax in bench.results_figure(recorded).get_axes():
         assert {line.get_label() for line in ax.get_lines()} == peers == set(bench.PEERS)
+
+
+# ------------------------------------------------------------------ issue 27: what a newcomer's run shows
+class _LoadedMachine:
+    def record(self):
+        return {"cores": 2, "load_average_start": [3.5, 3.0, 2.0], "load_average_end": [3.8, 3.1, 2.1],
+                "other_processes_cpu_cores": 1.4, "wall_s": 12.0}
+
+
+def test_every_size_takes_the_median_of_several_calls(bench, monkeypatch, tmp_path, capsys):
+    calls = []
+
+    def run_peer(peer, n, v, reps, timeout):
+        calls.append((peer, n, reps))
+        times = [0.1 * n / 512 * (1 + 0.1 * i) for i in range(reps)]
+        return {"peer": peer, "n": n, "v": v, **bench.time_summary(times), "extra_peak_bytes": 0,
+                "logits_bytes": 2 * n * v, "saved_bytes": 8 * n, "err_logp": 1e-7, "err_entropy": 1e-7}
+
+    monkeypatch.setattr(bench, "run_peer", run_peer)
+    monkeypatch.setattr(bench, "MachineLoad", _LoadedMachine)
+    monkeypatch.setattr(bench, "write_plot", lambda out: None)
+    out = tmp_path / "run"
+    bench.main(["--sizes", "512,1024,2048", "--peers", "compiled,twinkle_mem", "--reps", "3", "--out", str(out)])
+    assert sorted({(n, reps) for _, n, reps in calls}) == [(512, 3), (1024, 3), (2048, 3)]
+    printed = capsys.readouterr().out
+    table = printed[printed.index("selective log-softmax"):]
+    assert "spread" in table and "median of 3 calls" in table
+    assert sum(line.split()[:2] == [str(n), "twinkle_mem"] for line in table.splitlines() for n in (512, 1024, 2048)) == 3
+    assert "WARNING: the machine was loaded" in printed and "1.4 of 2 cores" in printed
+    data = json.loads((tmp_path / "run.json").read_text())
+    assert data["meta"]["load"]["other_processes_cpu_cores"] == 1.4 and data["meta"]["reps"] == 3
+    assert all(r["spread"] == pytest.approx(0.2 / 1.1) for r in data["results"])
+
+
+def test_a_run_leaves_the_committed_results_alone(bench):
+    out = bench.parse_args([]).out
+    assert Path(out).resolve() != Path(bench.RECORDED).resolve()
+    ignored = subprocess.run(["git", "-C", str(BENCH.parent), "check-ignore", "-q", out + ".json"])
+    assert ignored.returncode == 0, f"{out}.json would show as a change in a fresh clone"
+    assert bench.parse_args(["--record"]).out == bench.RECORDED
+
+
+def test_twinkle_loop_says_where_it_comes_from(bench, monkeypatch):
+    monkeypatch.setitem(sys.modules, "twinkle.utils.torch_utils", None)  # twinkle-kit not installed
+    assert bench.twinkle_loop_source() == bench.TWINKLE_LOOP_COPY
+    row = {"peer": "twinkle_loop", "n": 512, "time_s": 1.0, "spread": 0.0, "extra_peak_bytes": 0,
+           "logits_bytes": 1, "saved_bytes": 0, "err_logp": 0.0, "err_entropy": 0.0,
+           "source": bench.twinkle_loop_source()}
+    table = bench.render_table([row], {"vocab": 8, "torch": "x", "threads": 1, "cpu": "c", "reps": 1})
+    assert "twinkle_loop *" in table and table.splitlines()[-1].startswith("* twinkle_loop: this script's copy")
+
+
+def test_the_child_records_the_twinkle_loop_source(bench):
+    pytest.importorskip("twinkle.utils.torch_utils")
+    proc = subprocess.run([sys.executable, str(BENCH), "--child", "twinkle_loop", "--sizes", "4", "--vocab", "16",
+                           "--reps", "1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.splitlines()[-1])["source"].startswith("twinkle-kit 0.5.1")

@@ -394,6 +394,19 @@ def test_bad_arguments():
         lsls(hidden, weight, bad, ignore_index=-100)
 
 
+def test_padding_label_without_ignore_index_says_what_to_do():
+    # Issue 27: the fused head gives the op's message, naming the entry of the caller's index (not of a row
+    # tile: the ignored rows before it are dropped before any tile is formed).
+    hidden, weight, _, labels = make_head(12, 16, 30, torch.float32, ignore_frac=0.0, seed=3)
+    labels[:5] = 7
+    labels[5] = -100
+    with pytest.raises(RuntimeError) as err:
+        lsls(hidden, weight, labels, ignore_index=7)
+    assert str(err.value) == ("twinkle_mem: label out of range: labels.flatten()[5] = -100 is neither a token id in "
+                              "[0, 30) (vocab size 30) nor the ignore_index (7); to ignore such positions (logp 0, "
+                              "no gradient), pass ignore_index=-100")
+
+
 # ------------------------------------------------------------------ compile, opcheck, composite
 def test_torch_compile_fullgraph():
     hidden, weight, bias, labels = make_head(12, 16, 300, torch.float32, ignore_frac=0.4, seed=13)

@@ -535,7 +535,37 @@ def test_out_of_range_label_message(device):
     assert "[0, 10)" in msg and ".h:" not in msg and ".cpp" not in msg and "/" not in msg.split("[0, 10)")[0], msg
 
 
+def test_padding_label_without_ignore_index_says_what_to_do(device):
+    # Issue 27: twinkle's / transformers' -100 labels without ignore_index: the message names the value, the
+    # entry of the caller's index, the vocab size and the fix, not the op's placeholder for "none".
+    logits, labels = make_case(6, 10, torch.float32, device)
+    labels = labels.view(3, 2).clone()
+    labels[1, 1] = -100
+    with pytest.raises(RuntimeError) as err:
+        twinkle_mem.selective_log_softmax(logits.view(3, 2, 10), labels)
+    msg = str(err.value)
+    assert msg.startswith("twinkle_mem: label out of range: labels.flatten()[3] = -100 is neither a token id in "
+                          "[0, 10) (vocab size 10) nor the ignore_index (none given)"), msg
+    assert msg.endswith("pass ignore_index=-100") and str(-(2**63)) not in msg, msg
+    twinkle_mem.selective_log_softmax(logits.view(3, 2, 10), labels, ignore_index=-100)  # the advice works
+
+
 def test_cli_reports_backends():
     out = subprocess.run([sys.executable, "-m", "twinkle_mem"], capture_output=True, text=True, check=True).stdout
     assert "twinkle-mem" in out and "cpu   loaded" in out
     assert twinkle_mem.backends()["cpu"] == "loaded"
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_cli_tells_the_cuda_library_from_a_visible_gpu(monkeypatch, capsys, gpus):
+    # Issue 27: a CUDA build of torch loads _C_cuda on a machine without a GPU; "cuda loaded" alone read as
+    # "the GPU kernels run here".
+    from twinkle_mem import __main__ as cli
+
+    monkeypatch.setattr(twinkle_mem, "backends", lambda: {"cpu": "loaded", "cuda": "loaded", "npu": "not built"})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    cli.main()
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("cuda"))
+    gpu = "GPU: 2 visible (NVIDIA H200)" if gpus else "GPU: none visible"
+    assert line.split() == ["cuda", "library", "loaded;", *gpu.split()], line

@@ -15,8 +15,8 @@
 #include <optional>
 #include <utility>
 #include <stdexcept>
-#include <string>
 
+#include "label_message.h"
 #include "op_options.h"
 
 namespace twinkle_mem {
@@ -140,16 +140,16 @@ void check_backward_args(const BackwardInputs<TensorT>& in, const OpOptions& o) 
 
 // Labels must be ignore_index or within [0, vocab_size) (online_softmax.h's
 // label_in_range). The host-side checks (the CPU's loop, the NPU's reduction)
-// raise with this one message; CUDA checks on the device instead, with a
-// device-side assert and its own message (docs/cuda.md).
+// raise with label_message.h's message; CUDA checks on the device and asserts
+// with the same text (docs/cuda.md).
 //
 // Thrown as a plain std::runtime_error (a RuntimeError in Python) so that the
 // message leads with what is wrong and names no source path of the build machine.
 [[noreturn]] inline void fail_label_out_of_range(int64_t index, int64_t label, int64_t vocab_size,
                                                  int64_t ignore_index) {
-  throw std::runtime_error("twinkle_mem: label out of range: labels.flatten()[" + std::to_string(index) + "] = " +
-                           std::to_string(label) + " is not in [0, " + std::to_string(vocab_size) +
-                           ") and is not ignore_index (" + std::to_string(ignore_index) + ")");
+  Message m;
+  m.add_label_out_of_range(index, label, vocab_size, ignore_index);
+  throw std::runtime_error(m.text);
 }
 
 }  // namespace twinkle_mem

@@ -31,6 +31,7 @@
 // does: a device-side assert, no host synchronization (see docs/cuda.md).
 #pragma once
 
+#include "../common/label_message.h"
 #include "../common/layout.h"
 #include "../common/online_softmax.h"
 
@@ -404,6 +405,22 @@ __global__ void __launch_bounds__(kMaxThreads) segment_state_kernel(const Forwar
   }
 }
 
+// A label neither ignore_index nor in [0, vocab_size): a device-side assert whose
+// message is the host checks' (label_message.h), naming the label. It is written
+// into global memory, not a local buffer (which would give finish_rows_kernel a
+// stack frame), by the first thread to find a bad label; that thread asserts, the
+// others go on (the assert ends the launch and the context anyway).
+__device__ char g_label_message[Message::kCapacity];
+__device__ unsigned g_label_message_taken;
+
+__device__ __forceinline__ void assert_label_in_range(int64_t index, int64_t label, int64_t vocab_size,
+                                                      int64_t ignore_index) {
+  if (atomicCAS(&g_label_message_taken, 0u, 1u) != 0u) return;
+  MessageWriter m{g_label_message, Message::kCapacity};
+  m.add_label_out_of_range(index, label, vocab_size, ignore_index);
+  CUDA_KERNEL_ASSERT_MSG(false, g_label_message);
+}
+
 // One thread per row: merge the row's segment states in order, finish the row,
 // take logp at each label, check the labels.
 template <typename scalar_t, typename label_t>
@@ -429,8 +446,8 @@ __global__ void __launch_bounds__(kMaxThreads) finish_rows_kernel(const ForwardA
     if (a.entropy != nullptr) a.entropy[row] = static_cast<acc_t>(stats.entropy);
     for (int64_t j = 0; j < k; ++j) {
       const int64_t y = a.labels(row, j);
-      CUDA_KERNEL_ASSERT_MSG(label_in_range(y, a.ignore_index, a.vocab_size),
-                             "twinkle_mem: label out of range (not ignore_index, not in [0, vocab_size))");
+      if (!label_in_range(y, a.ignore_index, a.vocab_size)) assert_label_in_range(row * k + j, y, a.vocab_size,
+                                                                                 a.ignore_index);
       const int64_t target = is_ignored(y, a.ignore_index) ? -1 : local_target(y, a.vocab_start, a.vocab);
       a.logp[row * k + j] =
           target >= 0 ? static_cast<acc_t>(log_prob(static_cast<double>(to_acc(a.logits[a.row_at(row) + target])),

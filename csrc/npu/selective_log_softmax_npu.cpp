@@ -114,9 +114,17 @@ constexpr size_t kMaxPendingLabelChecks = 256;
 
 void raise_if_bad(const PendingLabelCheck& c) {
   const int64_t bad = c.host_count.data_ptr<int64_t>()[0];
-  TORCH_CHECK(bad == 0, "twinkle_mem: label out of range in an earlier call on the NPU: ", bad,
-              " labels were neither ignore_index (", c.ignore_index, ") nor in [0, vocab_size = ", c.vocab_size,
-              "); their log-probs are NaN. Set TWINKLE_MEM_NPU_SYNC_CHECKS=1 to raise at the call, naming the label");
+  if (bad == 0) return;
+  // label_message.h's rule and hint: the same words as the message that names the label.
+  Message m;
+  m.add("twinkle_mem: label out of range in an earlier call on the NPU: ");
+  m.add(bad);
+  m.add(" labels were ");
+  m.add_rule(c.vocab_size, c.ignore_index);
+  m.add(" (their log-probs are NaN); ");
+  m.add_ignore_hint();
+  m.add("; set TWINKLE_MEM_NPU_SYNC_CHECKS=1 to raise at the call, naming the label");
+  TORCH_CHECK(false, m.text);
 }
 
 // Raises for the first completed check that found bad labels; never waits

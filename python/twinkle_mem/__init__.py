@@ -19,5 +19,17 @@ def backends() -> dict[str, str]:
     return dict(_backend_status)
 
 
+# Reached as attributes after a plain `import twinkle_mem` (twinkle_mem.integrations.twinkle.install(),
+# twinkle_mem.processor, ...), imported on first use: integrations.twinkle loads twinkle-kit's glue only then.
+_SUBMODULES = ("integrations", "processor", "megatron", "reference", "vocab_parallel")
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["selective_log_softmax", "linear_selective_log_softmax", "linear_gkd_topk", "linear_gkd_full",
            "gkd_from_logits", "gkd_average", "entropy_from_logits", "backends", "__version__"]

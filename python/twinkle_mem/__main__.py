@@ -1,5 +1,8 @@
-"""`python -m twinkle_mem`: version, torch, and which backends are built and loaded."""
+"""`python -m twinkle_mem`: version, torch, which backends are built and loaded, whether a GPU is visible,
+and whether the start-up hook is installed and what TWINKLE_MEM_INSTALL, as set now, would do."""
+import os
 import platform
+import sys
 
 import torch
 
@@ -14,14 +17,31 @@ def _cpu_isa() -> str:
     return "avx2+fma+f16c" if {"avx2", "fma", "f16c"} <= set(flags) else "portable"
 
 
-def main() -> None:
+def _gpus() -> str:
+    # Apart from the library: a CUDA build of torch loads _C_cuda on a machine without a GPU.
+    n = torch.cuda.device_count()
+    return f"{n} visible ({torch.cuda.get_device_name(0)})" if n else "none visible"
+
+
+def main() -> int:
     print(f"twinkle-mem {twinkle_mem.__version__}")
     print(f"torch {torch.__version__} (cuda {torch.version.cuda}), python {platform.python_version()}")
     for backend, state in twinkle_mem.backends().items():
         loaded = state == "loaded"
         extra = f" [cpu kernel path: {_cpu_isa()}, {torch.get_num_threads()} threads]" if backend == "cpu" and loaded else ""
+        if backend == "cuda":
+            state, extra = f"library {state}", f"; GPU: {_gpus()}"
         print(f"  {backend:5s} {state}{extra}")
+    from twinkle_mem.integrations.twinkle import startup
+    print(f"start-up hook: {startup.hook_status()}")
+    value = os.environ.get(startup.ENV_VAR)
+    print(f"  {startup.describe(value)}")
+    try:
+        startup.parse(value)
+    except ValueError:
+        return 2  # a job script can check the variable before it starts anything
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

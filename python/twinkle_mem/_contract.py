@@ -140,18 +140,39 @@ def check_op_vocab_shard(vocab_start: int, v: int, vocab_size: int) -> None:
              f"lie within [0, vocab_size = {vocab_size})")
 
 
+# The out-of-range label message: csrc/common/label_message.h's text, word for word.
+def label_rule(vocab_size: int, ignore_index: int) -> str:
+    """What a label must be: 'neither a token id in [0, V) (vocab size V) nor the ignore_index (...)'."""
+    ignore = "none given" if ignore_index == NO_IGNORE_INDEX else str(ignore_index)
+    return f"neither a token id in [0, {vocab_size}) (vocab size {vocab_size}) nor the ignore_index ({ignore})"
+
+
+IGNORE_HINT = "to ignore padding labels such as -100 (logp 0, no gradient), pass ignore_index=-100"
+
+
+def label_out_of_range_message(index: int, label: int, vocab_size: int, ignore_index: int) -> str:
+    if label < 0:  # padding, most likely: say how to ignore exactly this value
+        todo = f"to ignore such positions (logp 0, no gradient), pass ignore_index={label}"
+    else:
+        todo = "check that the labels come from the logits' vocabulary"
+    return (f"twinkle_mem: label out of range: labels.flatten()[{index}] = {label} is "
+            f"{label_rule(vocab_size, ignore_index)}; {todo}")
+
+
 def check_op_label_range(y: torch.Tensor, ignored: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
-    bad = ~ignored & ((y < 0) | (y >= vocab_size))
+    """y: the labels in their flattened order (labels.flatten() of the caller's index)."""
     if y.numel() == 0:
         return
+    bad = ~ignored & ((y < 0) | (y >= vocab_size))
     if y.device.type != "cpu":
-        # No host synchronisation on an accelerator: a device-side assert, as nll_loss does.
-        torch._assert_async(~bad.any(), "twinkle_mem: label out of range (not in [0, vocab_size), not ignore_index)")
+        # No host synchronisation on an accelerator: a device-side assert, as nll_loss does; its message
+        # cannot name the label.
+        torch._assert_async(~bad.any(), f"twinkle_mem: label out of range: some label is "
+                                        f"{label_rule(vocab_size, ignore_index)}; {IGNORE_HINT}")
         return
     if bool(bad.any()):
         i = int(bad.flatten().nonzero()[0, 0])
-        raise RuntimeError(f"twinkle_mem: label out of range: labels.flatten()[{i}] = {int(y.flatten()[i])} is not "
-                           f"in [0, {vocab_size}) and is not ignore_index ({ignore_index})")
+        raise RuntimeError(label_out_of_range_message(i, int(y.flatten()[i]), vocab_size, ignore_index))
 
 
 def check_op_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, entropy, inv_temperature,

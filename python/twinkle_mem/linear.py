@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
-from ._contract import stats_dtype
+from ._contract import check_op_label_range, stats_dtype
 from ._matmul import add_matmul, logits_tile, mixed_addmm
 from .row_stats import combine_shard_stats_in_tiles, output_shift
 from .vocab_parallel import gather_shard_stats
@@ -224,6 +224,8 @@ def linear_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: T
     a 0-dim CPU tensor (ops.inv_temperature_tensor: no recompile when T changes under torch.compile)."""
     inv_temperature = inv_temperature.item()
     n, k = labels.shape
+    # Checked here, on the caller's labels: the op's own check would see a row tile's and name its entry.
+    check_op_label_range(labels, labels == ignore_index, vocab_size, ignore_index)
     acc = stats_dtype(hidden)
     logp = hidden.new_zeros((n, k), dtype=acc)
     entropy = hidden.new_zeros((n if with_entropy else 0,), dtype=acc)

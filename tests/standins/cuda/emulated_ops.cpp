@@ -24,6 +24,7 @@ int finish(char* message, int64_t message_len) {
   if (emu_assert_message.empty()) return 0;
   std::snprintf(message, static_cast<size_t>(message_len), "%s", emu_assert_message.c_str());
   emu_assert_message.clear();
+  g_label_message_taken = 0;  // on a GPU the assert ends the context; here the next call starts afresh
   return 1;
 }
 

@@ -107,6 +107,13 @@ inline void __stcs(T* p, T v) {
   *p = v;
 }
 
+// ---- atomics: threads switch only at barriers, so a plain read-modify-write is atomic here
+inline unsigned atomicCAS(unsigned* address, unsigned compare, unsigned val) {
+  const unsigned old = *address;
+  if (old == compare) *address = val;
+  return old;
+}
+
 // ---- device-side asserts: recorded, reported by the caller after the launch
 inline std::string emu_assert_message;
 #define CUDA_KERNEL_ASSERT_MSG(cond, msg)                                 \

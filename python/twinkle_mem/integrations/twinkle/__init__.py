@@ -30,7 +30,9 @@ that runs a model; call it before training starts):
   ``logits_guard=True``);
 - with ``fused_lm_head=True``: ``TransformersModel.forward`` / ``forward_only``
   too, and in every eligible call the output layer computes log-probs and
-  entropy from its input without the logits (``fused_head.py``).
+  entropy from its input without the logits (``fused_head.py``); and
+  ``GKDLoss.__call__``, which computes a top-k distillation call's loss from
+  the output layer's input (``distill_loss.py``).
 
 ``uninstall()`` puts every original object back.
 """
@@ -40,7 +42,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from twinkle_mem.processor import MASK_SKIP_MODES
 
-from . import fused_head, megatron_steps, transformers_path
+from . import distill_loss, fused_head, megatron_steps, transformers_path
 from . import mask_skip as mask_skip_patch  # (install() has an argument mask_skip)
 from .failed_micro_batches import FailedMicroBatchWarning
 
@@ -74,21 +76,17 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
     settings reinstalls.
     """
     global _settings, _log_softmax_pair
-    if mask_skip not in MASK_SKIP_MODES:
-        raise ValueError(f"mask_skip must be one of {MASK_SKIP_MODES}, got {mask_skip!r}")
-    if fused_lm_head and not log_softmax:
-        raise ValueError("fused_lm_head=True needs log_softmax=True: twinkle's selective_log_softmax call sites are "
-                         "where the fused results are handed over")
-    if fused_chunk_bytes is not None and not (isinstance(fused_chunk_bytes, int) and fused_chunk_bytes > 0):
-        raise ValueError(f"fused_chunk_bytes must be a positive int or None, got {fused_chunk_bytes!r}")
     settings = dict(log_softmax=log_softmax, mask_skip=mask_skip, logits_guard=logits_guard,
                     fused_lm_head=fused_lm_head, fused_chunk_bytes=fused_chunk_bytes)
+    check_settings(settings)
+    # First import twinkle: where TWINKLE_MEM_INSTALL is set, that runs the start-up hook's install() now, to
+    # completion, so that this call then reinstalls with its own settings rather than patching over it.
+    _check_version()
     if _settings == settings:
         return
     if _settings is not None:
         uninstall()
 
-    _check_version()
     # Resolve every patch point before touching any, so a failure leaves twinkle as it was.
     import twinkle.utils.torch_utils as torch_utils
     from twinkle import Platform
@@ -100,6 +98,7 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
         # None without megatron-core: no Megatron runs then
         pipeline_parallel = megatron_steps.megatron_pipeline_parallel()
     if fused_lm_head:
+        from twinkle.loss.gkd import GKDLoss
         from twinkle.model.transformers.transformers import TransformersModel
     if log_softmax:
         from twinkle_mem import selective_log_softmax as op  # the native op, loaded only now
@@ -127,10 +126,23 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
                 forward = transformers_path.transformers_model_forward(getattr(TransformersModel, name),
                                                                        fused_chunk_bytes)
                 _patch(TransformersModel, name, forward)
+            _patch(GKDLoss, "__call__", distill_loss.gkd_call(GKDLoss.__call__))
     except BaseException:
         _restore()
         raise
     _settings = settings
+
+
+def check_settings(settings: Dict[str, Any]) -> None:
+    """Raise ValueError for install() arguments that do not go together (also TWINKLE_MEM_INSTALL's)."""
+    mask_skip, chunk_bytes = settings.get("mask_skip", "npu"), settings.get("fused_chunk_bytes")
+    if mask_skip not in MASK_SKIP_MODES:
+        raise ValueError(f"mask_skip must be one of {MASK_SKIP_MODES}, got {mask_skip!r}")
+    if settings.get("fused_lm_head", False) and not settings.get("log_softmax", True):
+        raise ValueError("fused_lm_head=True needs log_softmax=True: twinkle's selective_log_softmax call sites are "
+                         "where the fused results are handed over")
+    if chunk_bytes is not None and not (isinstance(chunk_bytes, int) and chunk_bytes > 0):
+        raise ValueError(f"fused_chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
 
 
 def uninstall() -> None:

@@ -6,6 +6,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
+from . import distill_loss
 from .fused_head import IGNORE_INDEX
 
 # Config attributes that mean the logits are transformed after the output layer.
@@ -22,7 +23,7 @@ def call_ineligible(kwargs, loss) -> Optional[str]:
         return f"task={kwargs.get('task')!r} is not causal_lm"
     if loss is None:
         return "no loss instance"
-    if getattr(loss, "require_logits", False):
+    if getattr(loss, "require_logits", False) and not distill_loss.is_topk_gkd_call(kwargs, loss):
         return f"the loss {type(loss).__name__} needs logits (require_logits)"
     if getattr(loss, "require_values", False):
         return f"the loss {type(loss).__name__} needs values (require_values)"
@@ -100,6 +101,19 @@ def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
             return [], reason
         layers.append(layer)
     return layers, None
+
+
+def megatron_output_weights(model_chunks) -> List[torch.Tensor]:
+    """The weights the output layers of a MegatronModel's chunks compute with: their own, or the word
+    embeddings' where they share them and the layer holds none (the embedding on the same stage)."""
+    from twinkle.patch.megatron_emb import _find_post_process_owner
+    weights = []
+    for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
+        owner = _find_post_process_owner(chunk)
+        if owner is not None:
+            weight = owner.output_layer.weight
+            weights.append(owner.shared_embedding_or_output_weight() if weight is None else weight)
+    return weights
 
 
 def transformers_lm_head(wrapped_model, unwrapped) -> Tuple[Optional[torch.nn.Module], Optional[str]]:

@@ -63,8 +63,11 @@ class FusedCall:
     result waiting for twinkle's ``selective_log_softmax``."""
 
     def __init__(self, temperature: float, with_entropy: bool, chunk_bytes: Optional[int],
-                 labels_from_processor: bool = False):
+                 labels_from_processor: bool = False, distill: bool = False):
         self.temperature = temperature
+        # A distillation call (distill_loss.py): the deferred head keeps its input and weight for the loss,
+        # which computes from them; no log-probs are computed or handed to twinkle.
+        self.distill = distill
         self.with_entropy = with_entropy
         self.chunk_bytes = chunk_bytes
         self.labels_from_processor = labels_from_processor  # else set per micro-batch by the step hooks
@@ -95,10 +98,11 @@ class FusedCall:
         return out
 
     @classmethod
-    def for_call(cls, kwargs, loss, chunk_bytes: Optional[int], labels_from_processor: bool = False) -> "FusedCall":
+    def for_call(cls, kwargs, loss, chunk_bytes: Optional[int], labels_from_processor: bool = False,
+                 distill: bool = False) -> "FusedCall":
         """The call state for a twinkle call's kwargs (its temperature) and loss (its require_entropy)."""
         return cls(float(kwargs.get("temperature", 1.0)), bool(getattr(loss, "require_entropy", False)), chunk_bytes,
-                   labels_from_processor=labels_from_processor)
+                   labels_from_processor=labels_from_processor, distill=distill)
 
     def compute(self, hidden, weight, labels, process_group=None):
         from twinkle_mem import linear_selective_log_softmax
@@ -120,6 +124,13 @@ class FusedCall:
         placeholder = hidden[..., :0].to(torch.float32) * 1.0
         self.pending = _Deferred(placeholder, logp, entropy, self.labels)
         self.deferred += 1
+        return placeholder
+
+    def defer_head(self, hidden, weight, process_group, seq_first: bool) -> torch.Tensor:
+        """A distillation call: the placeholder standing for the logits, carrying what defines them (the
+        layer's input and weight, the TP group, the call's temperature) for the loss (distill_loss.py)."""
+        placeholder = hidden[..., :0].to(torch.float32) * 1.0  # (as defer(): in the graph of the hidden states)
+        placeholder._twinkle_mem_head = DeferredHead(hidden, weight, process_group, seq_first, self.temperature)
         return placeholder
 
     def refuse(self, message: str) -> RuntimeError:
@@ -147,6 +158,28 @@ class FusedCall:
             self.pending = None
             raise RuntimeError(f"twinkle-mem fused LM head: {where}: {NOT_TAKEN}. install(fused_lm_head=False) runs "
                                "twinkle-kit unchanged.")
+
+
+@dataclass
+class DeferredHead:
+    """What a distillation call's deferred output layer leaves on its placeholder: the logits are
+    ``(hidden @ weight.T) / temperature`` (the layer has no bias; ``temperature`` is twinkle's call's,
+    which its forward step would have divided the logits by), ``hidden`` [s, b, H] when ``seq_first``
+    (Megatron) else [b, s, H]; ``weight`` this rank's vocab shard under ``process_group``."""
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    process_group: Optional[object]
+    seq_first: bool
+    temperature: float
+
+
+def deferred_head(logits) -> Optional[DeferredHead]:
+    """The DeferredHead behind a distillation call's placeholder (or a view of it), else None."""
+    for tensor in (logits, getattr(logits, "_base", None)):
+        head = getattr(tensor, "_twinkle_mem_head", None)
+        if head is not None:
+            return head
+    return None
 
 
 _CALL: ContextVar[Optional[FusedCall]] = ContextVar("twinkle_mem_fused_call", default=None)
@@ -264,6 +297,8 @@ def megatron_forward(original):
             raise RuntimeError(f"twinkle-mem fused LM head: output layer input {tuple(hidden.shape)} does not match "
                                f"the micro-batch's labels {tuple(labels.shape)}")
         group = self.tp_group if self.tp_group is not None and self.tp_group.size() > 1 else None
+        if call.distill:
+            return call.defer_head(hidden, weight, group, seq_first=True), None
         logp, entropy = call.compute(hidden, weight, labels.t(), group)
         logp = logp.t().contiguous()
         entropy = entropy.t().contiguous() if entropy is not None else None
@@ -286,6 +321,8 @@ def transformers_forward(original):
                 dtype = torch.get_autocast_dtype(device_type)
                 input, weight = input.to(dtype), weight.to(dtype)
                 stack.enter_context(torch.autocast(device_type, enabled=False))
+            if call.distill:
+                return call.defer_head(input, weight, None, seq_first=False)
             logp, entropy = call.compute(input, weight, call.labels)
         return call.defer(logp, entropy, input)
 

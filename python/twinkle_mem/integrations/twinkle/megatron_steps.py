@@ -9,10 +9,12 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import List, Optional, Tuple
 
+import torch
+
 from twinkle_mem.megatron import current_logits_reporting, guard_report
 from twinkle_mem.megatron import logits_guard as _logits_guard
 
-from . import fused_eligibility, fused_head
+from . import distill_loss, fused_eligibility, fused_head
 from ._model import loss_instance
 from .failed_micro_batches import report_failed_micro_batches
 
@@ -44,7 +46,10 @@ def megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: O
                 stack.enter_context(_logits_guard(return_logits=kwargs.get("return_logits", False), loss=loss,
                                                   forward_only=forward_only))
             if fused:
-                steps.fused = stack.enter_context(_fused_megatron(self, kwargs, loss, chunk_bytes))
+                steps.fused = stack.enter_context(_fused_megatron(self, kwargs, loss, chunk_bytes, guard))
+                if steps.fused is not None and steps.fused.distill:  # a loss without log-probs for this call
+                    steps.expects_logps = False
+                    steps.reports_none_logps = getattr(self, "variable_seq_lengths", False)
             token = _STEPS.set(steps)
             stack.callback(_STEPS.reset, token)
             out = original(self, *args, **kwargs)
@@ -58,22 +63,64 @@ def megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: O
 
 
 @contextlib.contextmanager
-def _fused_megatron(model, kwargs, loss, chunk_bytes):
+def _fused_megatron(model, kwargs, loss, chunk_bytes, guard):
     """The fused call for one MegatronModel.forward_backward, or None where it does not apply."""
     reason = fused_eligibility.call_ineligible(kwargs, loss)
+    distill = reason is None and distill_loss.is_topk_gkd_call(kwargs, loss)
+    if distill and not guard:  # its log-probs are None: twinkle-kit 0.5.1 passes those to torch.cat
+        reason = "a fused distillation call needs the logits guard (install(logits_guard=True))"
     layers = []
     if reason is None:
         model._lazy_wrap_model()  # twinkle's first step anyway: decide on the model as it will run
         layers, reason = fused_eligibility.megatron_output_layers(model.model)
+        if chunk_bytes is not None:  # (on every stage: the call's eligibility is the same on all of them)
+            _check_chunk_bytes(model, layers, chunk_bytes)
     if reason is not None or not layers:  # (no output layer: not the last pipeline stage)
         if reason is not None:
             logger.debug("twinkle-mem fused LM head not used: %s", reason)
         yield None
         return
-    call = fused_head.FusedCall.for_call(kwargs, loss, chunk_bytes)
+    call = fused_head.FusedCall.for_call(kwargs, loss, chunk_bytes, distill=distill)
     with fused_head.deferred(layers, fused_head.megatron_forward, call), \
-            fused_head.mtp_called_without_labels(model.model, call):
+            fused_head.mtp_called_without_labels(model.model, call), \
+            distill_loss.without_log_probs(loss) if distill else contextlib.nullcontext():
         yield call
+
+
+def _check_chunk_bytes(model, layers, chunk_bytes: int) -> None:
+    """install(fused_chunk_bytes=...) judged against the output layers, before megatron's schedule starts,
+    the verdict shared by every pipeline stage: only the last stage holds the layers, and an error raised
+    there inside the schedule would leave the other stages waiting in their p2p receive. Once per model
+    and value (one small collective)."""
+    if getattr(model, "_twinkle_mem_chunk_bytes_fit", None) == chunk_bytes:
+        return
+    from twinkle_mem.linear import block_width, tiles_in_flight
+    error = None
+    for weight in fused_eligibility.megatron_output_weights(model.model) if layers else []:
+        try:
+            tiles_in_flight(block_width(weight.shape[0]), weight.shape[1], weight.dtype, chunk_bytes, backward=True)
+        except ValueError as e:
+            error = str(e)
+    group = _pipeline_group()
+    if group is not None:
+        errors = [None] * group.size()
+        torch.distributed.all_gather_object(errors, error, group=group)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise ValueError(f"twinkle-mem fused LM head: install(fused_chunk_bytes={chunk_bytes}) does not fit this "
+                         f"model: {error}; pass a larger fused_chunk_bytes, or None for the default")
+    model._twinkle_mem_chunk_bytes_fit = chunk_bytes
+
+
+def _pipeline_group():
+    """megatron-core's pipeline-parallel group of this rank when there are several stages, else None."""
+    try:
+        from megatron.core import parallel_state as mpu
+    except ImportError:
+        return None
+    if not mpu.model_parallel_is_initialized() or mpu.get_pipeline_model_parallel_world_size() < 2:
+        return None
+    return mpu.get_pipeline_model_parallel_group()
 
 
 def scheduler_with_step_hooks(original):

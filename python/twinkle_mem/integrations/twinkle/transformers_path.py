@@ -6,7 +6,7 @@ import functools
 import logging
 from typing import Optional
 
-from . import fused_eligibility, fused_head
+from . import distill_loss, fused_eligibility, fused_head
 from ._model import loss_instance
 
 logger = logging.getLogger("twinkle_mem")
@@ -39,6 +39,8 @@ def _fused_transformers(model, kwargs, chunk_bytes):
         logger.debug("twinkle-mem fused LM head not used: %s", reason)
         yield None
         return
-    call = fused_head.FusedCall.for_call(kwargs, loss, chunk_bytes, labels_from_processor=True)
-    with fused_head.deferred([head], fused_head.transformers_forward, call):
+    distill = distill_loss.is_topk_gkd_call(kwargs, loss)
+    call = fused_head.FusedCall.for_call(kwargs, loss, chunk_bytes, labels_from_processor=True, distill=distill)
+    with fused_head.deferred([head], fused_head.transformers_forward, call), \
+            distill_loss.without_log_probs(loss) if distill else contextlib.nullcontext():
         yield call

@@ -1,0 +1,92 @@
+"""twinkle's GKD (distillation) loss on the fused LM head: the loss from the output layer's input.
+
+This module owns when a twinkle call is a fused distillation call, and ``GKDLoss.__call__`` as
+``install(fused_lm_head=True)`` patches it. For such a call (twinkle's ``GKDLoss`` itself, a top-k
+teacher: ``teacher_topk_logprobs`` and ``teacher_topk_indices``, no ``teacher_logits``), the deferred
+output layer (fused_head.py) returns a zero-width placeholder carrying its input and weight; twinkle's
+forward step hands it to the loss as ``outputs['logits']``, and the patched ``GKDLoss.__call__`` computes
+twinkle's generalized JSD with ``twinkle_mem.linear_gkd_topk`` (fp32; only the k teacher columns of the
+student's logits, per row tile; under TP the vocab shards combined over the group). The logits never
+exist, and twinkle's full-vocab ``selective_log_softmax``, whose result GKD does not use, is not run: the
+loss reads ``require_logps = False`` during the call, so the call's ``logps`` are those of a loss without
+log-probs (None). Every other call of ``GKDLoss`` runs twinkle's own code.
+"""
+import contextlib
+from typing import Optional
+
+from . import fused_head
+
+_NOT_GKD = "the loss is not twinkle's GKDLoss over a top-k teacher"
+
+
+def gkd_loss_class():
+    from twinkle.loss.gkd import GKDLoss
+    return GKDLoss
+
+
+def is_topk_gkd_call(kwargs, loss) -> bool:
+    """Whether a twinkle call is GKD over a top-k teacher: twinkle's GKDLoss itself (not a subclass that
+    may compute otherwise) with teacher_topk_logprobs and teacher_topk_indices, and no teacher_logits."""
+    inner = getattr(loss, "_loss_instance", loss)  # twinkle's SafeLossWrapper
+    return (type(inner) is gkd_loss_class() and kwargs.get("teacher_topk_logprobs") is not None
+            and kwargs.get("teacher_topk_indices") is not None and kwargs.get("teacher_logits") is None)
+
+
+@contextlib.contextmanager
+def without_log_probs(loss):
+    """``loss.require_logps`` False for the call: twinkle's forward step then runs no selective_log_softmax
+    (and no in-place division of the placeholder); restored after."""
+    had = "require_logps" in vars(loss)
+    saved = vars(loss).get("require_logps")
+    loss.require_logps = False
+    try:
+        yield
+    finally:
+        if had:
+            loss.require_logps = saved
+        else:
+            del loss.require_logps
+
+
+def gkd_call(original):
+    """``GKDLoss.__call__``: twinkle's own unless ``outputs['logits']`` is a fused distillation placeholder."""
+
+    def __call__(self, inputs, outputs, *, teacher_logits=None, teacher_topk_logprobs=None, teacher_topk_indices=None,
+                 topk=None, **kwargs):
+        head: Optional[fused_head.DeferredHead] = fused_head.deferred_head(outputs.get("logits"))
+        if head is None:
+            return original(self, inputs, outputs, teacher_logits=teacher_logits,
+                            teacher_topk_logprobs=teacher_topk_logprobs, teacher_topk_indices=teacher_topk_indices,
+                            topk=topk, **kwargs)
+        if teacher_logits is not None or teacher_topk_logprobs is None or teacher_topk_indices is None:
+            raise RuntimeError("twinkle-mem fused LM head: GKDLoss got the output layer's placeholder without a top-k "
+                               "teacher (teacher_topk_logprobs and teacher_topk_indices); the logits do not exist on "
+                               "the fused path. install(fused_lm_head=False) runs twinkle-kit unchanged.")
+        return _fused_gkd(self, inputs["labels"], head, teacher_topk_indices, teacher_topk_logprobs)
+
+    __call__.__wrapped__ = original
+    return __call__
+
+
+def _fused_gkd(loss, labels, head: fused_head.DeferredHead, teacher_ids, teacher_logprobs):
+    from twinkle.data_format import LossOutput
+
+    from twinkle_mem import gkd_average, linear_gkd_topk
+    hidden = head.hidden  # [s, b, H] (Megatron) or [b, s, H]
+    length = labels.shape[1]  # twinkle trims the teacher's sequence to the student's
+    ids, logprobs = teacher_ids[:, :length].to(hidden.device), teacher_logprobs[:, :length].to(hidden.device)
+    if head.seq_first:
+        # The teacher and the labels go to the hidden states' [s, b] order, not the hidden states to theirs: the
+        # gradient reaching Megatron's copy_to_tensor_model_parallel_region must be contiguous, as its backward
+        # all-reduces `grad.contiguous()` and returns `grad` (a transposed gradient would stay this rank's part).
+        labels, ids, logprobs = labels.t(), ids.transpose(0, 1), logprobs.transpose(0, 1)
+    if tuple(hidden.shape[:2]) != tuple(labels.shape):
+        raise RuntimeError(f"twinkle-mem fused LM head: the output layer's input {tuple(hidden.shape)} does not match "
+                           f"the labels GKDLoss got (packed sequences?). install(fused_lm_head=False) runs twinkle-kit "
+                           "unchanged.")
+    if head.temperature != 1.0:  # twinkle's forward step divides the logits by its temperature before the loss
+        hidden = hidden / head.temperature
+    per_token = linear_gkd_topk(hidden, head.weight, ids, logprobs, labels, beta=loss.beta,
+                                temperature=loss.temperature, ignore_index=loss.ignore_index,
+                                process_group=head.process_group)
+    return LossOutput(loss=gkd_average(per_token, labels, loss.ignore_index), num_tokens=0)

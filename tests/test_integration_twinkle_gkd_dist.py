@@ -1,0 +1,94 @@
+"""install(fused_lm_head=True) on twinkle's GKD calls under Megatron's model parallelism (issue 26): a gloo
+world of 2 CPU processes running twinkle's real MegatronModel around a real megatron-core GPTModel.
+
+- TP = 2: each rank's output layer is its vocab shard, the teacher's ids global. twinkle-kit as shipped
+  gathers the global ids from the shard's logits (an index error for ids past the shard, wrong values for
+  the others); the fused call's loss and every parameter
+  gradient (this rank's shard) equal twinkle's GKD at TP = 1 computed in float64, and no tensor with the
+  vocab or its shard as last dim appears.
+- PP = 2: the fused step's loss (twinkle broadcasts it to both stages) and each stage's gradients equal the
+  unfused step's with GKD in float64.
+"""
+import contextlib
+
+import pytest
+import torch
+from helpers import (CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, VOCAB, Cases, VocabTensors, assert_close, blocks,
+                     gkd_in_float64, gkd_teacher)
+
+WORLD = 2
+
+
+@contextlib.contextmanager
+def _megatron_on_cpu():
+    from cpu_harness import megatron as th
+    with th.cpu_schedules(), th.cpu_p2p(), th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
+        yield
+
+
+cases = Cases(__name__, timeout_s=240, setup=_megatron_on_cpu)
+case = cases.register(WORLD)
+
+
+def _gkd_step(*, fused, tp=1, pp=1, beta=0.5, spy=None):
+    """One twinkle GKD step (forward_backward, temperature 0.7) on a fresh GPTModel (the same seed: the same
+    weights); fused=None: twinkle's GKD in float64 (the exact reference)."""
+    from cpu_harness import megatron as th
+    from megatron.core import parallel_state as mpu
+    from twinkle.loss.gkd import GKDLoss
+
+    from twinkle_mem.integrations import twinkle as integration
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    integration.install(mask_skip="never", fused_lm_head=bool(fused), fused_chunk_bytes=CHUNK if fused else None)
+    try:
+        with blocks(*FUSED_BLOCKS), gkd_in_float64() if fused is None else contextlib.nullcontext():
+            chunk = th.gpt_model(VOCAB, layers=pp)
+            model = th.twinkle_megatron_model(chunk, loss=GKDLoss(beta=beta, temperature=0.7), tp_size=tp, pp_size=pp)
+            samples, teacher = th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT), gkd_teacher()
+            with spy if spy is not None else contextlib.nullcontext():
+                out = model.forward_backward(inputs=samples, micro_batch_size=2, temperature=0.7, **teacher)
+        grads = {n: (p.grad.detach().clone(), getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", 0))
+                 for n, p in chunk.named_parameters() if p.grad is not None}
+        return dict(loss=float(out["loss"]), grads=grads)
+    finally:
+        integration.uninstall()
+        mpu.destroy_model_parallel()
+
+
+@case
+def gkd_tp2(rank, world):
+    want = _gkd_step(fused=None)  # TP = 1 on each rank: the whole model, GKD in float64
+    spy = VocabTensors((VOCAB, VOCAB // WORLD), 10 ** 9)
+    got = _gkd_step(fused=True, tp=WORLD, spy=spy)
+    try:  # twinkle-kit's GKD gathers the teacher's global ids from this rank's vocab shard of the logits
+        shipped = _gkd_step(fused=False, tp=WORLD)
+    except RuntimeError as error:  # ids past the shard (both ranks raise alike, before any collective)
+        shipped = str(error)
+    # all collectives done
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-7)
+    assert "out of bounds" in shipped if isinstance(shipped, str) else abs(shipped["loss"] - want["loss"]) > 1e-3
+    assert got["grads"].keys() == want["grads"].keys() and len(got["grads"]) > 3
+    for name, (grad, sharded, dim) in got["grads"].items():
+        full = want["grads"][name][0]
+        expected = full.chunk(WORLD, dim=dim)[rank] if sharded else full
+        assert_close(grad, expected, torch.float32, f"grad of {name} (rank {rank}{', shard' if sharded else ''})")
+    assert spy.ops > 100 and spy.last_dim == [], spy.last_dim[:5]
+
+
+@case
+def gkd_pp2(rank, world):
+    want = _gkd_step(fused=None, pp=WORLD)
+    got = _gkd_step(fused=True, pp=WORLD)
+    # both stages returned from both steps: none stalled
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-7)
+    assert got["grads"].keys() == want["grads"].keys() and got["grads"]
+    for name, (grad, _, _) in got["grads"].items():
+        assert_close(grad, want["grads"][name][0], torch.float32, f"grad of {name} (stage {rank})")
+
+
+@pytest.mark.parametrize("world,name", cases.params(), ids=lambda v: f"world{v}" if isinstance(v, int) else v)
+def test_fused_gkd_model_parallel(world, name):
+    failures = cases.failures(world, name)
+    assert not failures, "\n".join(failures)
+
+
