@@ -27,6 +27,8 @@ import datetime
 import importlib
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -202,6 +204,41 @@ def through_matmul(bound, d, operand_abs):
     """|error| allowed in d @ operand: the per-element bound carried through the sum, plus fp32
     accumulation over the summed dim."""
     return bound @ operand_abs + d.shape[-1] * 2.0**-24 * (d.abs() @ operand_abs)
+
+
+def gkd_grad_bounds(hidden, weight, ids, sizes, eps):
+    """linear_gkd_topk's gradients (tests/test_distill*.py): per element of (grad_hidden [N, H],
+    grad_weight [V, H], grad_bias [V]), (m + 4) eps sum of the sizes of its m terms, from the sizes
+    [N, k] of the per-entry gradients dL/dx (float64, 0 on ignored rows) and the entries' ids [N, k]:
+    each entry's dL/dx rounded once, then summed in fp32 (helpers.through_matmul's bound, per entry)."""
+    k = ids.shape[1]
+    hf = hidden.double().reshape(-1, hidden.shape[-1])
+    bh = (k + 4) * eps * torch.einsum("nk,nkh->nh", sizes, weight.double().abs()[ids])
+    dense = torch.zeros(hf.shape[0], weight.shape[0], dtype=torch.float64).scatter_add_(1, ids, sizes)
+    count = torch.zeros(weight.shape[0], dtype=torch.float64).index_add_(0, ids.flatten(),
+                                                                         (sizes > 0).double().flatten())
+    return bh, (count + 4).unsqueeze(1) * eps * (dense.t() @ hf.abs()), (count + 4) * eps * dense.sum(0)
+
+
+def twinkle_per_token(loss_fn, labels, logits, **teacher):
+    """twinkle's GKDLoss (``loss_fn``) for each kept token alone: its average over one token is that token's
+    sum (float64 [labels.shape], 0 on ignored tokens). ``teacher``: the loss's teacher keyword arguments."""
+    per_token = torch.zeros(labels.shape, dtype=torch.float64)
+    for i in (labels != -100).nonzero():
+        one = torch.full_like(labels, -100)
+        one[tuple(i)] = 0
+        per_token[tuple(i)] = loss_fn({"labels": one}, {"logits": logits.detach()}, **teacher)["loss"]
+    return per_token
+
+
+def json_child(script, cfg: dict) -> dict:
+    """``python script '<cfg as JSON>'`` in a fresh process whose freed buffers go back to the OS (a fixed
+    glibc mmap threshold, as tests/test_linear_memory.py runs its children); the JSON of its last line."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    out = subprocess.run([sys.executable, os.path.abspath(script), json.dumps(cfg)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # ------------------------------------------------------------------ the fused head in twinkle-kit

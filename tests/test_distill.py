@@ -21,15 +21,13 @@ the reference is twinkle's code with that log-prob at -1e300: exp(-1e300) = 0 in
 """
 import json
 import math
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import twinkle_mem
-from helpers import make_head, saved_for_backward
+from helpers import gkd_grad_bounds, json_child, make_head, saved_for_backward, twinkle_per_token
 from numerics import ulp
 from twinkle_mem import distill
 
@@ -105,12 +103,7 @@ def twinkle_reference(hidden, weight, bias, ids, lp, labels, beta, temperature):
     cols = torch.arange(ids.shape[-1]).expand(ids.shape)
     avg_k = loss_fn({"labels": labels}, {"logits": xk}, teacher_topk_logprobs=lp, teacher_topk_indices=cols)["loss"]
     (d_entries,) = torch.autograd.grad(avg_k, xk)
-    per_token = torch.zeros(labels.shape, dtype=torch.float64)
-    for i in (labels != -100).nonzero():  # one kept row at a time: twinkle's sum for that token
-        one = torch.full_like(labels, -100)
-        one[tuple(i)] = 0
-        per_token[tuple(i)] = loss_fn({"labels": one}, {"logits": xk.detach()}, teacher_topk_logprobs=lp,
-                                      teacher_topk_indices=cols)["loss"]
+    per_token = twinkle_per_token(loss_fn, labels, xk, teacher_topk_logprobs=lp, teacher_topk_indices=cols)
     return avg.detach(), per_token, grads, d_entries
 
 
@@ -136,23 +129,15 @@ def assert_loss_close(got, ref, dtype, what):
 
 def gradient_bounds(hidden, weight, ids, labels, d_entries, dtype, temperature):
     """Per element of (grad_hidden, grad_weight, grad_bias): (m + 4) eps sum |terms| (see the module docstring)."""
-    k = ids.shape[-1]
     eps = EPS[dtype]
     kept = (labels != -100).reshape(-1, 1)
-    hf = hidden.double().reshape(-1, hidden.shape[-1])
-    idf = ids.reshape(-1, k)
-    d = d_entries.abs().reshape(-1, k)
+    d = d_entries.abs().reshape(kept.shape[0], -1)
     # dL/dx is a difference (p - q, p (ls - lm - K)): its error is at the row's scale, and, in float64 (the
     # reference's and the op's k-wide math), at 2^-53 of the probabilities it is a difference of (<= 1), times
     # d(average)/d(token) = 1 / (T kept), however small dL/dx is (a peaked row: p - q ~ 1e-13)
     floor64 = 16 * 2.0**-53 / (temperature * int(kept.sum()))
     d = (d + d.amax(-1, keepdim=True) + floor64 / eps) * kept
-    bh = (k + 4) * eps * torch.einsum("nk,nkh->nh", d, weight.double().abs()[idf])
-    dense = torch.zeros(hf.shape[0], weight.shape[0], dtype=torch.float64).scatter_add_(1, idf, d)
-    count = torch.zeros(weight.shape[0], dtype=torch.float64).index_add_(
-        0, idf.flatten(), kept.expand(idf.shape).flatten().double())
-    bw = (count + 4).unsqueeze(1) * eps * (dense.t() @ hf.abs())
-    bb = (count + 4) * eps * dense.sum(0)
+    bh, bw, bb = gkd_grad_bounds(hidden, weight, ids.reshape(d.shape), d, eps)
     return bh.view(hidden.shape), bw, bb
 
 
@@ -438,11 +423,7 @@ def measure(n, h, v, k, dtype="float32", path="op", ignore_frac=0.0, gather_byte
 
 
 def run_child(**cfg):
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")  # freed buffers go back to the OS (test_linear_memory)
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(cfg)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json_child(__file__, cfg)
 
 
 @pytest.mark.parametrize("cfg", [

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import Cases, make_head
+from helpers import Cases, gkd_grad_bounds, make_head
 from numerics import ulp
 
 cases = Cases(__name__, timeout_s=180)
@@ -49,20 +49,16 @@ def make_inputs(n, h, v, k, dtype, bias, seed, neg_inf=False):
 
 
 def bounds(hidden, weight, bias, ids, lp, labels, g_out, beta, temperature):
-    """Per element of (grad_hidden, grad_weight, grad_bias): (m + 4) 2^-24 sum |terms|, the terms' sizes from
-    the exact logits (dyadic heads) and the op's float64 math, plus the row's largest (see test_distill)."""
+    """Per element of (grad_hidden, grad_weight, grad_bias): helpers.gkd_grad_bounds, the terms' sizes from
+    the exact logits (dyadic heads) and the op's float64 math, plus the row's largest (see test_distill);
+    grad_hidden also one rounding of a rank's partial (up to the sum of its terms' sizes)."""
     from twinkle_mem.distill import gkd_rows
     x = (hidden.double() @ weight.double().t() + (0 if bias is None else bias.double())).gather(-1, ids)
     _loss, d = gkd_rows(x, lp, beta, temperature)
     d = (d.abs() + d.abs().amax(-1, keepdim=True)) * (g_out.abs() * (labels != -100)).double().unsqueeze(1)
-    k = ids.shape[1]
-    ah = torch.einsum("nk,nkh->nh", d, weight.double().abs()[ids])
-    bh = (k + 4) * EPS * ah + ulp(ah, hidden.dtype)  # + one rounding of a rank's partial (up to sum |terms|)
-    dense = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float64).scatter_add_(1, ids, d)
-    count = torch.zeros(weight.shape[0], dtype=torch.float64).index_add_(0, ids.flatten(),
-                                                                         torch.ones(ids.numel(), dtype=torch.float64))
-    return (bh, (count + 4).unsqueeze(1) * EPS * (dense.t() @ hidden.double().abs()),
-            (count + 4) * EPS * dense.sum(0))
+    bh, bw, bb = gkd_grad_bounds(hidden, weight, ids, d, EPS)
+    sizes = torch.einsum("nk,nkh->nh", d, weight.double().abs()[ids])
+    return bh + ulp(sizes, hidden.dtype), bw, bb
 
 
 def run_and_check(rank, world, *, n=30, h=32, shard=120, k=8, dtype=torch.float32, bias=True, beta=0.5,

@@ -5,6 +5,8 @@ from . import composite  # noqa: F401  (the composite kernel for devices without
 from ._native import status as _backend_status
 from .functional import entropy_from_logits, linear_selective_log_softmax, selective_log_softmax
 from .distill import gkd_average, linear_gkd_topk
+from .distill_full import linear_gkd_full
+from .distill_logits import gkd_from_logits
 
 __version__ = "0.1.0"
 
@@ -29,5 +31,5 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["selective_log_softmax", "linear_selective_log_softmax", "linear_gkd_topk", "gkd_average",
-           "entropy_from_logits", "backends", "__version__"]
+__all__ = ["selective_log_softmax", "linear_selective_log_softmax", "linear_gkd_topk", "linear_gkd_full",
+           "gkd_from_logits", "gkd_average", "entropy_from_logits", "backends", "__version__"]

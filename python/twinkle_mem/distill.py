@@ -53,7 +53,7 @@ from torch import Tensor
 
 from ._contract import check_float_tensor, stats_dtype
 from .functional import check_head_args
-from .linear import _pad_rows, _resolve_group, block_width
+from .linear import _pad_rows, _resolve_group, _select, block_width
 from .vocab_parallel import rank_and_world
 
 # The gathered weight rows of one row tile, in fp32: R k H 4 bytes at most this (and R <= MAX_TILE_ROWS).
@@ -81,24 +81,45 @@ def _scaled(x: Tensor, temperature: float) -> Tensor:
     return (x - x.amax(-1, keepdim=True)) / temperature
 
 
-def gkd_rows(x: Tensor, teacher_logprobs: Tensor, beta: float, temperature: float) -> tuple[Tensor, Tensor]:
-    """(L [m], dL/dx [m, k]) in float64 from the student's logits x [m, k] at the teacher's ids and the
-    teacher's log-probs [m, k] (the module docstring's formulas)."""
-    s, t = _scaled(x, temperature), _scaled(teacher_logprobs, temperature)
-    ls, lt = s.log_softmax(-1), t.log_softmax(-1)
+def _mixture(ls: Tensor, lt: Tensor, beta: float) -> Tensor:
+    return torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
+
+
+def gkd_terms(ls: Tensor, lt: Tensor, beta: float) -> tuple[Tensor, Optional[Tensor]]:
+    """Per entry, from the student's and teacher's normalized log-probs (float64): (the loss's terms, the
+    terms of K = KL(student || M) for 0 < beta < 1, else None). A row's L and K are their sums."""
     p, q = ls.exp(), lt.exp()
     if beta == 0:
-        loss = _weighted_log_ratio(q, lt, ls).sum(-1)
-        d = p - q
+        return _weighted_log_ratio(q, lt, ls), None
+    if beta == 1:
+        return _weighted_log_ratio(p, ls, lt), None
+    lm = _mixture(ls, lt, beta)
+    k_student = _weighted_log_ratio(p, ls, lm)
+    return beta * _weighted_log_ratio(q, lt, lm) + (1 - beta) * k_student, k_student
+
+
+def gkd_grad(ls: Tensor, lt: Tensor, loss: Tensor, k_student: Optional[Tensor], beta: float,
+             temperature: float) -> Tensor:
+    """dL/dx per entry (the module docstring's formulas), given the row's L and K ([.., 1])."""
+    p = ls.exp()
+    if beta == 0:
+        d = p - lt.exp()
     elif beta == 1:
-        loss = _weighted_log_ratio(p, ls, lt).sum(-1)
-        d = _weighted_log_ratio(p, ls, lt + loss.unsqueeze(-1))
+        d = _weighted_log_ratio(p, ls, lt + loss)
     else:
-        lm = torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
-        k_student = _weighted_log_ratio(p, ls, lm).sum(-1)
-        loss = beta * _weighted_log_ratio(q, lt, lm).sum(-1) + (1 - beta) * k_student
-        d = (1 - beta) * _weighted_log_ratio(p, ls, lm + k_student.unsqueeze(-1))
-    return loss, d / temperature
+        d = (1 - beta) * _weighted_log_ratio(p, ls, _mixture(ls, lt, beta) + k_student)
+    return d / temperature
+
+
+def gkd_rows(x: Tensor, teacher_logprobs: Tensor, beta: float, temperature: float) -> tuple[Tensor, Tensor]:
+    """(L [m], dL/dx [m, k]) in float64 from the student's logits x [m, k] at the teacher's ids and the
+    teacher's log-probs [m, k]."""
+    ls = _scaled(x, temperature).log_softmax(-1)
+    lt = _scaled(teacher_logprobs, temperature).log_softmax(-1)
+    terms, k_terms = gkd_terms(ls, lt, beta)
+    loss = terms.sum(-1)
+    k_student = None if k_terms is None else k_terms.sum(-1, keepdim=True)
+    return loss, gkd_grad(ls, lt, loss.unsqueeze(-1), k_student, beta, temperature)
 
 
 # ------------------------------------------------------------------ gathers by row tiles
@@ -107,10 +128,6 @@ def _kept_rows(labels: Optional[Tensor], n: int, ignore_index: int) -> Optional[
         return None
     kept = (labels != ignore_index).nonzero().squeeze(1)
     return None if kept.numel() == n else kept
-
-
-def _select(t: Optional[Tensor], kept: Optional[Tensor]) -> Optional[Tensor]:
-    return t if t is None or kept is None else t.index_select(0, kept)
 
 
 def _local_ids(ids: Tensor, vocab_start: int, shard: int) -> tuple[Tensor, Tensor]:
@@ -291,13 +308,21 @@ def _check_args(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, bet
     if teacher_logprobs.shape != teacher_ids.shape:
         raise ValueError(f"teacher_logprobs shape {tuple(teacher_logprobs.shape)} differs from teacher_ids shape "
                          f"{tuple(teacher_ids.shape)}")
-    if labels is not None and (not isinstance(labels, Tensor) or labels.dtype not in (torch.int64, torch.int32)
-                               or tuple(labels.shape) != lead):
-        raise ValueError(f"labels must be None or an int64/int32 tensor of shape hidden.shape[:-1] = {lead}, got "
-                         f"{getattr(labels, 'dtype', type(labels))} {tuple(getattr(labels, 'shape', ()))}")
-    for name, t in (("teacher_ids", teacher_ids), ("teacher_logprobs", teacher_logprobs), ("labels", labels)):
-        if t is not None and t.device != hidden.device:
+    for name, t in (("teacher_ids", teacher_ids), ("teacher_logprobs", teacher_logprobs)):
+        if t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    check_gkd_options(labels, hidden, "hidden", beta, temperature, ignore_index)
+
+
+def check_gkd_options(labels, rows: Tensor, rows_name: str, beta, temperature, ignore_index) -> None:
+    """The checks every GKD function shares (ValueError naming the argument): labels None or of the rows'
+    leading shape on their device, beta in [0, 1], temperature, ignore_index."""
+    lead = tuple(rows.shape[:-1])
+    if labels is not None and (not isinstance(labels, Tensor) or labels.dtype not in (torch.int64, torch.int32)
+                               or tuple(labels.shape) != lead or labels.device != rows.device):
+        raise ValueError(f"labels must be None or an int64/int32 tensor of shape {rows_name}.shape[:-1] = {lead} "
+                         f"on {rows.device}, got {getattr(labels, 'dtype', type(labels))} "
+                         f"{tuple(getattr(labels, 'shape', ()))}")
     if isinstance(beta, Tensor) or not (0.0 <= beta <= 1.0):
         raise ValueError(f"beta must be a Python number in [0, 1], got {beta!r}")
     if isinstance(temperature, Tensor) or not (0 < temperature < math.inf):
