@@ -348,6 +348,29 @@ def gkd_in_float64():
         GKDLoss._generalized_jsd_loss = original
 
 
+# ------------------------------------------------------------------ a vocab-parallel head on one rank
+def vocab_shard(t, rank, world):
+    """This rank's rows of a [V, ...] tensor under Megatron's vocab split (``None`` stays ``None``)."""
+    if t is None:
+        return None
+    s = t.shape[0] // world
+    return t[rank * s:(rank + 1) * s]
+
+
+def tp_head_leaves(hidden, weight, bias, rank, world, through_megatron):
+    """Leaves for one rank's vocab-parallel head: (hidden, weight shard, bias shard or None, the op's input).
+    ``through_megatron``: the op's input goes through Megatron's copy_to_tensor_model_parallel_region
+    (identity; its backward all-reduces grad_hidden over the TP group), as a ColumnParallelLinear's does."""
+    hp = hidden.clone().requires_grad_()
+    w = vocab_shard(weight, rank, world).clone().requires_grad_()
+    bb = vocab_shard(bias, rank, world).clone().requires_grad_() if bias is not None else None
+    x = hp
+    if through_megatron:
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+        x = copy_to_tensor_model_parallel_region(hp)
+    return hp, w, bb, x
+
+
 # ------------------------------------------------------------------ gloo worlds
 class Cases:
     def __init__(self, module_name: str, timeout_s: float, setup=contextlib.nullcontext):

@@ -433,10 +433,9 @@ def run_child(**cfg):
 ], ids=["fp32", "bf16 half ignored", "fp32 default tiles"])
 def test_peak_memory_is_bounded_by_a_tile_and_o_nk(cfg):
     r = run_child(**cfg)
-    assert r["beyond"] <= r["bound"], (
-        f"peak RSS rise {r['peak_rise'] / 2**20:.1f} MiB = inputs {r['inputs'] / 2**20:.1f} + results "
-        f"{r['held'] / 2**20:.1f} + {r['beyond'] / 2**20:.1f} MiB beyond, above {r['bound'] / 2**20:.1f} MiB; the "
-        f"student's logits would be {r['logits_bytes'] / 2**20:.0f} MiB")
+    # peak RSS rise = inputs + results held + beyond; the student's logits for scale
+    in_mib = {key: round(r[key] / 2**20, 1) for key in ("peak_rise", "inputs", "held", "beyond", "bound", "logits_bytes")}
+    assert r["beyond"] <= r["bound"], in_mib
     if cfg.get("gather_bytes"):  # the control: the measurement sees the student's logits, above the bound
         control = run_child(**cfg, path="logits")
         assert control["beyond"] >= control["logits_bytes"] > 2 * r["bound"], control

@@ -18,17 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import Cases, gkd_grad_bounds, make_head
+from helpers import Cases, gkd_grad_bounds, make_head, tp_head_leaves, vocab_shard
 from numerics import ulp
 
 cases = Cases(__name__, timeout_s=180)
 case = cases.register
 EPS = 2.0**-24
-
-
-def _shard(t, rank, world):
-    s = t.shape[0] // world
-    return t[rank * s:(rank + 1) * s]
 
 
 def make_inputs(n, h, v, k, dtype, bias, seed, neg_inf=False):
@@ -67,13 +62,7 @@ def run_and_check(rank, world, *, n=30, h=32, shard=120, k=8, dtype=torch.float3
     group = group if group is not None else dist.group.WORLD
     hidden, weight, b, ids, lp, labels = make_inputs(n, h, world * shard, k, dtype, bias, seed, neg_inf)
     g_out = torch.randn(n, generator=torch.Generator().manual_seed(seed + 2))  # replicated (Megatron's convention)
-    hp = hidden.clone().requires_grad_()
-    w = _shard(weight, rank, world).clone().requires_grad_()
-    bb = _shard(b, rank, world).clone().requires_grad_() if bias else None
-    x = hp
-    if through_megatron:
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-        x = copy_to_tensor_model_parallel_region(hp)  # identity; its backward all-reduces over the TP group
+    hp, w, bb, x = tp_head_leaves(hidden, weight, b if bias else None, rank, world, through_megatron)
     per = twinkle_mem.linear_gkd_topk(x, w, ids, lp, labels, bias=bb, beta=beta, temperature=temperature,
                                       process_group=group)
     grads = torch.autograd.grad((per * g_out).sum(), [t for t in (hp, w, bb) if t is not None])
@@ -94,9 +83,9 @@ def run_and_check(rank, world, *, n=30, h=32, shard=120, k=8, dtype=torch.float3
         assert torch.equal(other, one_per), f"rank {r}'s loss differs from the single-process loss"
     bh, bw, bb_ = bounds(hidden, weight, b, ids, lp, labels, g_out, beta, temperature)
     checks = [("grad_hidden summed over ranks", summed, one[0], bh, world),
-              ("grad_weight shard", grads[1], _shard(one[1], rank, world), _shard(bw, rank, world), 1)]
+              ("grad_weight shard", grads[1], vocab_shard(one[1], rank, world), vocab_shard(bw, rank, world), 1)]
     if bias:
-        checks.append(("grad_bias shard", grads[2], _shard(one[2], rank, world), _shard(bb_, rank, world), 1))
+        checks.append(("grad_bias shard", grads[2], vocab_shard(one[2], rank, world), vocab_shard(bb_, rank, world), 1))
     for name, got, single, bound, parts in checks:
         assert got.shape == single.shape, name
         allowed = 2 * (ulp(single.double(), dtype) + parts * bound)  # parts: the ranks' partials, each rounded
@@ -155,7 +144,7 @@ def saves_only_inputs_and_o_nk(rank, world):
     n, k = 20, 8
     hidden, weight, b, ids, lp, labels = make_inputs(n, 16, world * 100, k, torch.float32, True, 9)
     h = hidden.clone().requires_grad_()
-    w = _shard(weight, rank, world).clone().requires_grad_()
+    w = vocab_shard(weight, rank, world).clone().requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         per = twinkle_mem.linear_gkd_topk(h, w, ids, lp, labels, process_group=dist.group.WORLD)
@@ -180,7 +169,7 @@ def rows_bitwise_whatever_the_batch(rank, world):
     labels = torch.randint(0, v, (n,), generator=gen)
     labels[::3] = -100
     g_out = torch.randn(n, generator=gen)
-    w, b = _shard(weight, rank, world), _shard(bias, rank, world)
+    w, b = vocab_shard(weight, rank, world), vocab_shard(bias, rank, world)
 
     def call(rows):
         x = hidden[rows].clone().requires_grad_()
@@ -204,7 +193,7 @@ def bad_ids_raise_on_every_rank_before_communicating(rank, world):
     labels[2] = 1
     ids[2, 1] = 80  # the global vocab is 80: out of range on every rank
     with pytest.raises(RuntimeError, match="out of range"):
-        twinkle_mem.linear_gkd_topk(hidden, _shard(weight, rank, world), ids, lp, labels,
+        twinkle_mem.linear_gkd_topk(hidden, vocab_shard(weight, rank, world), ids, lp, labels,
                                     process_group=dist.group.WORLD)
 
 

@@ -17,16 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import Cases, assert_stats_close, blocks, make_head, op_bound, reference, through_matmul
+from helpers import (Cases, assert_stats_close, blocks, make_head, op_bound, reference, through_matmul, tp_head_leaves,
+                     vocab_shard)
 from numerics import ulp
 
 cases = Cases(__name__, timeout_s=180)
 case = cases.register
-
-
-def _shard(t, rank, world):
-    s = t.shape[0] // world
-    return t[rank * s:(rank + 1) * s]
 
 
 def run_and_check(rank, world, *, chunk_cols=None, **kw):
@@ -47,13 +43,7 @@ def _run_and_check(rank, world, *, n=24, h=32, shard=250, dtype=torch.float32, b
     g_logp = torch.randn(labels.shape, generator=gen)
     g_ent = torch.randn(n, generator=gen)
 
-    hp = hidden.clone().requires_grad_()
-    w = _shard(weight, rank, world).clone().requires_grad_()
-    bb = _shard(b, rank, world).clone().requires_grad_() if bias else None
-    x = hp
-    if through_megatron:
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-        x = copy_to_tensor_model_parallel_region(hp)  # identity; its backward all-reduces over the TP group
+    hp, w, bb, x = tp_head_leaves(hidden, weight, b if bias else None, rank, world, through_megatron)
     logp, ent = twinkle_mem.linear_selective_log_softmax(x, w, labels, True, bias=bb, temperature=temperature,
                                                          ignore_index=ignore, chunk_bytes=chunk, process_group=group)
     grads = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), [t for t in (hp, w, bb) if t is not None])
@@ -85,14 +75,14 @@ def _run_and_check(rank, world, *, n=24, h=32, shard=250, dtype=torch.float32, b
 
     d = ref["d"]
     e = op_bound(d, dtype)
-    d_shard, e_shard = _shard(d.t(), rank, world), _shard(e.t(), rank, world)
+    d_shard, e_shard = vocab_shard(d.t(), rank, world), vocab_shard(e.t(), rank, world)
     checks = [("grad_hidden summed over ranks", summed, one[0], d @ weight.double(),
                through_matmul(e, d, weight.double().abs())),
-              ("grad_weight shard", grads[1], _shard(one[1], rank, world), d_shard @ hidden.double(),
+              ("grad_weight shard", grads[1], vocab_shard(one[1], rank, world), d_shard @ hidden.double(),
                through_matmul(e_shard, d_shard, hidden.double().abs()))]
     if bias:
         ones = torch.ones(n, 1, dtype=torch.float64)
-        checks.append(("grad_bias shard", grads[2], _shard(one[2], rank, world), d_shard.sum(1),
+        checks.append(("grad_bias shard", grads[2], vocab_shard(one[2], rank, world), d_shard.sum(1),
                        through_matmul(e_shard, d_shard, ones)[:, 0]))
     for name, got, single, r, bound in checks:
         assert got.shape == single.shape and got.dtype == dtype, name
@@ -114,7 +104,7 @@ def fp32_bias_entropy_temperature(rank, world):
 
 
 @case()
-def fp32_ignored_rows_several_blocks_per_shard(rank, world):
+def fp32_ignored_rows_several_blocks_pervocab_shard(rank, world):
     run_and_check(rank, world, ignore_frac=0.75, chunk_cols=64, seed=2)
 
 
@@ -154,7 +144,7 @@ def saves_only_inputs_and_row_statistics(rank, world):
     n = 20
     hidden, weight, b, labels = make_head(n, 16, world * 100, torch.float32, ignore_frac=0.3, seed=7)
     h = hidden.clone().requires_grad_()
-    w = _shard(weight, rank, world).clone().requires_grad_()
+    w = vocab_shard(weight, rank, world).clone().requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         logp, ent = twinkle_mem.linear_selective_log_softmax(h, w, labels, True, ignore_index=-100,
@@ -170,7 +160,7 @@ def saves_only_inputs_and_row_statistics(rank, world):
 def compile_fullgraph_with_process_group(rank, world):
     import twinkle_mem
     hidden, weight, b, labels = make_head(10, 16, world * 64, torch.float32, seed=8)
-    w = _shard(weight, rank, world)
+    w = vocab_shard(weight, rank, world)
     group = dist.group.WORLD
 
     def f(h, w):
@@ -198,7 +188,7 @@ def rows_bitwise_whatever_the_batch(rank, world):
     labels = torch.randint(0, v, (n,), generator=gen)
     labels[::3] = -100
     g_logp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-    w, b = _shard(weight, rank, world), _shard(bias, rank, world)
+    w, b = vocab_shard(weight, rank, world), vocab_shard(bias, rank, world)
 
     def call(rows):
         x = hidden[rows].clone().requires_grad_()
@@ -221,7 +211,7 @@ def bad_labels_raise_on_every_rank_before_communicating(rank, world):
     hidden, weight, b, labels = make_head(6, 8, 80, torch.float32, seed=9)
     labels[2] = 80  # global vocab is 80: out of range on every rank
     with pytest.raises(RuntimeError, match="out of range"):
-        twinkle_mem.linear_selective_log_softmax(hidden, _shard(weight, rank, world), labels,
+        twinkle_mem.linear_selective_log_softmax(hidden, vocab_shard(weight, rank, world), labels,
                                                  process_group=dist.group.WORLD)
 
 

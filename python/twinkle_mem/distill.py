@@ -314,6 +314,19 @@ def _check_args(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, bet
     check_gkd_options(labels, hidden, "hidden", beta, temperature, ignore_index)
 
 
+def check_teacher_logits(teacher_logits: Tensor, shape: tuple, like: Tensor, like_name: str) -> None:
+    """The full-vocab teacher's checks (gkd_from_logits, linear_gkd_full): float, ``shape``, no gradient, on
+    ``like``'s device."""
+    check_float_tensor("teacher_logits", teacher_logits)
+    if tuple(teacher_logits.shape) != tuple(shape):
+        raise ValueError(f"teacher_logits must be {tuple(shape)} (the student's rows and vocab), got "
+                         f"{tuple(teacher_logits.shape)}")
+    if teacher_logits.requires_grad:
+        raise ValueError("teacher_logits must not require grad: no gradient flows to the teacher (detach it)")
+    if teacher_logits.device != like.device:
+        raise ValueError(f"teacher_logits is on {teacher_logits.device} but {like_name} is on {like.device}")
+
+
 def check_gkd_options(labels, rows: Tensor, rows_name: str, beta, temperature, ignore_index) -> None:
     """The checks every GKD function shares (ValueError naming the argument): labels None or of the rows'
     leading shape on their device, beta in [0, 1], temperature, ignore_index."""

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from . import linear
-from ._contract import check_float_tensor, stats_dtype
-from .distill import _kept_rows, _select, check_gkd_options, gkd_grad, gkd_terms
+from ._contract import stats_dtype
+from .distill import _kept_rows, _select, check_gkd_options, check_teacher_logits, gkd_grad, gkd_terms
 from .functional import check_head_args
 
 FULL_BLOCK = 2048  # vocab columns per block of the float64 math
@@ -201,18 +201,10 @@ def linear_gkd_full(hidden, weight, teacher_logits, labels=None, *, bias=None, b
     with gradients to hidden, weight and bias. See the module docstring and docs/distillation.md.
     """
     check_head_args(hidden, weight, bias)
-    check_float_tensor("teacher_logits", teacher_logits)
-    lead = tuple(hidden.shape[:-1])
-    if tuple(teacher_logits.shape) != (*lead, weight.shape[0]):
-        raise ValueError(f"teacher_logits must be [..., V] = {(*lead, weight.shape[0])}, got "
-                         f"{tuple(teacher_logits.shape)}")
-    if teacher_logits.requires_grad:
-        raise ValueError("teacher_logits must not require grad: no gradient flows to the teacher (detach it)")
-    if teacher_logits.device != hidden.device:
-        raise ValueError(f"teacher_logits is on {teacher_logits.device} but hidden is on {hidden.device}")
+    check_teacher_logits(teacher_logits, (*hidden.shape[:-1], weight.shape[0]), hidden, "hidden")
     check_gkd_options(labels, hidden, "hidden", beta, temperature, ignore_index)
     n, v = teacher_logits.numel() // weight.shape[0], weight.shape[0]
     loss, _stats = gkd_full_fwd(hidden.reshape(n, hidden.shape[-1]), weight, bias, teacher_logits.reshape(n, v),
                                 None if labels is None else labels.reshape(n), float(beta), float(temperature),
                                 int(ignore_index))
-    return loss.view(lead)
+    return loss.view(hidden.shape[:-1])

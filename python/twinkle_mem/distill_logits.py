@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ._contract import check_float_tensor, stats_dtype
-from .distill import _kept_rows, check_gkd_options, gkd_rows
+from .distill import _kept_rows, check_gkd_options, check_teacher_logits, gkd_rows
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 # float64 [rows, V] tensors alive at once inside gkd_rows (and the chunk's copies), counted generously
@@ -132,14 +132,9 @@ def gkd_from_logits(student_logits, teacher_logits, labels=None, *, topk=None, b
     docstring and docs/distillation.md.
     """
     check_float_tensor("student_logits", student_logits)
-    check_float_tensor("teacher_logits", teacher_logits)
-    if student_logits.dim() < 1 or student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"teacher_logits shape {tuple(teacher_logits.shape)} must equal student_logits shape "
-                         f"{tuple(student_logits.shape)} (one vocab for both)")
-    if teacher_logits.requires_grad:
-        raise ValueError("teacher_logits must not require grad: no gradient flows to the teacher (detach it)")
-    if teacher_logits.device != student_logits.device:
-        raise ValueError(f"teacher_logits is on {teacher_logits.device} but student_logits on {student_logits.device}")
+    if student_logits.dim() < 1:
+        raise ValueError("student_logits must have a vocab dim")
+    check_teacher_logits(teacher_logits, student_logits.shape, student_logits, "student_logits")
     lead, v = tuple(student_logits.shape[:-1]), student_logits.shape[-1]
     check_gkd_options(labels, student_logits, "student_logits", beta, temperature, ignore_index)
     if topk is not None and (not isinstance(topk, int) or not 1 <= topk <= v):
