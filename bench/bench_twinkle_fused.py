@@ -2,6 +2,7 @@
 case in a fresh process: peak RSS rise and time.
 
     PYTHONPATH=python python bench/bench_twinkle_fused.py [--vocab 151936] [--seq 4096] [--hidden 64] [--reps 1]
+    PYTHONPATH=python python bench/bench_twinkle_fused.py --loss gkd     # twinkle's GKD step (issue 26)
 
 twinkle-kit 0.5.1's real ``MegatronModel.forward_backward`` on megatron-core 0.16.1's real
 no-pipelining scheduler (gloo, world size 1, CPU, 1 thread) around a one-layer megatron-core
@@ -13,6 +14,12 @@ Cases: twinkle-kit as shipped, ``install()`` (logits guard + twinkle-mem's op on
 call after a warm-up call, the median time of ``--reps`` calls, the loss, and the sum of the
 returned log-probs under the loss mask (the cases must agree).
 Writes bench/results/twinkle_fused.json, .md and .png.
+
+``--loss gkd``: twinkle's distillation step instead, GKDLoss(beta=0.5) over a top-k teacher as its recipes
+feed it (k = ``--topk``, 64: ``teacher_topk_logprobs`` fp32 and ``teacher_topk_indices`` int64, [2, S, k]),
+forward_backward only, one more case: twinkle-kit with GKDLoss's arithmetic in float64 on the same fp32
+logits (the gather is exact; only the k-wide math changes), whose loss is the exact one the others are held
+against. Writes bench/results/twinkle_gkd.*.
 """
 import argparse
 import os
@@ -26,19 +33,34 @@ CASES = [
     ("install()", "integration.install(mask_skip='never')"),
     ("install(fused_lm_head=True)", "integration.install(mask_skip='never', fused_lm_head=True)"),
 ]
+# GKD: twinkle-kit's own step with its GKD arithmetic in float64, on the k gathered fp32 logits: the exact loss.
+EXACT_GKD = ("twinkle-kit 0.5.1, GKD in float64 (exact)", """
+from twinkle.loss.gkd import GKDLoss
+_jsd = GKDLoss._generalized_jsd_loss
+def _exact(student_logits, teacher_topk_logprobs=None, teacher_topk_indices=None, **kw):
+    gathered = torch.gather(student_logits, -1, teacher_topk_indices).double()  # a gather rounds nothing
+    identity = torch.arange(gathered.shape[-1]).expand_as(teacher_topk_indices)
+    return _jsd(gathered, teacher_topk_logprobs=teacher_topk_logprobs.double(), teacher_topk_indices=identity,
+                **kw).float()
+GKDLoss._generalized_jsd_loss = staticmethod(_exact)
+""")
+LOSSES = {"grpo": "GRPOLoss(entropy_coef=0.01)", "gkd": "GKDLoss(beta=0.5)"}
 
 SETUP = """
 import torch
 from cpu_harness import megatron as th
-from twinkle.loss import GRPOLoss
+from twinkle.loss import GKDLoss, GRPOLoss
 from twinkle_mem.integrations import twinkle as integration
 contexts = [th.megatron_cpu(), th.megatron_gpt_cpu(), th.cpu_platform("cpu")]  # kept referenced
 for context in contexts:
     context.__enter__()  # left when the process ends
 {install}
 chunk = th.gpt_model({vocab}, hidden={hidden}, heads=2, max_seq={seq})
-model = th.twinkle_megatron_model(chunk, loss=GRPOLoss(entropy_coef=0.01))
+model = th.twinkle_megatron_model(chunk, loss={loss})
 samples = th.lm_samples([{seq}, {seq}], {vocab}, prompt={prompt})  # a [1, 1, S, S] bool mask each: S^2 bytes
+gen = torch.Generator().manual_seed(1)  # a top-k teacher as twinkle's GKD recipe feeds it (used by GKD only)
+teacher = dict(teacher_topk_indices=torch.randint(0, {vocab}, (2, {seq}, {topk}), generator=gen),
+               teacher_topk_logprobs=torch.log_softmax(3 * torch.randn(2, {seq}, {topk}, generator=gen), -1))
 """
 
 STMT = """
@@ -46,11 +68,14 @@ for p in chunk.parameters():
     p.grad = None
 if {forward_only}:
     out = model.forward_only(inputs=samples, micro_batch_size=1, temperature=0.7)
+elif {gkd}:
+    out = model.forward_backward(inputs=samples, micro_batch_size=1, temperature=0.7, **teacher)
 else:
     out = model.forward_backward(inputs=samples, micro_batch_size=1, temperature=0.7,
                                  advantages=torch.tensor([1.0, -0.5]))
 labels = torch.stack([s["labels"].reshape(-1) for s in samples])
-EXTRA.update(loss=out["loss"], logps_sum=float(out["logps"][labels != -100].double().sum()))
+logps = out.get("logps")  # GKD on the fused head: a loss without log-probs, None
+EXTRA.update(loss=out["loss"], logps_sum=None if logps is None else float(logps[labels != -100].double().sum()))
 return out
 """
 
@@ -61,13 +86,19 @@ def main():
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=0)
+    parser.add_argument("--loss", choices=sorted(LOSSES), default="grpo")
+    parser.add_argument("--topk", type=int, default=64, help="the GKD teacher's k")
     parser.add_argument("--reps", type=int, default=1)
-    parser.add_argument("--cases", type=int, nargs="+", default=list(range(len(CASES))),
-                        help="indices into CASES (the shipped case needs ~6x a micro-batch's logits)")
-    parser.add_argument("--out", default="twinkle_fused", help="results file stem under bench/results/")
+    parser.add_argument("--cases", type=int, nargs="+", default=None,
+                        help="indices into CASES (+ EXACT_GKD last with --loss gkd; the shipped case needs ~6x a "
+                             "micro-batch's logits)")
+    parser.add_argument("--out", default=None, help="results file stem under bench/results/ (twinkle_fused, "
+                                                    "twinkle_gkd with --loss gkd)")
     parser.add_argument("--replot", action="store_true", help="redraw the table and PNG from the JSON only")
     args = parser.parse_args()
-    stem = os.path.join(HERE, "results", args.out)
+    gkd = args.loss == "gkd"
+    cases = CASES + [EXACT_GKD] if gkd else CASES
+    stem = os.path.join(HERE, "results", args.out or ("twinkle_gkd" if gkd else "twinkle_fused"))
     if args.replot:
         saved = read_json(stem + ".json")
         _write(saved["rows"], saved["meta"], stem)
@@ -77,23 +108,26 @@ def main():
     import twinkle.version
     logits_bytes = args.seq * args.vocab * 4  # one micro-batch's fp32 logits
     rows = []
-    runs = [(forward_only, CASES[i]) for forward_only in (False, True) for i in args.cases]
+    picked = args.cases if args.cases is not None else range(len(cases))
+    runs = [(forward_only, cases[i]) for forward_only in ((False, ) if gkd else (False, True)) for i in picked]
     progress = Progress(len(runs))
     for forward_only, (name, install) in runs:
         mode = "forward_only" if forward_only else "forward_backward"
         progress.step(f"{mode} {name}")
         got = memory.measure_in_subprocess(
-            SETUP.format(install=install or "", vocab=args.vocab, hidden=args.hidden, seq=args.seq, prompt=args.prompt),
-            STMT.format(forward_only=forward_only), reps=args.reps)
+            SETUP.format(install=install or "", vocab=args.vocab, hidden=args.hidden, seq=args.seq, prompt=args.prompt,
+                         loss=LOSSES[args.loss], topk=args.topk),
+            STMT.format(forward_only=forward_only, gkd=gkd), reps=args.reps)
         rows.append(dict(mode=mode, case=name, peak_rss_bytes=got["peak"], s_median=statistics.median(got["times"]),
                          times=got["times"], loss=got["extra"]["loss"], logps_sum=got["extra"]["logps_sum"]))
         r = rows[-1]
         progress.done(f"peak RSS rise {r['peak_rss_bytes'] / 2**20:,.1f} MiB, {r['s_median']:.2f} s, "
-                      f"loss {r['loss']:.6f}, sum(logps) {r['logps_sum']:.4f}")
+                      f"loss {r['loss']:.6f}, sum(logps) {r['logps_sum']}")
 
     meta = run_metadata(vocab=args.vocab, seq=args.seq, hidden=args.hidden, layers=1, heads=2, prompt=args.prompt,
                         micro_batches=2, micro_batch_size=1, dtype="float32", temperature=0.7,
-                        loss="GRPOLoss(entropy_coef=0.01)", logits_bytes_per_micro_batch=logits_bytes, reps=args.reps,
+                        loss=LOSSES[args.loss], topk=args.topk if gkd else None,
+                        logits_bytes_per_micro_batch=logits_bytes, reps=args.reps,
                         threads=1, wall_s=round(progress.elapsed(), 1), load_average=os.getloadavg(),
                         twinkle_kit=twinkle.version.__version__, megatron_core=megatron.core.__version__)
     write_json(stem + ".json", dict(meta=meta, rows=rows))
@@ -112,20 +146,26 @@ def _table(rows, meta):
     title = (f"twinkle-kit Megatron, 2 micro-batches of [1, {meta['seq']}], V = {meta['vocab']}, H = {meta['hidden']}, "
              f"fp32, one micro-batch's logits = {meta['logits_bytes_per_micro_batch'] / 2**20:.0f} MiB, 1 thread, "
              f"load average at the end {meta['load_average'][0]:.2f}")
+    exact = next((r["loss"] for r in rows if r["case"] == EXACT_GKD[0]), None)
     cells = []
     for r in rows:
         base = next(b for b in rows if b["mode"] == r["mode"])  # the first case run
         cells.append([r["mode"], r["case"], f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB",
                       f"{r['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}x", f"{r['s_median']:.2f} s",
-                      f"{r['s_median'] / base['s_median']:.2f}x", f"{r['loss']:.6f}", f"{r['logps_sum']:.4f}"])
+                      f"{r['s_median'] / base['s_median']:.2f}x", f"{r['loss']:.6f}"])
+        if exact is None:
+            cells[-1].append(f"{r['logps_sum']:.4f}")
+        else:  # GKD: each loss against the exact one
+            cells[-1].append(f"{(r['loss'] - exact) / abs(exact):+.1e}")
+    last = "sum of logps under the mask" if exact is None else "loss vs exact (relative)"
     return title + "\n\n" + markdown_table(["mode", "case", "peak RSS rise", "vs first", "time", "vs first", "loss",
-                                             "sum of logps under the mask"], cells)
+                                             last], cells)
 
 
 def _plot(rows, meta, path):
     fig = new_figure((12, 4.5))
     axes = fig.subplots(1, 2)
-    modes = ["forward_backward", "forward_only"]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
     width = 0.27
     for ax, key, unit, scale in ((axes[0], "peak_rss_bytes", "peak RSS rise (MiB)", 2**20),
                                  (axes[1], "s_median", "time (s)", 1)):
@@ -139,8 +179,8 @@ def _plot(rows, meta, path):
     axes[0].axhline(meta["logits_bytes_per_micro_batch"] / 2**20, color="k", ls="--", lw=1,
                     label="one micro-batch's logits")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"twinkle-kit Megatron forward_backward / forward_only, 2 micro-batches of [1, {meta['seq']}], "
-                 f"V = {meta['vocab']}, H = {meta['hidden']}, fp32, CPU, 1 thread")
+    fig.suptitle(f"twinkle-kit Megatron {' / '.join(modes)}, {meta.get('loss', 'GRPOLoss')}, 2 micro-batches of "
+                 f"[1, {meta['seq']}], V = {meta['vocab']}, H = {meta['hidden']}, fp32, CPU, 1 thread")
     fig.tight_layout()
     save_png(fig, path)
 
