@@ -33,7 +33,7 @@ def exact_gkd():
         yield
 
 
-def run(path, *, beta, loss_temperature, install=None, spy=None, teacher_data=None, **kwargs):
+def run(path, *, beta, loss_temperature, install=None, spy=None, teacher_data=None, steps=1, **kwargs):
     from twinkle.loss.gkd import GKDLoss
     if install is not None:
         integration.install(mask_skip="never", fused_chunk_bytes=CHUNK if install else None, fused_lm_head=install)
@@ -50,7 +50,8 @@ def run(path, *, beta, loss_temperature, install=None, spy=None, teacher_data=No
                 net = model.model
             teacher_kwargs = teacher_data if teacher_data is not None else gkd_teacher()
             with spy if spy is not None else contextlib.nullcontext():
-                out = model.forward_backward(inputs=samples, temperature=0.7, **teacher_kwargs, **kwargs)
+                for _ in range(steps):  # (a second step reads the first one's outputs for twinkle's metrics)
+                    out = model.forward_backward(inputs=samples, temperature=0.7, **teacher_kwargs, **kwargs)
             grads = {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
             return dict(loss=float(out["loss"]), out=out, grads=grads)
     finally:
@@ -105,3 +106,14 @@ def test_calls_not_covered_run_twinkle_unchanged(path, change):
     assert fused["loss"] == shipped["loss"]
     for name, grad in fused["grads"].items():
         assert torch.equal(grad, shipped["grads"][name]), name
+
+
+@pytest.mark.parametrize("path", ["megatron", "transformers"])
+def test_fused_gkd_second_step_and_metrics(path, exact_gkd):
+    """twinkle keeps a step's outputs for its metrics (Accuracy takes the argmax of outputs['logits'] at the
+    next step): a second fused step runs, and both steps' gradients add up as twinkle's do."""
+    got = run(path, beta=0.5, loss_temperature=1.0, install=True, steps=2)
+    want = run(path, beta=0.5, loss_temperature=1.0, steps=2)
+    assert got["loss"] == pytest.approx(want["loss"], rel=TOL[torch.float32], abs=1e-7)
+    for name, grad in got["grads"].items():
+        assert_close(grad, want["grads"][name], torch.float32, f"grad of {name}")

@@ -25,11 +25,30 @@ def gkd_loss_class():
 
 
 def is_topk_gkd_call(kwargs, loss) -> bool:
-    """Whether a twinkle call is GKD over a top-k teacher: twinkle's GKDLoss itself (not a subclass that
-    may compute otherwise) with teacher_topk_logprobs and teacher_topk_indices, and no teacher_logits."""
+    """Whether a twinkle call is a GKD training step over a top-k teacher: twinkle's GKDLoss itself (not a
+    subclass that may compute otherwise) with teacher_topk_logprobs and teacher_topk_indices, no
+    teacher_logits, and a loss to compute (not forward_only)."""
     inner = getattr(loss, "_loss_instance", loss)  # twinkle's SafeLossWrapper
     return (type(inner) is gkd_loss_class() and kwargs.get("teacher_topk_logprobs") is not None
-            and kwargs.get("teacher_topk_indices") is not None and kwargs.get("teacher_logits") is None)
+            and kwargs.get("teacher_topk_indices") is not None and kwargs.get("teacher_logits") is None
+            and not kwargs.get("forward_only", False))
+
+
+def layout_ineligible(model, processor) -> Optional[str]:
+    """Why a distillation call's sequence layout cannot take the fused path, or None: the placeholder stands
+    for the logits of the hidden states' own rows, which packed (padding-free) batches, Ulysses sequence
+    parallelism (transformers) and context parallelism (Megatron) re-split or re-order after the head."""
+    if getattr(processor, "padding_free", False):
+        return "a distillation call on packed (padding-free) batches"
+    if getattr(model, "_enable_sp", False):
+        return "a distillation call under sequence parallelism (Ulysses)"
+    try:
+        from megatron.core import parallel_state as mpu
+        if mpu.model_parallel_is_initialized() and mpu.get_context_parallel_world_size() > 1:
+            return "a distillation call under context parallelism"
+    except (ImportError, AssertionError, RuntimeError):
+        pass
+    return None
 
 
 @contextlib.contextmanager
@@ -53,8 +72,14 @@ def gkd_call(original):
 
     def __call__(self, inputs, outputs, *, teacher_logits=None, teacher_topk_logprobs=None, teacher_topk_indices=None,
                  topk=None, **kwargs):
-        head: Optional[fused_head.DeferredHead] = fused_head.deferred_head(outputs.get("logits"))
+        logits = outputs.get("logits")
+        head: Optional[fused_head.DeferredHead] = fused_head.deferred_head(logits)
         if head is None:
+            if logits is not None and logits.shape[-1] == 0:  # a placeholder twinkle copied (unpacked) on its way
+                raise RuntimeError("twinkle-mem fused LM head: GKDLoss got zero-width logits that are not the output "
+                                   "layer's placeholder (packed sequences unpacked after the head?); the logits do "
+                                   "not exist on the fused path. install(fused_lm_head=False) runs twinkle-kit "
+                                   "unchanged.")
             return original(self, inputs, outputs, teacher_logits=teacher_logits,
                             teacher_topk_logprobs=teacher_topk_logprobs, teacher_topk_indices=teacher_topk_indices,
                             topk=topk, **kwargs)
@@ -62,7 +87,11 @@ def gkd_call(original):
             raise RuntimeError("twinkle-mem fused LM head: GKDLoss got the output layer's placeholder without a top-k "
                                "teacher (teacher_topk_logprobs and teacher_topk_indices); the logits do not exist on "
                                "the fused path. install(fused_lm_head=False) runs twinkle-kit unchanged.")
-        return _fused_gkd(self, inputs["labels"], head, teacher_topk_indices, teacher_topk_logprobs)
+        result = _fused_gkd(self, inputs["labels"], head, teacher_topk_indices, teacher_topk_logprobs)
+        # The placeholder has served: twinkle keeps the step's outputs for its metrics (Accuracy takes the argmax
+        # of outputs['logits'] at the next step), which must see no logits rather than a zero-width tensor.
+        outputs["logits"] = None
+        return result
 
     __call__.__wrapped__ = original
     return __call__
@@ -84,9 +113,12 @@ def _fused_gkd(loss, labels, head: fused_head.DeferredHead, teacher_ids, teacher
         raise RuntimeError(f"twinkle-mem fused LM head: the output layer's input {tuple(hidden.shape)} does not match "
                            f"the labels GKDLoss got (packed sequences?). install(fused_lm_head=False) runs twinkle-kit "
                            "unchanged.")
-    if head.temperature != 1.0:  # twinkle's forward step divides the logits by its temperature before the loss
-        hidden = hidden / head.temperature
+    # twinkle's forward step divides the student's logits by the call's temperature Tc before the loss, which
+    # divides student and teacher by its own Tl: x / (Tc Tl) and lp / Tl = (lp Tc) / (Tc Tl), the teacher's
+    # log-probs scaled in float64 and nothing done to the hidden states.
+    if head.temperature != 1.0:
+        logprobs = logprobs.double() * head.temperature
     per_token = linear_gkd_topk(hidden, head.weight, ids, logprobs, labels, beta=loss.beta,
-                                temperature=loss.temperature, ignore_index=loss.ignore_index,
+                                temperature=loss.temperature * head.temperature, ignore_index=loss.ignore_index,
                                 process_group=head.process_group)
     return LossOutput(loss=gkd_average(per_token, labels, loss.ignore_index), num_tokens=0)

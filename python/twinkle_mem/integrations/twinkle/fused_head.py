@@ -275,12 +275,22 @@ def deferred(layers, make_forward, call: FusedCall) -> Iterator[FusedCall]:
                 layer.forward = previous
 
 
+# A distillation call runs without twinkle's division of the logits by its temperature (it reads
+# require_logps = False): the head must defer, never hand real logits to twinkle's GKD.
+_DISTILL_FALLBACK = ("a distillation call's output layer was called where it cannot defer (no labels for the micro-batch, "
+                     "its input not matching them, a gathered output or a model called with labels); refusing rather "
+                     "than handing twinkle's GKD logits it would not divide by the call's temperature. "
+                     "install(fused_lm_head=False) runs twinkle-kit unchanged.")
+
+
 def megatron_forward(original):
     """ColumnParallelLinear.forward, deferred: (placeholder [s, b, 0], None) for a micro-batch with labels."""
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         call = _CALL.get()
         if call is None or call.labels is None or runtime_gather_output or call.model_has_labels:
+            if call is not None and call.distill:
+                raise call.refuse(_DISTILL_FALLBACK)
             return original(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                             gather_from_sequence_parallel_region)
@@ -313,6 +323,8 @@ def transformers_forward(original):
     def forward(self, input):  # noqa: A002  (nn.Linear's name)
         call = _CALL.get()
         if call is None or call.labels is None or tuple(input.shape[:-1]) != tuple(call.labels.shape):
+            if call is not None and call.distill:
+                raise call.refuse(_DISTILL_FALLBACK)
             return original(input)
         weight = self.weight
         device_type = input.device.type

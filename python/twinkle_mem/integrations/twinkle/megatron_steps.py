@@ -15,7 +15,7 @@ from twinkle_mem.megatron import current_logits_reporting, guard_report
 from twinkle_mem.megatron import logits_guard as _logits_guard
 
 from . import distill_loss, fused_eligibility, fused_head
-from ._model import loss_instance
+from ._model import loss_instance, optimizer_group
 from .failed_micro_batches import report_failed_micro_batches
 
 logger = logging.getLogger("twinkle_mem")
@@ -69,6 +69,8 @@ def _fused_megatron(model, kwargs, loss, chunk_bytes, guard):
     distill = reason is None and distill_loss.is_topk_gkd_call(kwargs, loss)
     if distill and not guard:  # its log-probs are None: twinkle-kit 0.5.1 passes those to torch.cat
         reason = "a fused distillation call needs the logits guard (install(logits_guard=True))"
+    if distill and reason is None:
+        reason = distill_loss.layout_ineligible(model, optimizer_group(model, kwargs).processor)
     layers = []
     if reason is None:
         model._lazy_wrap_model()  # twinkle's first step anyway: decide on the model as it will run

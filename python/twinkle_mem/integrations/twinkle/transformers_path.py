@@ -7,7 +7,7 @@ import logging
 from typing import Optional
 
 from . import distill_loss, fused_eligibility, fused_head
-from ._model import loss_instance
+from ._model import loss_instance, optimizer_group
 
 logger = logging.getLogger("twinkle_mem")
 
@@ -18,7 +18,9 @@ def transformers_model_forward(original, chunk_bytes: Optional[int]):
     def forward(self, *args, **kwargs):
         if fused_head.current() is not None:  # forward called from within a fused call
             return original(self, *args, **kwargs)
-        with _fused_transformers(self, kwargs, chunk_bytes) as call:
+        # forward_only computes no loss: a distillation call there would defer a head nothing reads
+        train = original.__name__ == "forward"
+        with _fused_transformers(self, {**kwargs, "forward_only": not train}, chunk_bytes) as call:
             out = original(self, *args, **kwargs)
             if call is not None:
                 call.check_taken(f"TransformersModel.{original.__name__}")
@@ -35,11 +37,13 @@ def _fused_transformers(model, kwargs, chunk_bytes):
     if reason is None:
         model._lazy_wrap_model()  # twinkle's first step anyway: decide on the model as it will run
         head, reason = fused_eligibility.transformers_lm_head(model.model, model.strategy.unwrap_model(model.model))
+    distill = reason is None and distill_loss.is_topk_gkd_call(kwargs, loss)
+    if distill:
+        reason = distill_loss.layout_ineligible(model, optimizer_group(model, kwargs).processor)
     if reason is not None:
         logger.debug("twinkle-mem fused LM head not used: %s", reason)
         yield None
         return
-    distill = distill_loss.is_topk_gkd_call(kwargs, loss)
     call = fused_head.FusedCall.for_call(kwargs, loss, chunk_bytes, labels_from_processor=True, distill=distill)
     with fused_head.deferred([head], fused_head.transformers_forward, call), \
             distill_loss.without_log_probs(loss) if distill else contextlib.nullcontext():
