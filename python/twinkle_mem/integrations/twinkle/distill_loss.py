@@ -16,9 +16,6 @@ from typing import Optional
 
 from . import fused_head
 
-_NOT_GKD = "the loss is not twinkle's GKDLoss over a top-k teacher"
-
-
 def gkd_loss_class():
     from twinkle.loss.gkd import GKDLoss
     return GKDLoss

@@ -118,10 +118,7 @@ class FusedCall:
             raise self.refuse("the output layer ran twice before twinkle computed the log-probs of the first call "
                               "(multi-token prediction or a second head?); refusing to go on. "
                               "install(fused_lm_head=False) runs twinkle-kit unchanged.")
-        # fp32, so that Float16Module's upcast and a model's own `.float()` return it unchanged; in the
-        # graph of the hidden states, so that a zero loss made from it (twinkle's SafeLossWrapper after an
-        # error) still sends a gradient back through the pipeline.
-        placeholder = hidden[..., :0].to(torch.float32) * 1.0
+        placeholder = _placeholder(hidden)
         self.pending = _Deferred(placeholder, logp, entropy, self.labels)
         self.deferred += 1
         return placeholder
@@ -129,7 +126,7 @@ class FusedCall:
     def defer_head(self, hidden, weight, process_group, seq_first: bool) -> torch.Tensor:
         """A distillation call: the placeholder standing for the logits, carrying what defines them (the
         layer's input and weight, the TP group, the call's temperature) for the loss (distill_loss.py)."""
-        placeholder = hidden[..., :0].to(torch.float32) * 1.0  # (as defer(): in the graph of the hidden states)
+        placeholder = _placeholder(hidden)
         placeholder._twinkle_mem_head = DeferredHead(hidden, weight, process_group, seq_first, self.temperature)
         return placeholder
 
@@ -158,6 +155,13 @@ class FusedCall:
             self.pending = None
             raise RuntimeError(f"twinkle-mem fused LM head: {where}: {NOT_TAKEN}. install(fused_lm_head=False) runs "
                                "twinkle-kit unchanged.")
+
+
+def _placeholder(hidden) -> torch.Tensor:
+    """The zero-width tensor a deferred head returns for the logits. fp32, so that Float16Module's upcast and
+    a model's own `.float()` return it unchanged; in the graph of the hidden states, so that a zero loss made
+    from it (twinkle's SafeLossWrapper after an error) still sends a gradient back through the pipeline."""
+    return hidden[..., :0].to(torch.float32) * 1.0
 
 
 @dataclass
