@@ -286,9 +286,11 @@ class VocabTensors(TorchDispatchMode):
     (run with the mode on): those with a last dim in ``vocab_dims``, and those of at least
     ``numel`` elements."""
 
-    def __init__(self, vocab_dims, numel):
+    def __init__(self, vocab_dims, numel, exempt=()):
         super().__init__()
         self.vocab_dims, self.numel = tuple(vocab_dims), numel
+        # views of these (a local teacher's logits: an input of the step) are not counted
+        self.exempt = {t.untyped_storage().data_ptr() for t in exempt}
         self.last_dim, self.large, self.ops = [], [], 0
         # twinkle-mem's Python custom ops, run under the mode so that the ops inside them are seen too
         self.python_ops = {linear_fwd._opoverload: linear_fwd._init_fn, linear_bwd._opoverload: linear_bwd._init_fn}
@@ -302,7 +304,7 @@ class VocabTensors(TorchDispatchMode):
             out = func(*args, **kwargs)
         self.ops += 1
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.dim() > 0:
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.untyped_storage().data_ptr() not in self.exempt:
                 if t.shape[-1] in self.vocab_dims:
                     self.last_dim.append((str(func), tuple(t.shape)))
                 if t.numel() >= self.numel:
@@ -328,10 +330,20 @@ def gkd_teacher(seed=1):
     return dict(teacher_topk_logprobs=logprobs, teacher_topk_indices=ids)
 
 
+def gkd_local_teacher(topk=None, seed=2, vocab=VOCAB):
+    """A local teacher's logits as GKDLoss takes them (``teacher_logits=``, [len(LENGTHS), SEQ + 3, vocab]),
+    with ``topk`` or over the whole vocab."""
+    gen = torch.Generator().manual_seed(seed)
+    return dict(teacher_logits=3 * torch.randn(len(LENGTHS), SEQ + 3, vocab, generator=gen), topk=topk)
+
+
+GKD_TEACHERS = {"topk": gkd_teacher, "local_topk": lambda: gkd_local_teacher(GKD_K), "local": gkd_local_teacher}
+
+
 @contextlib.contextmanager
 def gkd_in_float64():
-    """twinkle's own GKD arithmetic in float64 (the loss rounded to the logits' dtype once): the exact reference
-    of a twinkle step."""
+    """twinkle's own GKD arithmetic in float64 (the loss rounded once, to fp32 or the logits' wider dtype): the
+    exact reference of a twinkle step."""
     from twinkle.loss.gkd import GKDLoss
     original = GKDLoss.__dict__["_generalized_jsd_loss"]
 
@@ -339,7 +351,7 @@ def gkd_in_float64():
         as64 = (lambda t: t.double() if t is not None else None)  # noqa: E731
         loss = original.__func__(as64(student_logits), teacher_logits=as64(teacher_logits),
                                  teacher_topk_logprobs=as64(teacher_topk_logprobs), **kwargs)
-        return loss.to(student_logits.dtype)
+        return loss.to(torch.promote_types(student_logits.dtype, torch.float32))  # (bf16 logits: fp32)
 
     GKDLoss._generalized_jsd_loss = staticmethod(exact)
     try:

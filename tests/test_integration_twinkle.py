@@ -137,10 +137,10 @@ def test_tensor_parallel_passes_the_tp_group_to_the_op(monkeypatch):
     labels = torch.randint(0, 97, (2, 5))
     integration.install()
     try:
-        monkeypatch.setattr(integration, "_tensor_parallel_group", lambda: "tp-group")
+        monkeypatch.setattr(integration, "tensor_parallel_group", lambda: "tp-group")
         logp, entropy = grpo.selective_log_softmax(logits, labels, return_entropy=True)
         assert logp.dtype == entropy.dtype == torch.float32 and calls == ["tp-group"]
-        monkeypatch.setattr(integration, "_tensor_parallel_group", lambda: None)
+        monkeypatch.setattr(integration, "tensor_parallel_group", lambda: None)
         assert grpo.selective_log_softmax(logits, labels).dtype == torch.float32 and calls == ["tp-group", None]
     finally:
         integration.uninstall()

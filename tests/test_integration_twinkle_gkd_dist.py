@@ -1,11 +1,13 @@
-"""install(fused_lm_head=True) on twinkle's GKD calls under Megatron's model parallelism (issue 26): a gloo
-world of 2 CPU processes running twinkle's real MegatronModel around a real megatron-core GPTModel.
+"""install() and install(fused_lm_head=True) on twinkle's GKD calls under Megatron's model parallelism
+(issue 26): a gloo world of 2 CPU processes running twinkle's real MegatronModel around a real
+megatron-core GPTModel.
 
 - TP = 2: each rank's output layer is its vocab shard, the teacher's ids global. twinkle-kit as shipped
   gathers the global ids from the shard's logits (an index error for ids past the shard, wrong values for
   the others); the fused call's loss and every parameter
   gradient (this rank's shard) equal twinkle's GKD at TP = 1 computed in float64, and no tensor with the
   vocab or its shard as last dim appears.
+- TP = 2, install() alone: the loss from the logits' vocab shards equals the same reference.
 - PP = 2: the fused step's loss (twinkle broadcasts it to both stages) and each stage's gradients equal the
   unfused step's with GKD in float64.
 """
@@ -24,16 +26,18 @@ cases = Cases(__name__, timeout_s=240, setup=gpt_step_in_world)
 case = cases.register(WORLD)
 
 
-def _gkd_step(*, fused, tp=1, pp=1, beta=0.5, spy=None):
+def _gkd_step(*, fused, tp=1, pp=1, beta=0.5, spy=None, shipped=False):
     """One twinkle GKD step (forward_backward, temperature 0.7) on a fresh GPTModel (the same seed: the same
-    weights); fused=None: twinkle's GKD in float64 (the exact reference)."""
+    weights): install(fused_lm_head=fused); fused=None: twinkle's GKD in float64 (the exact reference);
+    shipped: twinkle-kit as shipped."""
     from cpu_harness import megatron as th
     from megatron.core import parallel_state as mpu
     from twinkle.loss.gkd import GKDLoss
 
     from twinkle_mem.integrations import twinkle as integration
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-    integration.install(mask_skip="never", fused_lm_head=bool(fused), fused_chunk_bytes=CHUNK if fused else None)
+    if fused is not None and shipped is False:
+        integration.install(mask_skip="never", fused_lm_head=fused, fused_chunk_bytes=CHUNK if fused else None)
     try:
         with blocks(*FUSED_BLOCKS), gkd_in_float64() if fused is None else contextlib.nullcontext():
             chunk = th.gpt_model(VOCAB, layers=pp)
@@ -55,7 +59,7 @@ def gkd_tp2(rank, world):
     spy = VocabTensors((VOCAB, VOCAB // WORLD), 10 ** 9)
     got = _gkd_step(fused=True, tp=WORLD, spy=spy)
     try:  # twinkle-kit's GKD gathers the teacher's global ids from this rank's vocab shard of the logits
-        shipped = _gkd_step(fused=False, tp=WORLD)
+        shipped = _gkd_step(fused=False, tp=WORLD, shipped=True)
     except RuntimeError as error:  # ids past the shard (both ranks raise alike, before any collective)
         shipped = str(error)
     # all collectives done
@@ -67,6 +71,20 @@ def gkd_tp2(rank, world):
         expected = full.chunk(WORLD, dim=dim)[rank] if sharded else full
         assert_close(grad, expected, torch.float32, f"grad of {name} (rank {rank}{', shard' if sharded else ''})")
     assert spy.ops > 100 and spy.last_dim == [], spy.last_dim[:5]
+
+
+@case
+def gkd_tp2_from_logits(rank, world):
+    """install() alone at TP = 2: the logits exist as vocab shards and the loss comes from them
+    (gkd_topk_from_logits combines the k columns over the TP group)."""
+    want = _gkd_step(fused=None)
+    got = _gkd_step(fused=False, tp=WORLD)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-7)
+    assert got["grads"].keys() == want["grads"].keys() and len(got["grads"]) > 3
+    for name, (grad, sharded, dim) in got["grads"].items():
+        full = want["grads"][name][0]
+        expected = full.chunk(WORLD, dim=dim)[rank] if sharded else full
+        assert_close(grad, expected, torch.float32, f"grad of {name} (rank {rank}{', shard' if sharded else ''})")
 
 
 @case

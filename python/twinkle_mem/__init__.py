@@ -6,7 +6,7 @@ from ._native import status as _backend_status
 from .functional import entropy_from_logits, linear_selective_log_softmax, selective_log_softmax
 from .distill import gkd_average, linear_gkd_topk
 from .distill_full import linear_gkd_full
-from .distill_logits import gkd_from_logits
+from .distill_logits import gkd_from_logits, gkd_topk_from_logits
 
 __version__ = "0.1.0"
 
@@ -32,4 +32,4 @@ def __getattr__(name):
 
 
 __all__ = ["selective_log_softmax", "linear_selective_log_softmax", "linear_gkd_topk", "linear_gkd_full",
-           "gkd_from_logits", "gkd_average", "entropy_from_logits", "backends", "__version__"]
+           "gkd_from_logits", "gkd_topk_from_logits", "gkd_average", "entropy_from_logits", "backends", "__version__"]

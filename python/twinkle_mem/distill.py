@@ -137,6 +137,25 @@ def _local_ids(ids: Tensor, vocab_start: int, shard: int) -> tuple[Tensor, Tenso
     return torch.where(own, local, 0), own
 
 
+def check_teacher_ids(ids: Tensor, vocab_size: int) -> None:
+    """Every kept teacher id in [0, vocab_size); checked before any collective (every rank holds the same ids
+    and raises alike)."""
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        i, k = int(bad.flatten().nonzero()[0]), ids.shape[1]
+        raise RuntimeError(f"twinkle_mem: teacher id out of range: {int(ids.flatten()[i])} is not in "
+                           f"[0, {vocab_size}) (at kept row {i // k}, entry {i % k})")
+
+
+def combine_shards(x: Tensor, own: Tensor, group_name: str) -> Tensor:
+    """The student's logits at the teacher's ids from every rank's part: each id is held by one rank and the
+    others add exact zeros, so one all_reduce (sum) gives the full x, exactly, on every rank."""
+    x = torch.where(own, x, 0.0)
+    if group_name:
+        dist.all_reduce(x, group=_resolve_group(group_name))
+    return x
+
+
 def _tiles(m: int, rows: int):
     for r0 in range(0, m, rows):
         yield r0, min(r0 + rows, m)
@@ -178,16 +197,9 @@ def gkd_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher_ids:
     ids = _select(teacher_ids, kept).long()
     if ids.numel() == 0:  # (the same on every rank: the labels are)
         return loss, coef
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():  # before any collective; every rank holds the same ids and raises alike
-        i = int(bad.flatten().nonzero()[0])
-        raise RuntimeError(f"twinkle_mem: teacher id out of range: {int(ids.flatten()[i])} is not in "
-                           f"[0, {vocab_size}) (at kept row {i // k}, entry {i % k})")
+    check_teacher_ids(ids, vocab_size)
     local, own = _local_ids(ids, vocab_start, weight.shape[0])
-    x = _student_logits(_select(hidden, kept), weight, bias, local, acc)
-    x = torch.where(own, x, 0.0)
-    if group_name:  # each id on one rank, zeros elsewhere: the sum is the full x, exactly, on every rank
-        dist.all_reduce(x, group=_resolve_group(group_name))
+    x = combine_shards(_student_logits(_select(hidden, kept), weight, bias, local, acc), own, group_name)
     rows_loss, rows_coef = gkd_rows(x, _select(teacher_logprobs, kept), beta, temperature)
     if kept is None:
         return rows_loss.to(acc), rows_coef.to(acc)
@@ -298,20 +310,26 @@ gkd_fwd.register_autograd(_backward, setup_context=_setup_context)
 # ------------------------------------------------------------------ public functions
 def _check_args(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, beta, temperature, ignore_index):
     check_head_args(hidden, weight, bias)
-    lead = tuple(hidden.shape[:-1])
+    check_topk_teacher(teacher_ids, teacher_logprobs, hidden, "hidden")
+    check_gkd_options(labels, hidden, "hidden", beta, temperature, ignore_index)
+
+
+def check_topk_teacher(teacher_ids, teacher_logprobs, rows: Tensor, rows_name: str) -> None:
+    """A top-k teacher's checks: int ids and float log-probs of one shape [..., k], [...] the rows' leading
+    shape, on the rows' device."""
+    lead = tuple(rows.shape[:-1])
     if not isinstance(teacher_ids, Tensor) or teacher_ids.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"teacher_ids must be an int64 or int32 tensor, got {getattr(teacher_ids, 'dtype', None)}")
-    if teacher_ids.dim() != hidden.dim() or tuple(teacher_ids.shape[:-1]) != lead:
-        raise ValueError(f"teacher_ids must be [..., k] with [...] = hidden.shape[:-1] = {lead}, got "
+    if teacher_ids.dim() != rows.dim() or tuple(teacher_ids.shape[:-1]) != lead:
+        raise ValueError(f"teacher_ids must be [..., k] with [...] = {rows_name}.shape[:-1] = {lead}, got "
                          f"{tuple(teacher_ids.shape)}")
     check_float_tensor("teacher_logprobs", teacher_logprobs)
     if teacher_logprobs.shape != teacher_ids.shape:
         raise ValueError(f"teacher_logprobs shape {tuple(teacher_logprobs.shape)} differs from teacher_ids shape "
                          f"{tuple(teacher_ids.shape)}")
     for name, t in (("teacher_ids", teacher_ids), ("teacher_logprobs", teacher_logprobs)):
-        if t.device != hidden.device:
-            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-    check_gkd_options(labels, hidden, "hidden", beta, temperature, ignore_index)
+        if t.device != rows.device:
+            raise ValueError(f"{name} is on {t.device} but {rows_name} is on {rows.device}")
 
 
 def check_teacher_logits(teacher_logits: Tensor, shape: tuple, like: Tensor, like_name: str) -> None:
@@ -361,15 +379,20 @@ def linear_gkd_topk(hidden, weight, teacher_ids, teacher_logprobs, labels=None, 
     h_size = hidden.shape[-1]
     n = math.prod(hidden.shape[:-1])
     k = teacher_ids.shape[-1]
-    shard = weight.shape[0]
-    rank, world, group_name = 0, 1, ""
-    if process_group is not None and dist.get_world_size(process_group) > 1:
-        rank, world = rank_and_world(process_group, shard, "weight")
-        group_name = process_group.group_name
     loss, _coef = gkd_fwd(hidden.reshape(n, h_size), weight, bias, teacher_ids.reshape(n, k),
                           teacher_logprobs.reshape(n, k), None if labels is None else labels.reshape(n),
-                          float(beta), float(temperature), int(ignore_index), rank * shard, world * shard, group_name)
+                          float(beta), float(temperature), int(ignore_index),
+                          *vocab_shard(process_group, weight.shape[0], "weight"))
     return loss.view(hidden.shape[:-1])
+
+
+def vocab_shard(process_group, shard: int, what: str) -> tuple[int, int, str]:
+    """(vocab_start, vocab_size, group name) of this rank's ``shard`` columns: Megatron's split, the group's
+    name "" without tensor parallelism."""
+    if process_group is None or dist.get_world_size(process_group) == 1:
+        return 0, shard, ""
+    rank, world = rank_and_world(process_group, shard, what)
+    return rank * shard, world * shard, process_group.group_name
 
 
 def gkd_average(per_token: Tensor, labels: Optional[Tensor] = None, ignore_index: int = -100) -> Tensor:

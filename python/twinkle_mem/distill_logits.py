@@ -19,13 +19,15 @@ float64 math is what makes a divergence of 1e-7 between close distributions exac
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ._contract import check_float_tensor, stats_dtype
-from .distill import _kept_rows, check_gkd_options, check_teacher_logits, gkd_rows
+from .distill import (_kept_rows, _local_ids, _select, check_gkd_options, check_teacher_ids, check_teacher_logits,
+                      check_topk_teacher, combine_shards, gkd_rows, vocab_shard)
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 # float64 [rows, V] tensors alive at once inside gkd_rows (and the chunk's copies), counted generously
@@ -35,6 +37,13 @@ TEMPORARIES = 20
 def chunk_rows(vocab: int, chunk_bytes: int) -> int:
     """Rows per chunk: the float64 working tensors of the k-wide (here V-wide) math within chunk_bytes."""
     return max(1, chunk_bytes // (TEMPORARIES * 8 * vocab))
+
+
+def _teacher_rows(teacher: Tensor, rows: Tensor) -> Tensor:
+    """Rows of the teacher, [N, V] or any [..., V] of N rows (not copied whole to be flattened)."""
+    if teacher.dim() == 2:
+        return teacher.index_select(0, rows)
+    return teacher[torch.unravel_index(rows, teacher.shape[:-1])]
 
 
 def _chunks(kept: Optional[Tensor], n: int, rows: int):
@@ -47,7 +56,7 @@ def _chunks(kept: Optional[Tensor], n: int, rows: int):
 @torch.library.custom_op("twinkle_mem::gkd_logits_fwd", mutates_args=())
 def gkd_logits_fwd(student: Tensor, teacher: Tensor, labels: Optional[Tensor], beta: float, temperature: float,
                    ignore_index: int, topk: int, chunk_bytes: int) -> tuple[Tensor, Tensor, Tensor]:
-    """student, teacher [N, V]; labels [N] or None; topk 0 (the whole vocab) or k. Returns (loss [N] fp32
+    """student [N, V], teacher [N, V] (or [..., V] of N rows); labels [N] or None; topk 0 (the whole vocab) or k. Returns (loss [N] fp32
     (fp64 for fp64 student), dL/dx [N, k] at the teacher's top-k ids, those ids [N, k] int64); [N, 0] for the
     whole vocab. Rows whose label is ignore_index: 0, ids 0."""
     n, v = student.shape
@@ -58,7 +67,7 @@ def gkd_logits_fwd(student: Tensor, teacher: Tensor, labels: Optional[Tensor], b
     kept = _kept_rows(labels, n, ignore_index)
     for rows in _chunks(kept, n, chunk_rows(v, chunk_bytes)):
         rows = rows.to(student.device)
-        x, t = student.index_select(0, rows), teacher.index_select(0, rows)
+        x, t = student.index_select(0, rows), _teacher_rows(teacher, rows)
         if topk:
             t, top = t.topk(topk, dim=-1)
             x = x.gather(-1, top)
@@ -91,7 +100,7 @@ def gkd_logits_bwd(grad_loss: Tensor, coef: Tensor, ids: Tensor, student: Tensor
         return grad.scatter_add_(1, ids, g.to(student.dtype))
     for rows in _chunks(_kept_rows(labels, n, ignore_index), n, chunk_rows(v, chunk_bytes)):
         rows = rows.to(student.device)
-        _loss, d = gkd_rows(student.index_select(0, rows), teacher.index_select(0, rows), beta, temperature)
+        _loss, d = gkd_rows(student.index_select(0, rows), _teacher_rows(teacher, rows), beta, temperature)
         g = grad_loss.index_select(0, rows).double().unsqueeze(1) * d
         grad.index_copy_(0, rows, g.to(student.dtype))
     return grad
@@ -143,7 +152,121 @@ def gkd_from_logits(student_logits, teacher_logits, labels=None, *, topk=None, b
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
     n = student_logits.numel() // v
-    loss, _coef, _ids = gkd_logits_fwd(student_logits.reshape(n, v), teacher_logits.reshape(n, v),
+    # (a teacher trimmed to the student's length, twinkle's teacher_logits[:, :L], is read where it lies)
+    flat = teacher_logits.view(n, v) if teacher_logits.is_contiguous() else teacher_logits
+    loss, _coef, _ids = gkd_logits_fwd(student_logits.reshape(n, v), flat,
                                        None if labels is None else labels.reshape(n), float(beta),
                                        float(temperature), int(ignore_index), int(topk or 0), int(chunk_bytes))
     return loss.view(lead)
+
+
+# ------------------------------------------------------------------ a top-k teacher's ids and log-probs
+# The student's logits are read at the teacher's k ids only; saved for backward: dL/dx [N, k] (float64) and the ids,
+# not the logits (backward needs only their shape). Under tensor parallelism the logits are this rank's
+# vocab shard and the ids global: distill.combine_shards, as linear_gkd_topk.
+DEDUP_ROWS = 1024  # rows at a time when summing a row's repeated ids ([rows, k, k] bools)
+
+
+@torch.library.custom_op("twinkle_mem::gkd_topk_logits_fwd", mutates_args=())
+def gkd_topk_logits_fwd(student: Tensor, teacher_ids: Tensor, teacher_logprobs: Tensor, labels: Optional[Tensor],
+                        beta: float, temperature: float, ignore_index: int, vocab_start: int, vocab_size: int,
+                        group_name: str) -> tuple[Tensor, Tensor]:
+    """student [N, Vs] (the vocab [vocab_start, vocab_start + Vs) of vocab_size), teacher_ids [N, k] global,
+    teacher_logprobs [N, k], labels [N] or None. Returns (loss [N] fp32 (fp64 for fp64), dL/dx [N, k] float64)."""
+    n, k = teacher_ids.shape
+    acc = stats_dtype(student)
+    # dL/dx kept in float64 (O(N k)): backward sums a row's repeated ids, whose terms can cancel, before rounding
+    loss, coef = student.new_zeros((n,), dtype=acc), student.new_zeros((n, k), dtype=torch.float64)
+    kept = _kept_rows(labels, n, ignore_index)
+    ids = _select(teacher_ids, kept).long()
+    if ids.numel() == 0:
+        return loss, coef
+    check_teacher_ids(ids, vocab_size)
+    local, own = _local_ids(ids, vocab_start, student.shape[1])
+    rows = (torch.arange(n, device=student.device) if kept is None else kept).unsqueeze(1)
+    x = combine_shards(student[rows, local].to(acc), own, group_name)  # [m, k]: no row of the logits copied
+    rows_loss, rows_coef = gkd_rows(x, _select(teacher_logprobs, kept), beta, temperature)
+    if kept is None:
+        return rows_loss.to(acc), rows_coef
+    return loss.index_copy_(0, kept, rows_loss.to(acc)), coef.index_copy_(0, kept, rows_coef)
+
+
+@gkd_topk_logits_fwd.register_fake
+def _gkd_topk_logits_fwd_fake(student, teacher_ids, teacher_logprobs, labels, beta, temperature, ignore_index,
+                              vocab_start, vocab_size, group_name):
+    n, k = teacher_ids.shape
+    return student.new_empty((n,), dtype=stats_dtype(student)), student.new_empty((n, k), dtype=torch.float64)
+
+
+def _sum_repeated(g: Tensor, local: Tensor) -> Tensor:
+    """g [m, k] with each row's entries of one id summed into the first of them (the others 0): scattered
+    into the gradient, every column then gets one value, rounded once to the logits' dtype."""
+    out = torch.empty_like(g)
+    for r0 in range(0, g.shape[0], DEDUP_ROWS):
+        ids = local[r0:r0 + DEDUP_ROWS]
+        first = (ids.unsqueeze(2) == ids.unsqueeze(1)).int().argmax(-1)  # each entry's first entry of its id
+        out[r0:r0 + DEDUP_ROWS] = torch.zeros_like(g[r0:r0 + DEDUP_ROWS]).scatter_add_(1, first, g[r0:r0 + DEDUP_ROWS])
+    return out
+
+
+@torch.library.custom_op("twinkle_mem::gkd_topk_logits_bwd", mutates_args=())
+def gkd_topk_logits_bwd(grad_loss: Tensor, coef: Tensor, teacher_ids: Tensor, labels: Optional[Tensor],
+                        ignore_index: int, vocab_start: int, shard: int, dtype: torch.dtype) -> Tensor:
+    """The student's gradient [N, shard] in ``dtype``: g dL/dx at the ids this shard holds, 0 elsewhere."""
+    n = teacher_ids.shape[0]
+    grad = coef.new_zeros((n, shard), dtype=dtype)
+    kept = _kept_rows(labels, n, ignore_index)
+    ids = _select(teacher_ids, kept).long()
+    if ids.numel() == 0:
+        return grad
+    local, own = _local_ids(ids, vocab_start, shard)
+    g = torch.where(own, _select(grad_loss, kept).to(coef.dtype).unsqueeze(1) * _select(coef, kept), 0.0)
+    rows = (torch.arange(n, device=grad.device) if kept is None else kept).unsqueeze(1).expand_as(local)
+    return grad.index_put_((rows, local), _sum_repeated(g, local).to(dtype), accumulate=True)
+
+
+@gkd_topk_logits_bwd.register_fake
+def _gkd_topk_logits_bwd_fake(grad_loss, coef, teacher_ids, labels, ignore_index, vocab_start, shard, dtype):
+    return coef.new_empty((teacher_ids.shape[0], shard), dtype=dtype)
+
+
+def _topk_setup_context(ctx, inputs, output):
+    student, teacher_ids, _lp, labels, _beta, _t, ignore_index, vocab_start, _vs, _g = inputs
+    _loss, coef = output
+    ctx.save_for_backward(coef, teacher_ids, labels)  # not the logits: their shape and dtype suffice
+    ctx.args = (ignore_index, vocab_start, student.shape[1], student.dtype)
+    ctx.mark_non_differentiable(coef)
+
+
+def _topk_backward(ctx, grad_loss, _grad_coef):
+    coef, teacher_ids, labels = ctx.saved_tensors
+    return gkd_topk_logits_bwd(grad_loss, coef, teacher_ids, labels, *ctx.args), *([None] * 9)
+
+
+gkd_topk_logits_fwd.register_autograd(_topk_backward, setup_context=_topk_setup_context)
+
+
+def gkd_topk_from_logits(student_logits, teacher_ids, teacher_logprobs, labels=None, *, beta=0.5, temperature=1.0,
+                         ignore_index=-100, process_group=None):
+    """twinkle's GKDLoss per token over a top-k teacher (``teacher_topk_indices`` / ``teacher_topk_logprobs``),
+    from the student's logits: what ``linear_gkd_topk`` computes from hidden states, for callers that hold
+    the logits.
+
+    student_logits: [..., V] any float dtype (under ``process_group``: this rank's vocab shard, Megatron's
+    split); teacher_ids [..., k] int64/int32 global ids; teacher_logprobs [..., k]; labels [...] or None.
+    Returns the per-token loss [...], fp32 (fp64 for fp64 logits), its math in float64, with the gradient to
+    the student's logits (a row's repeated ids summed before one rounding to the logits' dtype). Saved for
+    backward: O(N k), not the logits. Under ``process_group`` every rank returns the same loss.
+    """
+    check_float_tensor("student_logits", student_logits)
+    if student_logits.dim() < 1:
+        raise ValueError("student_logits must have a vocab dim")
+    check_topk_teacher(teacher_ids, teacher_logprobs, student_logits, "student_logits")
+    check_gkd_options(labels, student_logits, "student_logits", beta, temperature, ignore_index)
+    v, k = student_logits.shape[-1], teacher_ids.shape[-1]
+    n = student_logits.numel() // v if v else math.prod(student_logits.shape[:-1])
+    loss, _coef = gkd_topk_logits_fwd(student_logits.reshape(n, v), teacher_ids.reshape(n, k),
+                                      teacher_logprobs.reshape(n, k), None if labels is None else labels.reshape(n),
+                                      float(beta), float(temperature), int(ignore_index),
+                                      *vocab_shard(process_group, v, "student_logits"))
+    return loss.view(student_logits.shape[:-1])

@@ -43,6 +43,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from twinkle_mem.processor import MASK_SKIP_MODES
 
 from . import distill_loss, fused_head, megatron_steps, transformers_path
+from ._model import tensor_parallel_group
 from . import mask_skip as mask_skip_patch  # (install() has an argument mask_skip)
 from .failed_micro_batches import FailedMicroBatchWarning
 
@@ -98,9 +99,9 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
         # None without megatron-core: no Megatron runs then
         pipeline_parallel = megatron_steps.megatron_pipeline_parallel()
     if fused_lm_head:
-        from twinkle.loss.gkd import GKDLoss
         from twinkle.model.transformers.transformers import TransformersModel
     if log_softmax:
+        from twinkle.loss.gkd import GKDLoss
         from twinkle_mem import selective_log_softmax as op  # the native op, loaded only now
         original = torch_utils.selective_log_softmax
         adapter = _log_softmax_adapter(op, fused_lm_head)
@@ -110,6 +111,7 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
             for module in _twinkle_modules_binding(original):
                 _patch(module, "selective_log_softmax", adapter)
             _log_softmax_pair = (original, adapter)
+            _patch(GKDLoss, "__call__", distill_loss.gkd_call(GKDLoss.__call__, fused_lm_head))
         _patch(InputProcessor, "__call__", mask_skip_patch.processor_call(InputProcessor.__call__, Platform, mask_skip))
         _patch(InputProcessor, "_create_4d_attention_mask", staticmethod(mask_skip_patch.create_4d_attention_mask))
         if hook_megatron:
@@ -126,7 +128,6 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
                 forward = transformers_path.transformers_model_forward(getattr(TransformersModel, name),
                                                                        fused_chunk_bytes)
                 _patch(TransformersModel, name, forward)
-            _patch(GKDLoss, "__call__", distill_loss.gkd_call(GKDLoss.__call__))
     except BaseException:
         _restore()
         raise
@@ -202,19 +203,7 @@ def _log_softmax_adapter(op, fused_lm_head=False):
         # Under vocab tensor parallelism (TP > 1) the logits are this rank's vocab
         # shard, as for twinkle's own function (Megatron's vocab-parallel CE there):
         # the op combines the shards over the TP group, entropy included.
-        return op(logits, index, return_entropy, process_group=_tensor_parallel_group())
+        return op(logits, index, return_entropy, process_group=tensor_parallel_group())
 
     selective_log_softmax.__wrapped__ = op
     return selective_log_softmax
-
-
-def _tensor_parallel_group():
-    if "megatron.core" not in sys.modules:  # Megatron not in use: no vocab sharding
-        return None
-    try:
-        from megatron.core import parallel_state as mpu
-        if mpu.model_parallel_is_initialized() and mpu.get_tensor_model_parallel_world_size() > 1:
-            return mpu.get_tensor_model_parallel_group()
-    except (ImportError, AssertionError, RuntimeError):
-        pass
-    return None

@@ -1,34 +1,73 @@
-"""twinkle's GKD (distillation) loss on the fused LM head: the loss from the output layer's input.
+"""twinkle's GKD (distillation) loss, ``GKDLoss.__call__`` as install() patches it: the loss in fp32 with its
+math in float64, from the logits (``install()``) or from the output layer's input (``fused_lm_head=True``).
 
-This module owns when a twinkle call is a fused distillation call, and ``GKDLoss.__call__`` as
-``install(fused_lm_head=True)`` patches it. For such a call (twinkle's ``GKDLoss`` itself, a top-k
-teacher: ``teacher_topk_logprobs`` and ``teacher_topk_indices``, no ``teacher_logits``), the deferred
-output layer (fused_head.py) returns a zero-width placeholder carrying its input and weight; twinkle's
-forward step hands it to the loss as ``outputs['logits']``, and the patched ``GKDLoss.__call__`` computes
-twinkle's generalized JSD with ``twinkle_mem.linear_gkd_topk`` (fp32; only the k teacher columns of the
-student's logits, per row tile; under TP the vocab shards combined over the group). The logits never
-exist, and twinkle's full-vocab ``selective_log_softmax``, whose result GKD does not use, is not run: the
-loss reads ``require_logps = False`` during the call, so the call's ``logps`` are those of a loss without
-log-probs (None). Every other call of ``GKDLoss`` runs twinkle's own code.
+twinkle-kit computes GKDLoss's generalized JSD in the logits' dtype (bf16 in training: the divergence of a
+student close to its teacher drowns in rounding), gathers global teacher ids from vocab shards under tensor
+parallelism (wrong values), and for a local teacher's full logits keeps one autograd graph per 512-token
+chunk (about 7 [N, V] at beta = 0.5). Here, for twinkle's GKDLoss itself (a subclass may compute otherwise):
+
+- ``install()``, the student's logits at hand (``outputs['logits']``): a top-k teacher
+  (``teacher_topk_logprobs`` / ``teacher_topk_indices``) goes to ``twinkle_mem.gkd_topk_from_logits`` (the
+  logits read at the k ids only, O(N k) saved, the TP shards combined over twinkle's TP group); a local
+  teacher's logits (``teacher_logits=``, with or without ``topk=``) to ``twinkle_mem.gkd_from_logits`` (no
+  per-chunk graph; recomputed in backward), where student and teacher have one vocab and no TP.
+- ``install(fused_lm_head=True)``, a distillation call: the deferred output layer (fused_head.py) returns a
+  zero-width placeholder carrying its input and weight; twinkle's forward step hands it to the loss as
+  ``outputs['logits']`` and the loss is computed from the hidden states: ``linear_gkd_topk`` for a top-k
+  teacher (also a local teacher's ``topk=``: its k largest logits, the ids global under TP) and
+  ``linear_gkd_full`` for a local teacher's whole vocab (TP = 1). The logits never exist, and twinkle's
+  full-vocab ``selective_log_softmax``, whose result GKD does not use, is not run: the loss reads
+  ``require_logps = False`` during the call, so the call's ``logps`` are those of a loss without log-probs
+  (None).
+
+Every other call (another loss, teachers of another vocab, a whole-vocab teacher under TP, no labels) runs
+twinkle's own code.
 """
 import contextlib
+from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from . import fused_head
+from ._model import tensor_parallel_group
+
 
 def gkd_loss_class():
     from twinkle.loss.gkd import GKDLoss
     return GKDLoss
 
 
-def is_topk_gkd_call(kwargs, loss) -> bool:
-    """Whether a twinkle call is a GKD training step over a top-k teacher: twinkle's GKDLoss itself (not a
-    subclass that may compute otherwise) with teacher_topk_logprobs and teacher_topk_indices, no
-    teacher_logits, and a loss to compute (not forward_only)."""
+def _is_gkd(loss) -> bool:
     inner = getattr(loss, "_loss_instance", loss)  # twinkle's SafeLossWrapper
-    return (type(inner) is gkd_loss_class() and kwargs.get("teacher_topk_logprobs") is not None
-            and kwargs.get("teacher_topk_indices") is not None and kwargs.get("teacher_logits") is None
+    return type(inner) is gkd_loss_class()
+
+
+def _has_topk_teacher(kwargs) -> bool:
+    # (GKDLoss uses these two over teacher_logits when both are given)
+    return kwargs.get("teacher_topk_logprobs") is not None and kwargs.get("teacher_topk_indices") is not None
+
+
+def is_gkd_call(kwargs, loss) -> bool:
+    """Whether a twinkle call is a GKD training step: twinkle's GKDLoss itself with a teacher (top-k, or a
+    local teacher's logits) and a loss to compute (not forward_only)."""
+    return (_is_gkd(loss) and (_has_topk_teacher(kwargs) or kwargs.get("teacher_logits") is not None)
             and not kwargs.get("forward_only", False))
+
+
+def teacher_ineligible(kwargs, vocab: int, tensor_parallel: bool) -> Optional[str]:
+    """Why a distillation call's teacher cannot take the fused path (``vocab``: the student's whole vocab),
+    or None."""
+    if _has_topk_teacher(kwargs):
+        return None
+    teacher, topk = kwargs["teacher_logits"], kwargs.get("topk")
+    if teacher.shape[-1] != vocab:  # twinkle pads the smaller side with the other's logits
+        return f"a teacher of vocab {teacher.shape[-1]} for a student of vocab {vocab}"
+    if topk is None and tensor_parallel:
+        return "a whole-vocab teacher (teacher_logits=, no topk) under tensor parallelism"
+    if topk is not None and not (isinstance(topk, int) and 1 <= topk <= vocab):
+        return f"topk={topk!r} is not an int in [1, {vocab}]"
+    return None
 
 
 def layout_ineligible(model, processor) -> Optional[str]:
@@ -64,58 +103,119 @@ def without_log_probs(loss):
             del loss.require_logps
 
 
-def gkd_call(original):
-    """``GKDLoss.__call__``: twinkle's own unless ``outputs['logits']`` is a fused distillation placeholder."""
+@dataclass
+class _Teacher:
+    """A GKD call's teacher, trimmed to the student's ``length`` as twinkle trims it."""
+    ids: Optional[torch.Tensor] = None  # top-k: [B, L, k] global ids and their log-probs
+    logprobs: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None  # a local teacher: [B, L, V], and its topk (None: the whole vocab)
+    topk: Optional[int] = None
+
+    @classmethod
+    def of_call(cls, teacher_logits, teacher_topk_logprobs, teacher_topk_indices, topk, length: int, device):
+        if teacher_topk_logprobs is not None and teacher_topk_indices is not None:
+            return cls(ids=teacher_topk_indices[:, :length].to(device),
+                       logprobs=teacher_topk_logprobs[:, :length].to(device))
+        return cls(logits=teacher_logits[:, :length].to(device), topk=topk)
+
+    def top_k(self):
+        """(ids, log-probs) of a top-k teacher; a local teacher's k largest logits stand for its log-probs (the
+        renormalization over the k makes them the same)."""
+        if self.ids is not None:
+            return self.ids, self.logprobs
+        values, ids = self.logits.topk(self.topk, dim=-1)  # twinkle's own selection (its ties, its order)
+        return ids, values
+
+
+def gkd_call(original, fused: bool):
+    """``GKDLoss.__call__``: from the placeholder on the fused path, from the logits where covered, else
+    twinkle's own."""
+    twinkles_divergence = vars(gkd_loss_class())["_generalized_jsd_loss"].__func__  # (as installed over)
 
     def __call__(self, inputs, outputs, *, teacher_logits=None, teacher_topk_logprobs=None, teacher_topk_indices=None,
                  topk=None, **kwargs):
-        logits = outputs.get("logits")
-        head: Optional[fused_head.DeferredHead] = fused_head.deferred_head(logits)
-        if head is None:
-            if logits is not None and logits.shape[-1] == 0:  # a placeholder twinkle copied (unpacked) on its way
-                raise RuntimeError("twinkle-mem fused LM head: GKDLoss got zero-width logits that are not the output "
-                                   "layer's placeholder (packed sequences unpacked after the head?); the logits do "
-                                   "not exist on the fused path. install(fused_lm_head=False) runs twinkle-kit "
-                                   "unchanged.")
-            return original(self, inputs, outputs, teacher_logits=teacher_logits,
-                            teacher_topk_logprobs=teacher_topk_logprobs, teacher_topk_indices=teacher_topk_indices,
-                            topk=topk, **kwargs)
-        if teacher_logits is not None or teacher_topk_logprobs is None or teacher_topk_indices is None:
-            raise RuntimeError("twinkle-mem fused LM head: GKDLoss got the output layer's placeholder without a top-k "
-                               "teacher (teacher_topk_logprobs and teacher_topk_indices); the logits do not exist on "
-                               "the fused path. install(fused_lm_head=False) runs twinkle-kit unchanged.")
-        result = _fused_gkd(self, inputs["labels"], head, teacher_topk_indices, teacher_topk_logprobs)
-        # The placeholder has served: twinkle keeps the step's outputs for its metrics (Accuracy takes the argmax
-        # of outputs['logits'] at the next step), which must see no logits rather than a zero-width tensor.
-        outputs["logits"] = None
-        return result
+        logits, labels = outputs.get("logits"), inputs.get("labels")
+        teacher = dict(teacher_logits=teacher_logits, teacher_topk_logprobs=teacher_topk_logprobs,
+                       teacher_topk_indices=teacher_topk_indices, topk=topk)
+        head: Optional[fused_head.DeferredHead] = fused_head.deferred_head(logits) if fused else None
+        if head is not None:
+            result = _fused_gkd(self, labels, head, teacher)
+            # The placeholder has served: twinkle keeps the step's outputs for its metrics (Accuracy takes the
+            # argmax of outputs['logits'] at the next step), which must see no logits, not a zero-width tensor.
+            outputs["logits"] = None
+            return result
+        if fused and logits is not None and logits.shape[-1] == 0:  # a placeholder twinkle copied on its way
+            raise RuntimeError("twinkle-mem fused LM head: GKDLoss got zero-width logits that are not the output "
+                               "layer's placeholder (packed sequences unpacked after the head?); the logits do "
+                               "not exist on the fused path. install(fused_lm_head=False) runs twinkle-kit "
+                               "unchanged.")
+        # (a class whose divergence is not twinkle-kit's own, a subclass's or one replaced since, computes its own)
+        if logits is not None and labels is not None and type(self)._generalized_jsd_loss is twinkles_divergence:
+            result = _gkd_from_logits(self, labels, logits, teacher)
+            if result is not None:
+                return result
+        return original(self, inputs, outputs, **teacher, **kwargs)
 
     __call__.__wrapped__ = original
     return __call__
 
 
-def _fused_gkd(loss, labels, head: fused_head.DeferredHead, teacher_ids, teacher_logprobs):
+def _gkd_from_logits(loss, labels, logits, teacher_kwargs):
+    """GKDLoss from the student's logits (the call covered), or None (twinkle's own code runs)."""
     from twinkle.data_format import LossOutput
 
-    from twinkle_mem import gkd_average, linear_gkd_topk
+    from twinkle_mem import gkd_average, gkd_from_logits, gkd_topk_from_logits
+    if logits.shape[1] != labels.shape[1]:  # twinkle: "some MLLMs return extra prefix logits"
+        logits = logits[:, -labels.shape[1]:]
+    teacher = _Teacher.of_call(**teacher_kwargs, length=logits.shape[1], device=logits.device)
+    options = dict(beta=loss.beta, temperature=loss.temperature, ignore_index=loss.ignore_index)
+    group = tensor_parallel_group()  # the logits are this rank's vocab shard under Megatron's TP
+    if teacher.ids is not None:
+        per_token = gkd_topk_from_logits(logits, teacher.ids, teacher.logprobs, labels, process_group=group,
+                                         **options)
+    elif group is None and teacher.logits.shape == logits.shape and \
+            (teacher.topk is None or isinstance(teacher.topk, int) and 1 <= teacher.topk <= logits.shape[-1]):
+        per_token = gkd_from_logits(logits, teacher.logits, labels, topk=teacher.topk, **options)
+    else:
+        return None
+    return LossOutput(loss=gkd_average(per_token, labels, loss.ignore_index), num_tokens=0)
+
+
+def _fused_gkd(loss, labels, head: fused_head.DeferredHead, teacher_kwargs):
+    from twinkle.data_format import LossOutput
+
+    from twinkle_mem import gkd_average, linear_gkd_full, linear_gkd_topk
+    if teacher_kwargs["teacher_logits"] is None and not _has_topk_teacher(teacher_kwargs):
+        raise RuntimeError("twinkle-mem fused LM head: GKDLoss got the output layer's placeholder without a teacher "
+                           "(teacher_topk_logprobs and teacher_topk_indices, or teacher_logits); the logits do not "
+                           "exist on the fused path. install(fused_lm_head=False) runs twinkle-kit unchanged.")
     hidden = head.hidden  # [s, b, H] (Megatron) or [b, s, H]
-    length = labels.shape[1]  # twinkle trims the teacher's sequence to the student's
-    ids, logprobs = teacher_ids[:, :length].to(hidden.device), teacher_logprobs[:, :length].to(hidden.device)
-    if head.seq_first:
+    teacher = _Teacher.of_call(**teacher_kwargs, length=labels.shape[1], device=hidden.device)
+    whole_vocab = teacher.logits is not None and teacher.topk is None
+    if head.seq_first and whole_vocab:
+        # (the hidden states to the teacher's [b, s] order: a copy of [N, H] rather than of the teacher's [N, V];
+        # TP = 1 here, where Megatron's copy_to_tensor_model_parallel_region does nothing in backward)
+        hidden = hidden.transpose(0, 1)
+    elif head.seq_first:
         # The teacher and the labels go to the hidden states' [s, b] order, not the hidden states to theirs: the
         # gradient reaching Megatron's copy_to_tensor_model_parallel_region must be contiguous, as its backward
         # all-reduces `grad.contiguous()` and returns `grad` (a transposed gradient would stay this rank's part).
-        labels, ids, logprobs = labels.t(), ids.transpose(0, 1), logprobs.transpose(0, 1)
+        labels = labels.t()
     if tuple(hidden.shape[:2]) != tuple(labels.shape):
         raise RuntimeError(f"twinkle-mem fused LM head: the output layer's input {tuple(hidden.shape)} does not match "
                            f"the labels GKDLoss got (packed sequences?). install(fused_lm_head=False) runs twinkle-kit "
                            "unchanged.")
     # twinkle's forward step divides the student's logits by the call's temperature Tc before the loss, which
-    # divides student and teacher by its own Tl: x / (Tc Tl) and lp / Tl = (lp Tc) / (Tc Tl), the teacher's
-    # log-probs scaled in float64 and nothing done to the hidden states.
-    if head.temperature != 1.0:
-        logprobs = logprobs.double() * head.temperature
-    per_token = linear_gkd_topk(hidden, head.weight, ids, logprobs, labels, beta=loss.beta,
-                                temperature=loss.temperature * head.temperature, ignore_index=loss.ignore_index,
-                                process_group=head.process_group)
+    # divides student and teacher by its own Tl: x / (Tc Tl) and lp / Tl = (lp Tc) / (Tc Tl), the teacher
+    # scaled in float64 and nothing done to the hidden states.
+    scaled = (lambda t: t.double() * head.temperature) if head.temperature != 1.0 else (lambda t: t)  # noqa: E731
+    options = dict(beta=loss.beta, temperature=loss.temperature * head.temperature, ignore_index=loss.ignore_index)
+    if whole_vocab:
+        per_token = linear_gkd_full(hidden, head.weight, scaled(teacher.logits), labels, **options)
+    else:
+        ids, logprobs = teacher.top_k()
+        if head.seq_first:
+            ids, logprobs = ids.transpose(0, 1), logprobs.transpose(0, 1)
+        per_token = linear_gkd_topk(hidden, head.weight, ids, scaled(logprobs), labels,
+                                    process_group=head.process_group, **options)
     return LossOutput(loss=gkd_average(per_token, labels, loss.ignore_index), num_tokens=0)

@@ -23,7 +23,7 @@ def call_ineligible(kwargs, loss) -> Optional[str]:
         return f"task={kwargs.get('task')!r} is not causal_lm"
     if loss is None:
         return "no loss instance"
-    if getattr(loss, "require_logits", False) and not distill_loss.is_topk_gkd_call(kwargs, loss):
+    if getattr(loss, "require_logits", False) and not distill_loss.is_gkd_call(kwargs, loss):
         return f"the loss {type(loss).__name__} needs logits (require_logits)"
     if getattr(loss, "require_values", False):
         return f"the loss {type(loss).__name__} needs values (require_values)"

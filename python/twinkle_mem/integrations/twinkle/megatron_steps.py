@@ -15,7 +15,7 @@ from twinkle_mem.megatron import current_logits_reporting, guard_report
 from twinkle_mem.megatron import logits_guard as _logits_guard
 
 from . import distill_loss, fused_eligibility, fused_head
-from ._model import loss_instance, optimizer_group
+from ._model import loss_instance, optimizer_group, tensor_parallel_group
 from .failed_micro_batches import report_failed_micro_batches
 
 logger = logging.getLogger("twinkle_mem")
@@ -66,7 +66,7 @@ def megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: O
 def _fused_megatron(model, kwargs, loss, chunk_bytes, guard):
     """The fused call for one MegatronModel.forward_backward, or None where it does not apply."""
     reason = fused_eligibility.call_ineligible(kwargs, loss)
-    distill = reason is None and distill_loss.is_topk_gkd_call(kwargs, loss)
+    distill = reason is None and distill_loss.is_gkd_call(kwargs, loss)
     if distill and not guard:  # its log-probs are None: twinkle-kit 0.5.1 passes those to torch.cat
         reason = "a fused distillation call needs the logits guard (install(logits_guard=True))"
     if distill and reason is None:
@@ -75,6 +75,10 @@ def _fused_megatron(model, kwargs, loss, chunk_bytes, guard):
     if reason is None:
         model._lazy_wrap_model()  # twinkle's first step anyway: decide on the model as it will run
         layers, reason = fused_eligibility.megatron_output_layers(model.model)
+        if distill and reason is None and layers:
+            group = tensor_parallel_group()
+            world = 1 if group is None else torch.distributed.get_world_size(group)
+            reason = distill_loss.teacher_ineligible(kwargs, layers[0].weight.shape[0] * world, group is not None)
         if chunk_bytes is not None:  # (on every stage: the call's eligibility is the same on all of them)
             _check_chunk_bytes(model, layers, chunk_bytes)
     if reason is not None or not layers:  # (no output layer: not the last pipeline stage)

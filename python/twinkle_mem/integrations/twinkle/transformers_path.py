@@ -37,9 +37,10 @@ def _fused_transformers(model, kwargs, chunk_bytes):
     if reason is None:
         model._lazy_wrap_model()  # twinkle's first step anyway: decide on the model as it will run
         head, reason = fused_eligibility.transformers_lm_head(model.model, model.strategy.unwrap_model(model.model))
-    distill = reason is None and distill_loss.is_topk_gkd_call(kwargs, loss)
+    distill = reason is None and distill_loss.is_gkd_call(kwargs, loss)
     if distill:
-        reason = distill_loss.layout_ineligible(model, optimizer_group(model, kwargs).processor)
+        reason = (distill_loss.layout_ineligible(model, optimizer_group(model, kwargs).processor)
+                  or distill_loss.teacher_ineligible(kwargs, head.weight.shape[0], tensor_parallel=False))
     if reason is not None:
         logger.debug("twinkle-mem fused LM head not used: %s", reason)
         yield None
