@@ -28,8 +28,16 @@ that runs a model; call it before training starts):
   the call where it applies (below);
 - ``MegatronStrategy.reduce_loss`` -> the logits guard's reports (with
   ``logits_guard=True``);
+- ``TransformersModel.calculate_loss`` (also run by ``forward_backward``), and
+  ``forward`` / ``forward_only`` to note the call's ``return_logits`` (with
+  ``logits_guard=True``): once the loss has been computed, the step's logits,
+  which twinkle keeps for its metrics until the next forward where the loss sets
+  ``require_logits`` (GKD), leave the train (eval) status, unless the caller
+  asked for them or one of its metrics may read them; twinkle's ``Accuracy``
+  counts the step at that moment, so every metric gives twinkle-kit's result
+  (``transformers_path.py``);
 - with ``fused_lm_head=True``: ``TransformersModel.forward`` / ``forward_only``
-  too, and in every eligible call the output layer computes log-probs and
+  too (inside the note above), and in every eligible call the output layer computes log-probs and
   entropy from its input without the logits (``fused_head.py``); and
   ``GKDLoss.__call__``, which computes a top-k distillation call's loss from
   the output layer's input (``distill_loss.py``).
@@ -99,6 +107,7 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
         pipeline_parallel = megatron_steps.megatron_pipeline_parallel()
     if fused_lm_head:
         from twinkle.loss.gkd import GKDLoss
+    if logits_guard or fused_lm_head:
         from twinkle.model.transformers.transformers import TransformersModel
     if log_softmax:
         from twinkle_mem import selective_log_softmax as op  # the native op, loaded only now
@@ -121,11 +130,18 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
                        megatron_steps.scheduler_with_step_hooks(pipeline_parallel.get_forward_backward_func))
         if logits_guard:
             _patch(MegatronStrategy, "reduce_loss", megatron_steps.guarded_reduce_loss(MegatronStrategy.reduce_loss))
-        if fused_lm_head:
-            for name in ("forward", "forward_only"):
-                forward = transformers_path.transformers_model_forward(getattr(TransformersModel, name),
-                                                                       fused_chunk_bytes)
+        if logits_guard or fused_lm_head:
+            for name, status in (("forward", "train_status"), ("forward_only", "eval_status")):
+                forward = getattr(TransformersModel, name)
+                if fused_lm_head:
+                    forward = transformers_path.transformers_model_forward(forward, fused_chunk_bytes)
+                if logits_guard:  # outermost: notes return_logits once twinkle's forward has filled the status
+                    forward = transformers_path.forward_noting_return_logits(forward, status)
                 _patch(TransformersModel, name, forward)
+        if logits_guard:
+            _patch(TransformersModel, "calculate_loss",
+                   transformers_path.calculate_loss_dropping_logits(TransformersModel.calculate_loss))
+        if fused_lm_head:
             _patch(GKDLoss, "__call__", distill_loss.gkd_call(GKDLoss.__call__))
     except BaseException:
         _restore()
