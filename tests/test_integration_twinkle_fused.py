@@ -472,7 +472,10 @@ def test_install_patches_and_uninstall_restores():
     assert all(a is not b for a, b in zip(installed, before))
     integration.install(fused_lm_head=True)  # idempotent
     assert [vars(owner).get(name) for owner, name in points] == installed
-    integration.install()  # other settings: reinstalled without the transformers patches
+    integration.install()  # other settings: reinstalled, forward / forward_only only noting return_logits
+    plain = [vars(owner).get(name) for owner, name in points]
+    assert all(p is not b and p is not i for p, b, i in zip(plain[:2], before, installed))
+    integration.install(logits_guard=False)  # without the guard: no transformers patches
     assert [vars(owner).get(name) for owner, name in points][:2] == before[:2]
     integration.uninstall()
     assert [vars(owner).get(name) for owner, name in points] == before

@@ -11,7 +11,9 @@ that runs a model; call it before training starts):
 
 - ``selective_log_softmax`` -> twinkle-mem's op, at its definition and in every
   loaded twinkle module that imported it by name (modules imported later pick
-  the patched name up from ``twinkle.utils``);
+  the patched name up from ``twinkle.utils``); and ``GKDLoss.__call__`` -> the
+  distillation loss in fp32 from twinkle-mem's ops (``distill_loss.py``), with
+  ``log_softmax=True``;
 - ``InputProcessor.__call__`` and ``InputProcessor._create_4d_attention_mask``
   -> the causal-mask skip, decided before collate allocates anything, and a
   one-allocation builder where the dense mask is still built;
@@ -28,11 +30,18 @@ that runs a model; call it before training starts):
   the call where it applies (below);
 - ``MegatronStrategy.reduce_loss`` -> the logits guard's reports (with
   ``logits_guard=True``);
+- ``TransformersModel.calculate_loss`` (also run by ``forward_backward``), and
+  ``forward`` / ``forward_only`` to note the call's ``return_logits`` (with
+  ``logits_guard=True``): once the loss has been computed, the step's logits,
+  which twinkle keeps for its metrics until the next forward where the loss sets
+  ``require_logits`` (GKD), leave the train (eval) status, unless the caller
+  asked for them or one of its metrics may read them; twinkle's ``Accuracy``
+  counts the step at that moment, so every metric gives twinkle-kit's result
+  (``transformers_path.py``);
 - with ``fused_lm_head=True``: ``TransformersModel.forward`` / ``forward_only``
-  too, and in every eligible call the output layer computes log-probs and
-  entropy from its input without the logits (``fused_head.py``); and
-  ``GKDLoss.__call__``, which computes a top-k distillation call's loss from
-  the output layer's input (``distill_loss.py``).
+  too (inside the note above), and in every eligible call the output layer computes log-probs and
+  entropy from its input without the logits (``fused_head.py``), a
+  distillation call's loss from that input too (``distill_loss.py``).
 
 ``uninstall()`` puts every original object back.
 """
@@ -98,7 +107,7 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
         from twinkle.model.megatron.strategy.megatron import MegatronStrategy
         # None without megatron-core: no Megatron runs then
         pipeline_parallel = megatron_steps.megatron_pipeline_parallel()
-    if fused_lm_head:
+    if logits_guard or fused_lm_head:
         from twinkle.model.transformers.transformers import TransformersModel
     if log_softmax:
         from twinkle.loss.gkd import GKDLoss
@@ -123,11 +132,17 @@ def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: b
                        megatron_steps.scheduler_with_step_hooks(pipeline_parallel.get_forward_backward_func))
         if logits_guard:
             _patch(MegatronStrategy, "reduce_loss", megatron_steps.guarded_reduce_loss(MegatronStrategy.reduce_loss))
-        if fused_lm_head:
-            for name in ("forward", "forward_only"):
-                forward = transformers_path.transformers_model_forward(getattr(TransformersModel, name),
-                                                                       fused_chunk_bytes)
+        if logits_guard or fused_lm_head:
+            for name, status in (("forward", "train_status"), ("forward_only", "eval_status")):
+                forward = getattr(TransformersModel, name)
+                if fused_lm_head:
+                    forward = transformers_path.transformers_model_forward(forward, fused_chunk_bytes)
+                if logits_guard:  # outermost: notes return_logits once twinkle's forward has filled the status
+                    forward = transformers_path.forward_noting_return_logits(forward, status)
                 _patch(TransformersModel, name, forward)
+        if logits_guard:
+            _patch(TransformersModel, "calculate_loss",
+                   transformers_path.calculate_loss_dropping_logits(TransformersModel.calculate_loss))
     except BaseException:
         _restore()
         raise

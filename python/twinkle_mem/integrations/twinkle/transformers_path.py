@@ -1,10 +1,23 @@
-"""twinkle's ``TransformersModel.forward`` / ``forward_only`` with the fused LM head: for an eligible
-call the ``lm_head`` is deferred (fused_head.py) and its result must be taken by twinkle's
-``selective_log_softmax``."""
+"""twinkle's ``TransformersModel``: the step's logits dropped once its loss has used them, and the fused LM head.
+
+- ``calculate_loss`` (also reached through ``forward_backward``): twinkle keeps the step's outputs in the
+  train (eval) status for its metrics, which read them at the start of the next forward. With a loss that
+  sets ``require_logits`` (GKD, MSE, InfoNCE, the chunked cross-entropy) that includes the full-vocab logits,
+  alive through backward and the optimizer step until the next forward has built its own. Once the loss has
+  been computed they are dropped from the status, unless the caller asked for them (``return_logits=True``,
+  noted by the patched ``forward`` / ``forward_only``) or a metric of that status might read them. twinkle's
+  ``Accuracy`` (the one default metric that reads them) takes its count of the step at the drop instead of
+  at the next forward: the same count from the same tensors, and at the next forward it sees no logits and
+  adds nothing, so every metric's result is twinkle-kit's.
+- ``forward`` / ``forward_only`` with the fused LM head: for an eligible call the ``lm_head`` is deferred
+  (fused_head.py) and its result must be taken by twinkle's ``selective_log_softmax``.
+"""
 import contextlib
 import functools
 import logging
 from typing import Optional
+
+import torch
 
 from . import distill_loss, fused_eligibility, fused_head
 from ._model import loss_instance, optimizer_group
@@ -49,3 +62,76 @@ def _fused_transformers(model, kwargs, chunk_bytes):
     with fused_head.deferred([head], fused_head.transformers_forward, call), \
             distill_loss.without_log_probs(loss) if distill else contextlib.nullcontext():
         yield call
+
+
+# --- the step's logits, dropped once its loss has used them --------------------------------------------------
+
+# Set on twinkle's TrainStatus by the patched forward / forward_only: whether that call's caller asked for the
+# logits. A status filled by a forward that did not go through the patch lacks it: its logits are kept.
+RETURN_LOGITS = "_twinkle_mem_return_logits"
+
+
+def forward_noting_return_logits(original, status_name: str):
+    """``forward`` (status ``train_status``) or ``forward_only`` (``eval_status``): twinkle's, then the call's
+    ``return_logits`` noted on the status it filled (twinkle pops it from the kwargs it keeps there)."""
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        status = getattr(optimizer_group(self, kwargs), status_name)
+        setattr(status, RETURN_LOGITS, bool(kwargs.get("return_logits", False)))
+        return out
+
+    return forward
+
+
+def calculate_loss_dropping_logits(original):
+    """``calculate_loss``: twinkle's, then the step's logits dropped from the status the loss read."""
+
+    @functools.wraps(original)
+    def calculate_loss(self, **kwargs):
+        result = original(self, **kwargs)
+        group = optimizer_group(self, kwargs)
+        drop_step_logits(group.train_status if self.model.training else group.eval_status)  # twinkle's choice
+        return result
+
+    return calculate_loss
+
+
+def drop_step_logits(status) -> bool:
+    """Drop ``status.outputs['logits']`` where nothing can tell: the caller did not ask for them and every
+    metric of the status is twinkle's ``Accuracy`` (given its count of the step now) or a twinkle metric that
+    never reads them. Returns whether they were dropped."""
+    from twinkle.metric import Accuracy
+    outputs = status.outputs
+    if getattr(status, RETURN_LOGITS, True) or outputs is None or not isinstance(outputs.get("logits"),
+                                                                                   torch.Tensor):
+        return False
+    # Exact classes: a subclass (or a user's metric) may read the logits at the next step.
+    if any(type(m) is not Accuracy and type(m) not in _metrics_without_logits() for m in status.metrics):
+        return False
+    accuracies = [m for m in status.metrics if type(m) is Accuracy]
+    counts = [(m.total_correct, m.total_count) for m in accuracies]
+    try:
+        for metric in accuracies:
+            metric.accumulate(status.inputs, outputs)  # reads only the labels, the mask and the logits
+    except Exception:
+        # Where Accuracy fails on this step (a list of inputs, ...) it is twinkle's to fail at the next step.
+        for metric, (correct, total) in zip(accuracies, counts):
+            metric.total_correct, metric.total_count = correct, total
+        return False
+    outputs["logits"] = None
+    # A loss that does not use the log-probs (GKD) leaves twinkle's selective_log_softmax graph on them, which
+    # holds the logits; the metrics read their values only.
+    for key in ("logps", "entropies"):
+        if isinstance(outputs.get(key), torch.Tensor):
+            outputs[key] = outputs[key].detach()
+    return True
+
+
+def _metrics_without_logits():
+    """twinkle-kit 0.5.1's metrics that never read ``outputs['logits']`` (EmbeddingMetric reads them: the
+    sentence embeddings of the embedding task)."""
+    from twinkle import metric
+    return (metric.LossMetric, metric.TrainMetric, metric.CompletionRewardMetric, metric.DPOMetric,
+            metric.GRPOMetric, metric.PPOMetric, metric.GSPOMetric, metric.CISPOMetric, metric.PPOValueMetric)
