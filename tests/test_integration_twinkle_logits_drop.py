@@ -135,17 +135,17 @@ def test_metrics_as_twinkle_gives_them(gradient_accumulation_steps):
 
 
 def test_metrics_with_the_fused_head_not_covering_the_call():
-    # install(fused_lm_head=True) runs a call with return_logits=False that it does not fuse (a full-vocab
-    # teacher) as twinkle does, logits included: the drop then applies as under install().
+    # install(fused_lm_head=True) runs a call with return_logits=False that it does not fuse (a local teacher
+    # of another vocab) as twinkle does, logits included: the drop then applies as under install().
     def run(installed):
         if installed:
             integration.install(mask_skip="never", fused_lm_head=True)
         try:
             model, samples = gkd_model()
-            teacher = torch.randn(len(LENGTHS), 43, VOCAB, generator=torch.Generator().manual_seed(2))
+            teacher = torch.randn(len(LENGTHS), 43, VOCAB + 6, generator=torch.Generator().manual_seed(2))
             status, results = model.optimizer_group[""].train_status, []
             for _ in range(2):
-                model.forward_backward(inputs=samples, teacher_logits=teacher, topk=8)
+                model.forward_backward(inputs=samples, teacher_logits=teacher)
                 results.append(status.outputs["logits"] is None)
             got = model.calculate_metric(is_training=True)
             return results, {k: v for k, v in got.items() if k not in TIMING}
