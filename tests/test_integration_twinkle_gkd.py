@@ -246,3 +246,33 @@ def test_gkd_through_safe_loss_wrapper_in_production_mode(path, install, monkeyp
     want = run(path, beta=0.5, loss_temperature=1.0)
     assert want["loss"] > 0.01
     assert_exact(got, want)
+
+
+@pytest.mark.parametrize("install", [None, False])
+def test_megatron_micro_batch_logits_are_not_kept(install):
+    """twinkle's Megatron step reports each micro-batch's logits where the loss sets require_logits (GKD), and
+    the schedule keeps every report until it ends: micro-batch 1's logits are alive at micro-batch 2's forward,
+    then concatenated and dropped (no return_logits). With install() the reports keep no logits (the loss has
+    read them before the report), and the loss keeps none for backward (gkd_topk_from_logits)."""
+    import gc
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    alive_at_forward = []
+
+    def vocab_tensors():
+        return {id(t) for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.dim() > 1
+                and t.shape[-1] == VOCAB and t.numel() >= 2 * PROMPT * VOCAB}
+
+    before = vocab_tensors()  # (other tests' leftovers)
+
+    def logits_alive(module, _args):
+        if isinstance(module, ColumnParallelLinear) and module.weight.shape[0] == VOCAB:
+            alive_at_forward.append(len(vocab_tensors() - before))
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(logits_alive)
+    try:
+        run("megatron", beta=0.5, loss_temperature=1.0, install=install)
+    finally:
+        handle.remove()
+    assert len(alive_at_forward) == 2  # two micro-batches
+    assert alive_at_forward == ([0, 1] if install is None else [0, 0])

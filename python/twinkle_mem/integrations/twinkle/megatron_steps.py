@@ -43,7 +43,10 @@ def megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: O
         steps = _MegatronSteps(self, kwargs, loss)
         with contextlib.ExitStack() as stack:
             if guard:
-                stack.enter_context(_logits_guard(return_logits=kwargs.get("return_logits", False), loss=loss,
+                # Reports keep logits only for return_logits: twinkle's loss reads them inside the schedule (its
+                # post_loss_function), before the report, and its collection keeps them for return_logits only; a
+                # loss's require_logits (GKD) would otherwise pin every micro-batch's logits until the schedule ends.
+                stack.enter_context(_logits_guard(return_logits=kwargs.get("return_logits", False),
                                                   forward_only=forward_only))
             if fused:
                 steps.fused = stack.enter_context(_fused_megatron(self, kwargs, loss, chunk_bytes, guard))
