@@ -81,8 +81,18 @@ def _scaled(x: Tensor, temperature: float) -> Tensor:
     return (x - x.amax(-1, keepdim=True)) / temperature
 
 
+def log_add_exp(a: Tensor, b: Tensor) -> Tensor:
+    """log(exp(a) + exp(b)), each element's bits independent of where it sits in the tensor. torch.logaddexp
+    is not: on the CPU its vectorized loop and the scalar loop of a tensor's last elements round
+    differently (a row's lm, and its loss in float64, changed with the number of rows in the batch);
+    exp and log1p map every element through the same vector code."""
+    m = torch.maximum(a, b)
+    out = m + torch.exp(-(a - b).abs()).log1p()
+    return torch.where(m == float("-inf"), m, out)  # (both -inf: -inf, as logaddexp, not NaN)
+
+
 def _mixture(ls: Tensor, lt: Tensor, beta: float) -> Tensor:
-    return torch.logaddexp(ls + math.log1p(-beta), lt + math.log(beta))
+    return log_add_exp(ls + math.log1p(-beta), lt + math.log(beta))
 
 
 def gkd_terms(ls: Tensor, lt: Tensor, beta: float) -> tuple[Tensor, Optional[Tensor]]:

@@ -30,7 +30,8 @@ from torch import Tensor
 
 from . import linear
 from ._contract import stats_dtype
-from .distill import _kept_rows, _select, check_gkd_options, check_teacher_logits, gkd_grad, gkd_terms
+from .distill import (_kept_rows, _select, check_gkd_options, check_teacher_logits, gkd_grad, gkd_terms,
+                      log_add_exp)
 from .functional import check_head_args
 
 FULL_BLOCK = 2048  # vocab columns per block of the float64 math
@@ -57,7 +58,7 @@ def _fold(state, z: Tensor, temperature: float):
     m, l_ = state
     new = torch.maximum(m, mb)
     term = lambda mm, ll: torch.where(ll == float("-inf"), ll, (mm - new) / temperature + ll)  # noqa: E731
-    return new, torch.logaddexp(term(m, l_), term(mb, lb))
+    return new, log_add_exp(term(m, l_), term(mb, lb))
 
 
 class _Tile:
