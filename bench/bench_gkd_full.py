@@ -2,6 +2,7 @@
 in the same run, the two alternating), and twinkle's GKDLoss on the full logits for scale.
 
     PYTHONPATH=python python bench/bench_gkd_full.py [--base REV] [--n 1024] [--h 128] [--v 32768] [--reps 2]
+        [--mmap-threshold 65536] [--out PATH]
 
 Each measurement is one forward + backward (gradients of hidden and weight; beta 0.5, T 1, fp32, every
 row kept) in a fresh process, after a small warm-up call there: ``this tree`` imports python/ of this
@@ -71,6 +72,9 @@ def main():
     ap.add_argument("--h", type=int, default=128)
     ap.add_argument("--v", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--mmap-threshold", type=int, default=None,
+                    help="MALLOC_MMAP_THRESHOLD_ for the children (65536: as the peak-memory tests run theirs, every "
+                         "large tensor fresh pages from the OS, so that allocations cost what they cost there)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "local", "gkd_full_speed.json"))
     ap.add_argument("--child")
     args = ap.parse_args()
@@ -86,6 +90,8 @@ def main():
             for path in PATHS:
                 cfg = dict(n=args.n, h=args.h, v=args.v, path=path)
                 env = dict(os.environ, PYTHONPATH=src[path])
+                if args.mmap_threshold is not None:
+                    env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
                 r = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env)
                 times[path].append(r)
                 print(f"rep {rep} {path}: forward {r['fwd_s']:.2f} s, backward {r['bwd_s']:.2f} s, loss {r['loss']:.9g}",
@@ -96,7 +102,7 @@ def main():
              f"{total['base'] / total[p]:.2f}x"] for p in PATHS]
     print(markdown_table(["path", "forward s", "backward s", "total s", "base / path"], rows, "lrrrr"))
     record = run_metadata(n=args.n, h=args.h, v=args.v, beta=0.5, dtype="float32", base=args.base, reps=args.reps,
-                          load=load.record())
+                          mmap_threshold=args.mmap_threshold, load=load.record())
     warning = load_warning(record["load"])
     if warning:
         print(warning)

@@ -75,9 +75,13 @@ def tile_rows(k: int, hidden_size: int) -> int:
 LOG_TINY = -746.0  # below log(2^-1074): lm's floor where both parts of the mixture underflow
 
 
-def _weighted_log_ratio(w: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """w (a - b), 0 where w == 0 (the limit 0 log 0 = 0; NaN in w still propagates)."""
-    return torch.sub(a, b).mul_(w).masked_fill_(w == 0, 0.0)
+def _weighted_log_ratio(w: Tensor, a: Tensor, b: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """w (a - b), 0 where w == 0 (the limit 0 log 0 = 0; NaN in w still propagates); into ``out`` (which may
+    be a or b: elementwise, each element read before it is written) or a new tensor (always under autograd,
+    which has no out=: gkd_rows is differentiable too)."""
+    if out is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (w, a, b)):
+        out = None
+    return torch.sub(a, b, out=out).mul_(w).masked_fill_(w == 0, 0.0)
 
 
 def _scaled(x: Tensor, temperature: float) -> Tensor:
@@ -116,7 +120,10 @@ def gkd_terms(ls: Tensor, lt: Tensor, beta: float) -> tuple[Tensor, Optional[Ten
     q = lt.exp()
     lm = _mixture(p, q, beta)
     k_student = _weighted_log_ratio(p, ls, lm)
-    return _weighted_log_ratio(q, lt, lm).mul_(beta).add_(torch.mul(k_student, 1 - beta)), k_student
+    # beta (teacher's terms) + (1 - beta) k_student, as ((beta / (1 - beta)) teacher's + k_student) (1 - beta),
+    # in lm's buffer (lm is not needed after the teacher's terms)
+    terms = _weighted_log_ratio(q, lt, lm, out=lm).mul_(beta / (1 - beta)).add_(k_student).mul_(1 - beta)
+    return terms, k_student
 
 
 def gkd_grad(ls: Tensor, lt: Tensor, loss: Tensor, k_student: Optional[Tensor], beta: float,
@@ -128,7 +135,8 @@ def gkd_grad(ls: Tensor, lt: Tensor, loss: Tensor, k_student: Optional[Tensor], 
     elif beta == 1:
         d = _weighted_log_ratio(p, ls, lt + loss)
     else:
-        d = _weighted_log_ratio(p, ls, _mixture(p, lt.exp(), beta).add_(k_student)).mul_(1 - beta)
+        lm_k = _mixture(p, lt.exp(), beta).add_(k_student)
+        d = _weighted_log_ratio(p, ls, lm_k, out=lm_k).mul_(1 - beta)
     return d.div_(temperature)
 
 

@@ -49,9 +49,10 @@ def _blocks(v: int):
 
 def _fold(state, z: Tensor, temperature: float):
     """(M, L) of the rows after one more block z [r, c] (fp32 logits, or float64): M the max, L = log sum
-    exp((z - M) / T), in float64 (z - M formed in float64: exact for fp32 z)."""
+    exp((z - M) / T), in float64 (z - M formed in float64: exact for fp32 z), one float64 copy of the block
+    worked in place."""
     mb = z.amax(-1).double()
-    lb = torch.sub(z, mb.unsqueeze(-1)).div_(temperature).exp_().sum(-1).log_()
+    lb = z.double().sub_(mb.unsqueeze(-1)).div_(temperature).exp_().sum(-1).log_()
     empty = mb == float("-inf")  # a block of -inf only adds nothing (its own (M, L) would be NaN)
     lb = torch.where(empty, float("-inf"), lb)
     if state is None:
@@ -85,9 +86,9 @@ def _teacher(teacher: Tensor, tile: _Tile, v0: int, v1: int) -> Tensor:
 
 def _normalized(x: Tensor, t: Tensor, stats: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
     """ls, lt of a block (float64) from the rows' stats [r, 6] = (M_s, L_s, M_t, L_t, loss, K): (x - M) / T - L,
-    x - M formed in float64."""
-    ls = torch.sub(x, stats[:, 0:1]).div_(temperature).sub_(stats[:, 1:2])
-    lt = torch.sub(t, stats[:, 2:3]).div_(temperature).sub_(stats[:, 3:4])
+    x - M formed in float64, in place on one float64 copy of each."""
+    ls = x.double().sub_(stats[:, 0:1]).div_(temperature).sub_(stats[:, 1:2])
+    lt = t.double().sub_(stats[:, 2:3]).div_(temperature).sub_(stats[:, 3:4])
     return ls, lt
 
 
