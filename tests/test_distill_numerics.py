@@ -8,23 +8,27 @@ random teacher), finfo.min masks with only 3 allowed tokens (at T 0.05 and 1), a
 64 and 100 where student and teacher agree or disagree. LM heads of dyadic values whose logits are exact in
 fp32 (also at the offsets: 2^18 + multiples of 2^-5 fit in 24 bits), so the comparison measures the ops.
 
-Bounds:
-- the suite's (tests/test_distill.py): loss within 1e-6 absolute + 1e-6 relative of twinkle in float64;
-  gradients within 1 ulp + helpers.gkd_grad_bounds ((m + 4) 2^-24 sum of the terms' sizes, each the
-  entry's |dL/dx| + the row's largest + the float64 floor 16 2^-53 / (T kept));
-  gkd_from_logits's within 2 ulp + that floor (tests/test_distill_logits.py);
+Bounds (fp32, bf16 and fp64 inputs):
+- the suite's (tests/test_distill.py): loss within 1e-6 absolute + 1e-6 relative of float64 (1e-12 for
+  fp64); gradients within 1 ulp + helpers.gkd_grad_bounds ((m + 4) eps sum of the terms' sizes, eps 2^-24,
+  1e-12 for fp64, each size the entry's |dL/dx| + the row's largest + a float64 floor / eps);
+  gkd_from_logits's within 2 ulp + the floor (tests/test_distill_logits.py). The floor, per row, is
+  16 2^-53 (1 + Lam) / (T kept) (float64_floor): the suite's 16 2^-53 / (T kept) is the case of log-probs
+  of size 1; at beta = 1, T = 0.05 and a peak of 100, dL/dx = p (ls - lt - L) cancels terms of 2000, whose
+  float64 rounding it carries;
 - derived here, because at T = 1e4 or on all-equal rows the loss is 1e-8 or 0 and 1e-6 absolute says
   nothing: the op computes each token's loss in float64 and rounds it once, so
   |error| <= u |L| (the rounding: u = 2^-24, 2^-53 for fp64) + 2^-53 (64 Lam + k S), where Lam is the
   row's largest |ls| + |lt| over the entries with mass (the float64 rounding of each log-prob, in the op
-  and in the reference) and S = sum_j (p_j + q_j) (|ls_j| + |lt_j| + 1) bounds the k terms summed.
+  and in the reference) and S = sum_j (p_j + q_j) (|ls_j| + |lt_j| + 1) bounds the k terms summed. The
+  average (gkd_average: a sum over the kept tokens and one division) adds (kept + 1) u sum |L| / kept.
   The reference is twinkle's GKDLoss in float64 on each row shifted by its max first (exact for fp32
   values; GKD and the logits' gradient are the same for a shifted row): twinkle's own x / T, unshifted,
-  rounds at 2^-53 |x| / T, 1e-10 at the offsets, which would hide the op shifting after dividing. The average (gkd_average: an fp32 sum over the kept
-  tokens and one division) adds (kept + 1) 2^-24 sum |L| / kept;
-- against twinkle's own fp32 path (GKDLoss on fp32 logits, fp32 inputs): each output's worst error, beyond
-  the rounding of the op's output to its dtype (1 ulp), is at most twinkle fp32's worst error (NaN from
-  twinkle counts as an infinite error).
+  rounds at 2^-53 |x| / T, 1e-10 at the offsets, which would hide an op dividing before it shifts;
+- against twinkle's own fp32 path (GKDLoss on fp32 logits; fp32 inputs): each output's worst error beyond
+  what no output avoids (the loss: the derived bounds; the gradients: 1 ulp + (m + 4) 2^-24 sum of the
+  terms' own sizes + the floor, the suite's bound without the row-max term) is at most twinkle fp32's
+  worst error (NaN from twinkle counts as an infinite error).
 Batch invariance: each row's loss alone is bitwise the loss it has in the batch.
 """
 import math
