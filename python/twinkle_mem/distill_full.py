@@ -30,7 +30,8 @@ from torch import Tensor
 
 from . import linear
 from ._contract import stats_dtype
-from .distill import _kept_rows, _select, check_gkd_options, check_teacher_logits, gkd_grad, gkd_terms
+from .distill import (_kept_rows, _select, check_gkd_options, check_teacher_logits, gkd_grad, gkd_terms,
+                      log_add_exp)
 from .functional import check_head_args
 
 FULL_BLOCK = 2048  # vocab columns per block of the float64 math
@@ -47,9 +48,11 @@ def _blocks(v: int):
 
 
 def _fold(state, z: Tensor, temperature: float):
-    """(M, L) of the rows after one more block z [r, c] (float64): M the max, L = log sum exp((z - M) / T)."""
-    mb = z.amax(-1)
-    lb = ((z - mb.unsqueeze(-1)) / temperature).exp().sum(-1).log()
+    """(M, L) of the rows after one more block z [r, c] (fp32 logits, or float64): M the max, L = log sum
+    exp((z - M) / T), in float64 (z - M formed in float64: exact for fp32 z), one float64 copy of the block
+    worked in place."""
+    mb = z.amax(-1).double()
+    lb = z.double().sub_(mb.unsqueeze(-1)).div_(temperature).exp_().sum(-1).log_()
     empty = mb == float("-inf")  # a block of -inf only adds nothing (its own (M, L) would be NaN)
     lb = torch.where(empty, float("-inf"), lb)
     if state is None:
@@ -57,7 +60,7 @@ def _fold(state, z: Tensor, temperature: float):
     m, l_ = state
     new = torch.maximum(m, mb)
     term = lambda mm, ll: torch.where(ll == float("-inf"), ll, (mm - new) / temperature + ll)  # noqa: E731
-    return new, torch.logaddexp(term(m, l_), term(mb, lb))
+    return new, log_add_exp(term(m, l_), term(mb, lb))
 
 
 class _Tile:
@@ -71,18 +74,21 @@ class _Tile:
 
 
 def _logits(tile: _Tile, w_block: Tensor, b_block: Optional[Tensor]) -> Tensor:
-    x = tile.h @ w_block.t() if b_block is None else torch.addmm(b_block, tile.h, w_block.t())
-    return x.double()
+    """The block's logits in acc (fp32, fp64 for fp64 inputs): the float64 math takes them as they are."""
+    return tile.h @ w_block.t() if b_block is None else torch.addmm(b_block, tile.h, w_block.t())
 
 
 def _teacher(teacher: Tensor, tile: _Tile, v0: int, v1: int) -> Tensor:
-    return teacher[:, v0:v1].index_select(0, tile.rows).double()
+    """The tile's rows of a teacher block, in the teacher's dtype (bf16 / fp16 to fp32)."""
+    t = teacher[:, v0:v1].index_select(0, tile.rows)
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def _normalized(x: Tensor, t: Tensor, stats: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """ls, lt of a block from the rows' stats [r, 6] = (M_s, L_s, M_t, L_t, loss, K)."""
-    ls = (x - stats[:, 0:1]) / temperature - stats[:, 1:2]
-    lt = (t - stats[:, 2:3]) / temperature - stats[:, 3:4]
+    """ls, lt of a block (float64) from the rows' stats [r, 6] = (M_s, L_s, M_t, L_t, loss, K): (x - M) / T - L,
+    x - M formed in float64, in place on one float64 copy of each."""
+    ls = x.double().sub_(stats[:, 0:1]).div_(temperature).sub_(stats[:, 1:2])
+    lt = t.double().sub_(stats[:, 2:3]).div_(temperature).sub_(stats[:, 3:4])
     return ls, lt
 
 
@@ -151,7 +157,7 @@ def gkd_full_bwd(grad_loss: Tensor, stats: Tensor, hidden: Tensor, weight: Tenso
             st = stats.index_select(0, tile.rows)
             ls, lt = _normalized(_logits(tile, w_b, b_b), _teacher(teacher, tile, v0, v1), st, temperature)
             d = gkd_grad(ls, lt, st[:, 4:5], st[:, 5:6], beta, temperature)
-            d = d * grad_loss.index_select(0, tile.rows).double().unsqueeze(1)
+            d.mul_(grad_loss.index_select(0, tile.rows).double().unsqueeze(1))
             d[tile.count:] = 0  # the padding rows add exactly nothing
             d = d.to(acc)
             r0 = j * linear.ROW_TILE

@@ -1,0 +1,114 @@
+"""linear_gkd_full's forward + backward time on the CPU: this tree against an earlier commit's (the ratio measured
+in the same run, the two alternating), and twinkle's GKDLoss on the full logits for scale.
+
+    PYTHONPATH=python python bench/bench_gkd_full.py [--base REV] [--n 1024] [--h 128] [--v 32768] [--reps 2]
+        [--mmap-threshold 65536] [--out PATH]
+
+Each measurement is one forward + backward (gradients of hidden and weight; beta 0.5, T 1, fp32, every
+row kept) in a fresh process, after a small warm-up call there: ``this tree`` imports python/ of this
+checkout, ``base`` the package of REV (``git archive``, with this checkout's built native library), and
+``twinkle`` runs GKDLoss(beta=0.5) on ``hidden @ weight.T`` (the whole [N, V] logits). Paths alternate
+rep by rep, so that a change in the machine's load hits both; the table gives the medians and the ratio
+base / this tree. Writes bench/results/local/gkd_full_speed.json (another path: --out).
+"""
+import argparse
+import glob
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench_common import MachineLoad, ROOT, load_warning, markdown_table, run_child, run_metadata, write_json
+
+PATHS = ("base", "this tree", "twinkle")
+
+
+def child(cfg: dict) -> dict:
+    import torch
+
+    import twinkle_mem
+    gen = torch.Generator().manual_seed(0)
+    n, h, v = cfg["n"], cfg["h"], cfg["v"]
+    hidden = torch.randn(n, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen) * 0.05
+    teacher = torch.randn(n, v, generator=gen) * 2
+    labels = torch.randint(0, v, (n,), generator=gen)
+
+    def once(rows):
+        hd, w = hidden[:rows].clone().requires_grad_(), weight.clone().requires_grad_()
+        t0 = time.perf_counter()
+        if cfg["path"] == "twinkle":
+            from twinkle.loss.gkd import GKDLoss
+            loss = GKDLoss(beta=0.5)({"labels": labels[:rows].view(1, -1)}, {"logits": (hd @ w.t()).view(1, rows, v)},
+                                     teacher_logits=teacher[:rows].view(1, rows, v))["loss"]
+        else:
+            loss = twinkle_mem.gkd_average(twinkle_mem.linear_gkd_full(hd, w, teacher[:rows], labels[:rows], beta=0.5))
+        t1 = time.perf_counter()
+        torch.autograd.grad(loss, (hd, w))
+        return t1 - t0, time.perf_counter() - t1, float(loss)
+
+    once(min(n, 16))  # warm-up (imports, first allocations)
+    fwd, bwd, loss = once(n)
+    return {"fwd_s": fwd, "bwd_s": bwd, "loss": loss, "module": twinkle_mem.__file__}
+
+
+def base_tree(rev: str, tmp: str) -> str:
+    """python/ of ``rev`` under tmp, with this checkout's native library (the CPU kernels are not what changes)."""
+    archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "python"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+    for lib in glob.glob(os.path.join(ROOT, "python", "twinkle_mem", "_C_*.so")):
+        shutil.copy(lib, os.path.join(tmp, "python", "twinkle_mem"))
+    return os.path.join(tmp, "python")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="9324b17", help="the commit to compare with (default: before the speed work)")
+    ap.add_argument("--n", type=int, default=1024)
+    ap.add_argument("--h", type=int, default=128)
+    ap.add_argument("--v", type=int, default=32768)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--mmap-threshold", type=int, default=None,
+                    help="MALLOC_MMAP_THRESHOLD_ for the children (65536: as the peak-memory tests run theirs, every "
+                         "large tensor fresh pages from the OS, so that allocations cost what they cost there)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "local", "gkd_full_speed.json"))
+    ap.add_argument("--child")
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    load = MachineLoad()
+    times = {p: [] for p in PATHS}
+    with tempfile.TemporaryDirectory() as tmp:
+        src = {"base": base_tree(args.base, tmp), "this tree": os.path.join(ROOT, "python"),
+               "twinkle": os.path.join(ROOT, "python")}
+        for rep in range(args.reps):
+            for path in PATHS:
+                cfg = dict(n=args.n, h=args.h, v=args.v, path=path)
+                env = dict(os.environ, PYTHONPATH=src[path])
+                if args.mmap_threshold is not None:
+                    env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+                r = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env)
+                times[path].append(r)
+                print(f"rep {rep} {path}: forward {r['fwd_s']:.2f} s, backward {r['bwd_s']:.2f} s, loss {r['loss']:.9g}",
+                      flush=True)
+    med = {p: {k: statistics.median(r[k] for r in times[p]) for k in ("fwd_s", "bwd_s")} for p in PATHS}
+    total = {p: med[p]["fwd_s"] + med[p]["bwd_s"] for p in PATHS}
+    rows = [[p, f"{med[p]['fwd_s']:.2f}", f"{med[p]['bwd_s']:.2f}", f"{total[p]:.2f}",
+             f"{total['base'] / total[p]:.2f}x"] for p in PATHS]
+    print(markdown_table(["path", "forward s", "backward s", "total s", "base / path"], rows, "lrrrr"))
+    record = run_metadata(n=args.n, h=args.h, v=args.v, beta=0.5, dtype="float32", base=args.base, reps=args.reps,
+                          mmap_threshold=args.mmap_threshold, load=load.record())
+    warning = load_warning(record["load"])
+    if warning:
+        print(warning)
+    write_json(args.out, {"meta": record, "runs": times, "median": med, "speedup_total": total["base"] / total["this tree"]})
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
