@@ -19,7 +19,8 @@ Writes bench/results/twinkle_fused.json, .md and .png.
 feed it (k = ``--topk``, 64: ``teacher_topk_logprobs`` fp32 and ``teacher_topk_indices`` int64, [2, S, k]),
 forward_backward only, one more case: twinkle-kit with GKDLoss's arithmetic in float64 on the same fp32
 logits (the gather is exact; only the k-wide math changes), whose loss is the exact one the others are held
-against. Writes bench/results/twinkle_gkd.*.
+against. Writes bench/results/twinkle_gkd.*. ``--teacher local``: a local teacher's whole-vocab logits
+(``teacher_logits=``, [2, S, V] fp32) instead; writes bench/results/twinkle_gkd_local.*.
 """
 import argparse
 import os
@@ -37,7 +38,9 @@ CASES = [
 EXACT_GKD = ("twinkle-kit 0.5.1, GKD in float64 (exact)", """
 from twinkle.loss.gkd import GKDLoss
 _jsd = GKDLoss._generalized_jsd_loss
-def _exact(student_logits, teacher_topk_logprobs=None, teacher_topk_indices=None, **kw):
+def _exact(student_logits, teacher_logits=None, teacher_topk_logprobs=None, teacher_topk_indices=None, **kw):
+    if teacher_logits is not None:  # a local teacher: both logits in float64
+        return _jsd(student_logits.double(), teacher_logits=teacher_logits.double(), **kw).float()
     gathered = torch.gather(student_logits, -1, teacher_topk_indices).double()  # a gather rounds nothing
     identity = torch.arange(gathered.shape[-1]).expand_as(teacher_topk_indices)
     return _jsd(gathered, teacher_topk_logprobs=teacher_topk_logprobs.double(), teacher_topk_indices=identity,
@@ -59,8 +62,11 @@ chunk = th.gpt_model({vocab}, hidden={hidden}, heads=2, max_seq={seq})
 model = th.twinkle_megatron_model(chunk, loss={loss})
 samples = th.lm_samples([{seq}, {seq}], {vocab}, prompt={prompt})  # a [1, 1, S, S] bool mask each: S^2 bytes
 gen = torch.Generator().manual_seed(1)  # a top-k teacher as twinkle's GKD recipe feeds it (used by GKD only)
-teacher = dict(teacher_topk_indices=torch.randint(0, {vocab}, (2, {seq}, {topk}), generator=gen),
-               teacher_topk_logprobs=torch.log_softmax(3 * torch.randn(2, {seq}, {topk}, generator=gen), -1))
+if {local_teacher}:  # a local teacher's logits over the whole vocab (teacher_logits=)
+    teacher = dict(teacher_logits=3 * torch.randn(2, {seq}, {vocab}, generator=gen))
+else:
+    teacher = dict(teacher_topk_indices=torch.randint(0, {vocab}, (2, {seq}, {topk}), generator=gen),
+                   teacher_topk_logprobs=torch.log_softmax(3 * torch.randn(2, {seq}, {topk}, generator=gen), -1))
 """
 
 STMT = """
@@ -88,6 +94,9 @@ def main():
     parser.add_argument("--prompt", type=int, default=0)
     parser.add_argument("--loss", choices=sorted(LOSSES), default="grpo")
     parser.add_argument("--topk", type=int, default=64, help="the GKD teacher's k")
+    parser.add_argument("--teacher", choices=["topk", "local"], default="topk",
+                        help="GKD: the recipes' top-k teacher, or a local teacher's whole-vocab logits "
+                             "(teacher_logits=; results twinkle_gkd_local)")
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--cases", type=int, nargs="+", default=None,
                         help="indices into CASES (+ EXACT_GKD last with --loss gkd; the shipped case needs ~6x a "
@@ -98,7 +107,9 @@ def main():
     args = parser.parse_args()
     gkd = args.loss == "gkd"
     cases = CASES + [EXACT_GKD] if gkd else CASES
-    stem = os.path.join(HERE, "results", args.out or ("twinkle_gkd" if gkd else "twinkle_fused"))
+    local = gkd and args.teacher == "local"
+    stem = os.path.join(HERE, "results", args.out or ("twinkle_fused" if not gkd else
+                                                      "twinkle_gkd_local" if local else "twinkle_gkd"))
     if args.replot:
         saved = read_json(stem + ".json")
         _write(saved["rows"], saved["meta"], stem)
@@ -116,7 +127,7 @@ def main():
         progress.step(f"{mode} {name}")
         got = memory.measure_in_subprocess(
             SETUP.format(install=install or "", vocab=args.vocab, hidden=args.hidden, seq=args.seq, prompt=args.prompt,
-                         loss=LOSSES[args.loss], topk=args.topk),
+                         loss=LOSSES[args.loss], topk=args.topk, local_teacher=local),
             STMT.format(forward_only=forward_only, gkd=gkd), reps=args.reps)
         rows.append(dict(mode=mode, case=name, peak_rss_bytes=got["peak"], s_median=statistics.median(got["times"]),
                          times=got["times"], loss=got["extra"]["loss"], logps_sum=got["extra"]["logps_sum"]))
@@ -126,7 +137,8 @@ def main():
 
     meta = run_metadata(vocab=args.vocab, seq=args.seq, hidden=args.hidden, layers=1, heads=2, prompt=args.prompt,
                         micro_batches=2, micro_batch_size=1, dtype="float32", temperature=0.7,
-                        loss=LOSSES[args.loss], topk=args.topk if gkd else None,
+                        loss=LOSSES[args.loss], topk=args.topk if gkd and not local else None,
+                        teacher=args.teacher if gkd else None,
                         logits_bytes_per_micro_batch=logits_bytes, reps=args.reps,
                         threads=1, wall_s=round(progress.elapsed(), 1), load_average=os.getloadavg(),
                         twinkle_kit=twinkle.version.__version__, megatron_core=megatron.core.__version__)

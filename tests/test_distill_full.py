@@ -69,24 +69,32 @@ def make_case(kind, n, h, v, dtype, beta, seed):
     return hidden.view(*lead, h), weight, bias, t.view(*lead, v), labels.view(lead)
 
 
-def twinkle_reference(hidden, weight, bias, teacher, labels, beta, temperature):
+def twinkle_reference(hidden, weight, bias, teacher, labels, beta, temperature, call_temperature=1.0):
+    """twinkle's GKDLoss in float64; ``call_temperature``: twinkle's forward step's division of the student's
+    logits before the loss (the teacher's are not divided)."""
     t = teacher.double().masked_fill(teacher == float("-inf"), -1e300)
     h, w, b = (x.detach().double().requires_grad_() for x in (hidden, weight, bias))
     logits = (h @ w.t() + b).requires_grad_()
     logits.retain_grad()
     loss_fn = GKDLoss(beta=beta, temperature=temperature)
-    avg = loss_fn({"labels": labels}, {"logits": logits}, teacher_logits=t)["loss"]
+    avg = loss_fn({"labels": labels}, {"logits": logits / call_temperature}, teacher_logits=t)["loss"]
     avg.backward()
-    per_token = twinkle_per_token(loss_fn, labels, logits, teacher_logits=t)
+    per_token = twinkle_per_token(loss_fn, labels, logits / call_temperature, teacher_logits=t)
     return avg.detach(), per_token, (h.grad, w.grad, b.grad), logits.grad
 
 
-def check_case(kind, dtype, beta, temperature, seed, n=24, h=32, v=300):
+def check_case(kind, dtype, beta, temperature, seed, n=24, h=32, v=300, call_temperature=1.0, teacher_view=False):
     hidden, weight, bias, teacher, labels = make_case(kind, n, h, v, dtype, beta, seed)
     avg_ref, per_ref, grads_ref, d_logits = twinkle_reference(hidden, weight, bias, teacher, labels, beta,
-                                                              temperature)
+                                                              temperature, call_temperature)
     hd, w, b = (x.detach().clone().requires_grad_() for x in (hidden, weight, bias))
-    per = twinkle_mem.linear_gkd_full(hd, w, teacher, labels, bias=b, beta=beta, temperature=temperature)
+    if teacher_view:  # twinkle's teacher_logits[:, :L] of a longer teacher: not contiguous
+        longer = torch.full((2, n // 2 + 3, v), float("nan"))
+        longer[:, : n // 2] = teacher
+        teacher = longer[:, : n // 2]
+    per = twinkle_mem.linear_gkd_full(hd, w, teacher, labels, bias=b, beta=beta,
+                                      temperature=temperature * call_temperature, teacher_temperature=temperature)
+    temperature = temperature * call_temperature  # the student's (the gradient's floor below)
     avg = twinkle_mem.gkd_average(per, labels)
     grads = torch.autograd.grad(avg, (hd, w, b))
     tol = LOSS_TOL[dtype]
@@ -113,6 +121,15 @@ def test_against_twinkle_float64(kind, dtype, small_blocks):
     for beta in BETAS:
         for temperature in (0.7, 1.0):
             check_case(kind, dtype, beta, temperature, seed=KINDS.index(kind))
+
+
+@pytest.mark.parametrize("kind", ["random", "peaked", "close"])
+def test_teacher_temperature_and_a_teacher_view(kind, small_blocks):
+    # twinkle's forward step divides the student's logits by the call's temperature Tc, its GKDLoss both sides
+    # by Tl: the op at temperature Tc Tl with teacher_temperature Tl; the teacher a view of a longer one.
+    for beta in BETAS:
+        check_case(kind, torch.float32, beta, 0.7, seed=KINDS.index(kind) + 20, call_temperature=0.6,
+                   teacher_view=True)
 
 
 def test_default_blocks():
@@ -196,8 +213,8 @@ def test_opcheck_and_gradcheck(small_blocks):
     hidden, weight, bias, teacher, labels = make_case("random", 10, 8, 100, torch.float64, 0.5, 6)
     h2, t2, y2 = hidden.reshape(10, 8), teacher.reshape(10, 100).double(), labels.reshape(10)
     h, w, b = (x.clone().requires_grad_() for x in (h2, weight, bias))
-    torch.library.opcheck(distill_full.gkd_full_fwd, (h, w, b, t2, y2, 0.3, 0.7, -100))
-    torch.library.opcheck(distill_full.gkd_full_fwd, (h, w, None, t2, None, 1.0, 1.0, -100))
+    torch.library.opcheck(distill_full.gkd_full_fwd, (h, w, b, t2, y2, 0.3, 0.7, 0.9, -100))
+    torch.library.opcheck(distill_full.gkd_full_fwd, (h, w, None, t2, None, 1.0, 1.0, 1.0, -100))
     for beta in BETAS:
         assert torch.autograd.gradcheck(
             lambda h, w, b: twinkle_mem.linear_gkd_full(h, w, t2, y2, bias=b, beta=beta, temperature=0.7), (h, w, b))

@@ -187,3 +187,15 @@ def shards_give_the_single_process_loss_and_gradient(rank, world):
 def test_vocab_parallel(world, name):
     failures = cases.failures(world, name)
     assert not failures, "\n".join(failures)
+
+
+def test_opcheck():
+    from twinkle_mem import distill_logits
+    student, teacher, labels = make_case("random", 10, 200, torch.float32, 0.5, seed=13)
+    ids, lp = topk_teacher(teacher, 4)
+    s, i2, l2, y2 = student.reshape(10, 200).requires_grad_(), ids.reshape(10, 4), lp.reshape(10, 4), labels.reshape(10)
+    torch.library.opcheck(distill_logits.gkd_topk_logits_fwd, (s, i2, l2, y2, 0.5, 0.7, -100, 0, 200, ""))
+    torch.library.opcheck(distill_logits.gkd_topk_logits_fwd, (s, i2, l2, None, 0.0, 1.0, -100, 0, 200, ""))
+    coef = torch.randn(10, 4, dtype=torch.float64)
+    torch.library.opcheck(distill_logits.gkd_topk_logits_bwd,
+                          (torch.randn(10), coef, i2, y2, -100, 0, 200, torch.bfloat16))

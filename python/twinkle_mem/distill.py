@@ -166,6 +166,19 @@ def _local_ids(ids: Tensor, vocab_start: int, shard: int) -> tuple[Tensor, Tenso
     return torch.where(own, local, 0), own
 
 
+def teacher_rows(teacher: Tensor, rows: Tensor) -> Tensor:
+    """Rows of a full-vocab teacher [N, V], or of any [..., V] of N rows: a teacher trimmed to the student's
+    length (twinkle's ``teacher_logits[:, :L]``) is read where it lies, not copied whole to be flattened."""
+    if teacher.dim() == 2:
+        return teacher.index_select(0, rows)
+    return teacher[torch.unravel_index(rows, teacher.shape[:-1])]
+
+
+def flat_teacher(teacher: Tensor) -> Tensor:
+    """[N, V] where that is a view, else the teacher as it is (for teacher_rows)."""
+    return teacher.view(-1, teacher.shape[-1]) if teacher.is_contiguous() else teacher
+
+
 def check_teacher_ids(ids: Tensor, vocab_size: int) -> None:
     """Every kept teacher id in [0, vocab_size); checked before any collective (every rank holds the same ids
     and raises alike)."""

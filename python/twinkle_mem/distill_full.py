@@ -23,6 +23,7 @@ row's results are bitwise the same whatever the batch. No tensor parallelism (th
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -30,8 +31,8 @@ from torch import Tensor
 
 from . import linear
 from ._contract import stats_dtype
-from .distill import (_kept_rows, _select, check_gkd_options, check_teacher_logits, gkd_grad, gkd_terms,
-                      log_add_exp)
+from .distill import (_kept_rows, _select, check_gkd_options, check_teacher_logits, flat_teacher, gkd_grad, gkd_terms,
+                      log_add_exp, teacher_rows)
 from .functional import check_head_args
 
 FULL_BLOCK = 2048  # vocab columns per block of the float64 math
@@ -80,15 +81,16 @@ def _logits(tile: _Tile, w_block: Tensor, b_block: Optional[Tensor]) -> Tensor:
 
 def _teacher(teacher: Tensor, tile: _Tile, v0: int, v1: int) -> Tensor:
     """The tile's rows of a teacher block, in the teacher's dtype (bf16 / fp16 to fp32)."""
-    t = teacher[:, v0:v1].index_select(0, tile.rows)
+    t = teacher_rows(teacher[..., v0:v1], tile.rows)
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-def _normalized(x: Tensor, t: Tensor, stats: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+def _normalized(x: Tensor, t: Tensor, stats: Tensor, temperature: float,
+                teacher_temperature: float) -> tuple[Tensor, Tensor]:
     """ls, lt of a block (float64) from the rows' stats [r, 6] = (M_s, L_s, M_t, L_t, loss, K): (x - M) / T - L,
     x - M formed in float64, in place on one float64 copy of each."""
     ls = x.double().sub_(stats[:, 0:1]).div_(temperature).sub_(stats[:, 1:2])
-    lt = t.double().sub_(stats[:, 2:3]).div_(temperature).sub_(stats[:, 3:4])
+    lt = t.double().sub_(stats[:, 2:3]).div_(teacher_temperature).sub_(stats[:, 3:4])
     return ls, lt
 
 
@@ -99,10 +101,12 @@ def _tiles(h, rows, acc):
 
 @torch.library.custom_op("twinkle_mem::linear_gkd_full_fwd", mutates_args=())
 def gkd_full_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher: Tensor, labels: Optional[Tensor],
-                 beta: float, temperature: float, ignore_index: int) -> tuple[Tensor, Tensor]:
-    """hidden [N, H], weight [V, H], bias [V] or None, teacher [N, V], labels [N] or None. Returns (loss [N]
+                 beta: float, temperature: float, teacher_temperature: float,
+                 ignore_index: int) -> tuple[Tensor, Tensor]:
+    """hidden [N, H], weight [V, H], bias [V] or None, teacher [N, V] (or [..., V] of N rows), labels [N] or
+    None. Returns (loss [N]
     fp32 (fp64 for fp64 hidden), the rows' stats [N, 6] float64); ignored rows 0."""
-    n, v = teacher.shape
+    n, v = hidden.shape[0], teacher.shape[-1]
     acc = _acc_dtype(hidden)
     loss = hidden.new_zeros((n,), dtype=stats_dtype(hidden))
     stats = hidden.new_zeros((n, 6), dtype=torch.float64)
@@ -115,10 +119,11 @@ def gkd_full_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher
         s_state = t_state = None
         for (v0, v1), (w_b, b_b) in zip(_blocks(v), wb):
             s_state = _fold(s_state, _logits(tile, w_b, b_b), temperature)
-            t_state = _fold(t_state, _teacher(teacher, tile, v0, v1), temperature)
+            t_state = _fold(t_state, _teacher(teacher, tile, v0, v1), teacher_temperature)
         st = torch.stack([*s_state, *t_state, torch.zeros_like(s_state[0]), torch.zeros_like(s_state[0])], dim=1)
         for (v0, v1), (w_b, b_b) in zip(_blocks(v), wb):
-            ls, lt = _normalized(_logits(tile, w_b, b_b), _teacher(teacher, tile, v0, v1), st, temperature)
+            ls, lt = _normalized(_logits(tile, w_b, b_b), _teacher(teacher, tile, v0, v1), st, temperature,
+                                 teacher_temperature)
             terms, k_terms = gkd_terms(ls, lt, beta)
             st[:, 4] += terms.sum(-1)
             if k_terms is not None:
@@ -129,17 +134,18 @@ def gkd_full_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher
 
 
 @gkd_full_fwd.register_fake
-def _gkd_full_fwd_fake(hidden, weight, bias, teacher, labels, beta, temperature, ignore_index):
-    n = teacher.shape[0]
+def _gkd_full_fwd_fake(hidden, weight, bias, teacher, labels, beta, temperature, teacher_temperature, ignore_index):
+    n = hidden.shape[0]
     return hidden.new_empty((n,), dtype=stats_dtype(hidden)), hidden.new_empty((n, 6), dtype=torch.float64)
 
 
 @torch.library.custom_op("twinkle_mem::linear_gkd_full_bwd", mutates_args=())
 def gkd_full_bwd(grad_loss: Tensor, stats: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
-                 teacher: Tensor, labels: Optional[Tensor], beta: float, temperature: float, ignore_index: int,
+                 teacher: Tensor, labels: Optional[Tensor], beta: float, temperature: float,
+                 teacher_temperature: float, ignore_index: int,
                  need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden [N, H], grad_weight [V, H], grad_bias [V] or [0])."""
-    n, v = teacher.shape
+    n, v = hidden.shape[0], teacher.shape[-1]
     acc = _acc_dtype(hidden)
     kept = _kept_rows(labels, n, ignore_index)
     rows = torch.arange(n, device=hidden.device) if kept is None else kept
@@ -155,7 +161,8 @@ def gkd_full_bwd(grad_loss: Tensor, stats: Tensor, hidden: Tensor, weight: Tenso
         gb = torch.zeros((v1 - v0,), dtype=acc, device=hidden.device)
         for j, tile in enumerate(tiles):
             st = stats.index_select(0, tile.rows)
-            ls, lt = _normalized(_logits(tile, w_b, b_b), _teacher(teacher, tile, v0, v1), st, temperature)
+            ls, lt = _normalized(_logits(tile, w_b, b_b), _teacher(teacher, tile, v0, v1), st, temperature,
+                                 teacher_temperature)
             d = gkd_grad(ls, lt, st[:, 4:5], st[:, 5:6], beta, temperature)
             d.mul_(grad_loss.index_select(0, tile.rows).double().unsqueeze(1))
             d[tile.count:] = 0  # the padding rows add exactly nothing
@@ -173,16 +180,16 @@ def gkd_full_bwd(grad_loss: Tensor, stats: Tensor, hidden: Tensor, weight: Tenso
 
 
 @gkd_full_bwd.register_fake
-def _gkd_full_bwd_fake(grad_loss, stats, hidden, weight, bias, teacher, labels, beta, temperature, ignore_index,
-                       need_bias):
+def _gkd_full_bwd_fake(grad_loss, stats, hidden, weight, bias, teacher, labels, beta, temperature,
+                       teacher_temperature, ignore_index, need_bias):
     return (torch.empty_like(hidden), torch.empty_like(weight),
             torch.empty_like(bias) if need_bias else hidden.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, teacher, labels, beta, temperature, ignore_index = inputs
+    hidden, weight, bias, teacher, labels, beta, temperature, teacher_temperature, ignore_index = inputs
     ctx.save_for_backward(hidden, weight, bias, teacher, labels, output[1])
-    ctx.args = (beta, temperature, ignore_index)
+    ctx.args = (beta, temperature, teacher_temperature, ignore_index)
     ctx.mark_non_differentiable(output[1])
 
 
@@ -191,26 +198,31 @@ def _backward(ctx, grad_loss, _grad_stats):
     need_bias = ctx.needs_input_grad[2] and bias is not None
     gh, gw, gb = gkd_full_bwd(grad_loss, stats, hidden, weight, bias, teacher, labels, *ctx.args, need_bias)
     return (gh if ctx.needs_input_grad[0] else None, gw if ctx.needs_input_grad[1] else None,
-            gb if need_bias else None, None, None, None, None, None)
+            gb if need_bias else None, None, None, None, None, None, None)
 
 
 gkd_full_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def linear_gkd_full(hidden, weight, teacher_logits, labels=None, *, bias=None, beta=0.5, temperature=1.0,
-                    ignore_index=-100):
+                    ignore_index=-100, teacher_temperature=None):
     """twinkle's GKDLoss per token over the whole vocab (``teacher_logits=``, ``topk=None``) from the LM
     head's input; the student's [N, V] logits never exist, one [ROW_TILE, FULL_BLOCK] block at a time.
 
     hidden [..., H], weight [V, H] (hidden's dtype), bias [V] or None, teacher_logits [..., V] (any float
-    dtype, no gradient), labels [...] or None. Returns the per-token loss [...] fp32 (fp64 for fp64 hidden),
-    with gradients to hidden, weight and bias. See the module docstring and docs/distillation.md.
+    dtype, no gradient; a view such as twinkle's ``teacher_logits[:, :L]`` is read in place), labels [...] or
+    None. ``teacher_temperature``: the teacher's, ``temperature`` when None (twinkle divides both sides by
+    one). Returns the per-token loss [...] fp32 (fp64 for fp64 hidden), with gradients to hidden, weight and
+    bias. See the module docstring and docs/distillation.md.
     """
     check_head_args(hidden, weight, bias)
     check_teacher_logits(teacher_logits, (*hidden.shape[:-1], weight.shape[0]), hidden, "hidden")
     check_gkd_options(labels, hidden, "hidden", beta, temperature, ignore_index)
-    n, v = teacher_logits.numel() // weight.shape[0], weight.shape[0]
-    loss, _stats = gkd_full_fwd(hidden.reshape(n, hidden.shape[-1]), weight, bias, teacher_logits.reshape(n, v),
+    teacher_temperature = temperature if teacher_temperature is None else teacher_temperature
+    if isinstance(teacher_temperature, Tensor) or not (0 < teacher_temperature < math.inf):
+        raise ValueError(f"teacher_temperature must be None or a finite Python number > 0, got {teacher_temperature!r}")
+    n = teacher_logits.numel() // weight.shape[0]
+    loss, _stats = gkd_full_fwd(hidden.reshape(n, hidden.shape[-1]), weight, bias, flat_teacher(teacher_logits),
                                 None if labels is None else labels.reshape(n), float(beta), float(temperature),
-                                int(ignore_index))
+                                float(teacher_temperature), int(ignore_index))
     return loss.view(hidden.shape[:-1])

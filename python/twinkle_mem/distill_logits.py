@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ._contract import check_float_tensor, stats_dtype
 from .distill import (_kept_rows, _local_ids, _select, check_gkd_options, check_teacher_ids, check_teacher_logits,
-                      check_topk_teacher, combine_shards, gkd_rows, vocab_shard)
+                      check_topk_teacher, combine_shards, flat_teacher, gkd_rows, teacher_rows, vocab_shard)
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 # float64 [rows, V] tensors alive at once inside gkd_rows (and the chunk's copies), counted generously
@@ -37,13 +37,6 @@ TEMPORARIES = 20
 def chunk_rows(vocab: int, chunk_bytes: int) -> int:
     """Rows per chunk: the float64 working tensors of the k-wide (here V-wide) math within chunk_bytes."""
     return max(1, chunk_bytes // (TEMPORARIES * 8 * vocab))
-
-
-def _teacher_rows(teacher: Tensor, rows: Tensor) -> Tensor:
-    """Rows of the teacher, [N, V] or any [..., V] of N rows (not copied whole to be flattened)."""
-    if teacher.dim() == 2:
-        return teacher.index_select(0, rows)
-    return teacher[torch.unravel_index(rows, teacher.shape[:-1])]
 
 
 def _chunks(kept: Optional[Tensor], n: int, rows: int):
@@ -67,7 +60,7 @@ def gkd_logits_fwd(student: Tensor, teacher: Tensor, labels: Optional[Tensor], b
     kept = _kept_rows(labels, n, ignore_index)
     for rows in _chunks(kept, n, chunk_rows(v, chunk_bytes)):
         rows = rows.to(student.device)
-        x, t = student.index_select(0, rows), _teacher_rows(teacher, rows)
+        x, t = student.index_select(0, rows), teacher_rows(teacher, rows)
         if topk:
             t, top = t.topk(topk, dim=-1)
             x = x.gather(-1, top)
@@ -100,7 +93,7 @@ def gkd_logits_bwd(grad_loss: Tensor, coef: Tensor, ids: Tensor, student: Tensor
         return grad.scatter_add_(1, ids, g.to(student.dtype))
     for rows in _chunks(_kept_rows(labels, n, ignore_index), n, chunk_rows(v, chunk_bytes)):
         rows = rows.to(student.device)
-        _loss, d = gkd_rows(student.index_select(0, rows), _teacher_rows(teacher, rows), beta, temperature)
+        _loss, d = gkd_rows(student.index_select(0, rows), teacher_rows(teacher, rows), beta, temperature)
         g = grad_loss.index_select(0, rows).double().unsqueeze(1) * d
         grad.index_copy_(0, rows, g.to(student.dtype))
     return grad
@@ -152,9 +145,7 @@ def gkd_from_logits(student_logits, teacher_logits, labels=None, *, topk=None, b
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
     n = student_logits.numel() // v
-    # (a teacher trimmed to the student's length, twinkle's teacher_logits[:, :L], is read where it lies)
-    flat = teacher_logits.view(n, v) if teacher_logits.is_contiguous() else teacher_logits
-    loss, _coef, _ids = gkd_logits_fwd(student_logits.reshape(n, v), flat,
+    loss, _coef, _ids = gkd_logits_fwd(student_logits.reshape(n, v), flat_teacher(teacher_logits),
                                        None if labels is None else labels.reshape(n), float(beta),
                                        float(temperature), int(ignore_index), int(topk or 0), int(chunk_bytes))
     return loss.view(lead)

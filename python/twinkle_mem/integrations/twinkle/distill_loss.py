@@ -206,13 +206,13 @@ def _fused_gkd(loss, labels, head: fused_head.DeferredHead, teacher_kwargs):
                            f"the labels GKDLoss got (packed sequences?). install(fused_lm_head=False) runs twinkle-kit "
                            "unchanged.")
     # twinkle's forward step divides the student's logits by the call's temperature Tc before the loss, which
-    # divides student and teacher by its own Tl: x / (Tc Tl) and lp / Tl = (lp Tc) / (Tc Tl), the teacher
-    # scaled in float64 and nothing done to the hidden states.
-    scaled = (lambda t: t.double() * head.temperature) if head.temperature != 1.0 else (lambda t: t)  # noqa: E731
+    # divides student and teacher by its own Tl: x / (Tc Tl) and t / Tl; nothing is done to the hidden states.
     options = dict(beta=loss.beta, temperature=loss.temperature * head.temperature, ignore_index=loss.ignore_index)
     if whole_vocab:
-        per_token = linear_gkd_full(hidden, head.weight, scaled(teacher.logits), labels, **options)
-    else:
+        per_token = linear_gkd_full(hidden, head.weight, teacher.logits, labels,
+                                    teacher_temperature=loss.temperature, **options)
+    else:  # (k columns: the teacher's Tl as (lp Tc) / (Tc Tl), scaled in float64)
+        scaled = (lambda t: t.double() * head.temperature) if head.temperature != 1.0 else (lambda t: t)  # noqa: E731
         ids, logprobs = teacher.top_k()
         if head.seq_first:
             ids, logprobs = ids.transpose(0, 1), logprobs.transpose(0, 1)
