@@ -23,13 +23,33 @@ import pytest
 import torch
 
 from cpu_harness import megatron as th
-from helpers import (CHUNK, FUSED_BLOCKS, GKD_TEACHERS, LENGTHS, PROMPT, TOL, VOCAB, VocabTensors, assert_close,
-                     blocks, gkd_in_float64, gkd_local_teacher, gkd_teacher)
+from helpers import (CHUNK, FUSED_BLOCKS, GKD_K, GKD_TEACHERS, LENGTHS, PROMPT, TOL, VOCAB, VocabTensors,
+                     assert_close, blocks, gkd_in_float64, gkd_local_teacher, gkd_teacher)
 from twinkle_mem.integrations import twinkle as integration
 
 
 # conftest.py: megatron-core and twinkle on the CPU for the module; every test starts and ends uninstalled
 pytestmark = pytest.mark.usefixtures("gpt_step_cpu", "uninstalled")
+
+
+GKD_OPS = ("gkd_topk_from_logits", "gkd_from_logits", "linear_gkd_topk", "linear_gkd_full")
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """The twinkle-mem GKD ops the integration called, by name, in order."""
+    import twinkle_mem
+    calls = []
+
+    def counted(name, op):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return op(*args, **kwargs)
+        return call
+
+    for name in GKD_OPS:
+        monkeypatch.setattr(twinkle_mem, name, counted(name, getattr(twinkle_mem, name)))
+    return calls
 
 
 @pytest.fixture
@@ -81,10 +101,11 @@ def assert_exact(got, want):
 
 @pytest.mark.parametrize("path,beta,loss_temperature,teacher",
                          [(*case, "topk") for case in CASES] + LOCAL_CASES)
-def test_fused_gkd_matches_twinkle_in_float64(path, beta, loss_temperature, teacher, exact_gkd):
+def test_fused_gkd_matches_twinkle_in_float64(path, beta, loss_temperature, teacher, exact_gkd, op_calls):
     teacher_data = GKD_TEACHERS[teacher]()
     spy = VocabTensors((VOCAB, ), 10 ** 9, exempt=[t for t in teacher_data.values() if torch.is_tensor(t)])
     got = run(path, beta=beta, loss_temperature=loss_temperature, install=True, spy=spy, teacher_data=teacher_data)
+    assert set(op_calls) == {"linear_gkd_full" if teacher == "local" else "linear_gkd_topk"}
     want = run(path, beta=beta, loss_temperature=loss_temperature, teacher_data=teacher_data)  # GKD in float64
     assert_exact(got, want)
     # no logits, no full-vocab log-softmax, no copy of a local teacher
@@ -140,12 +161,14 @@ def test_twinkle_gkd_in_bf16_is_off():
 
 
 @pytest.mark.parametrize("path,teacher", [("megatron", "topk"), ("megatron", "local"), ("megatron", "local_topk"),
-                                          ("transformers", "topk"), ("transformers", "local")])
-def test_install_gkd_from_logits_matches_twinkle_in_float64(path, teacher, exact_gkd):
+                                          ("transformers", "topk"), ("transformers", "local"),
+                                          ("transformers", "local_topk")])
+def test_install_gkd_from_logits_matches_twinkle_in_float64(path, teacher, exact_gkd, op_calls):
     """install() alone: the logits exist, the loss comes from them through twinkle-mem's ops (fp32 results,
     float64 math) and equals twinkle's GKD computed exactly."""
     teacher_data = GKD_TEACHERS[teacher]()
     got = run(path, beta=0.3, loss_temperature=0.7, install=False, teacher_data=teacher_data)
+    assert set(op_calls) == {"gkd_topk_from_logits" if teacher == "topk" else "gkd_from_logits"}
     want = run(path, beta=0.3, loss_temperature=0.7, teacher_data=teacher_data)
     assert_exact(got, want)
 
@@ -183,6 +206,17 @@ def test_install_gkd_keeps_no_per_chunk_graph(path):
     assert len(saved[None]) >= 3 * len(saved[False])
 
 
+def test_half_a_teacher_gets_twinkles_assertion():
+    from twinkle.loss.gkd import GKDLoss
+    integration.install(mask_skip="never")
+    try:
+        with pytest.raises(AssertionError, match="Either logits or both"):
+            GKDLoss()({"labels": torch.zeros(1, 3, dtype=torch.long)}, {"logits": torch.randn(1, 3, 10)},
+                      teacher_topk_indices=torch.zeros(1, 3, 2, dtype=torch.long))
+    finally:
+        integration.uninstall()
+
+
 @pytest.mark.parametrize("path", ["megatron", "transformers"])
 def test_return_logits_takes_the_logits_path(path):
     """return_logits=True keeps the logits: the fused path does not apply and the loss comes from them, as
@@ -209,16 +243,20 @@ class SubclassedGKDLoss:
 
 
 @pytest.mark.parametrize("path", ["megatron", "transformers"])
-@pytest.mark.parametrize("change", ["teacher_vocab", "subclass"])
+@pytest.mark.parametrize("change", ["teacher_vocab", "subclass", "teacher_grad"])
 @pytest.mark.parametrize("install", [True, False])
-def test_calls_not_covered_run_twinkle_unchanged(path, change, install):
+def test_calls_not_covered_run_twinkle_unchanged(path, change, install, op_calls):
     kwargs = {}
     if change == "teacher_vocab":  # a local teacher of another vocab: twinkle pads the smaller side
         kwargs["teacher_data"] = gkd_local_teacher(vocab=VOCAB + 6)
+    elif change == "teacher_grad":  # twinkle's loss sends the teacher a gradient; the ops give it none
+        kwargs["teacher_data"] = gkd_local_teacher(GKD_K)
+        kwargs["teacher_data"]["teacher_logits"].requires_grad_()
     else:
         kwargs["loss_class"] = SubclassedGKDLoss
     shipped = run(path, beta=0.5, loss_temperature=1.0, **kwargs)
     ours = run(path, beta=0.5, loss_temperature=1.0, install=install, **kwargs)
+    assert op_calls == []
     assert ours["loss"] == shipped["loss"]
     for name, grad in ours["grads"].items():
         assert torch.equal(grad, shipped["grads"][name]), name
@@ -237,14 +275,14 @@ def test_fused_gkd_second_step_and_metrics(path, exact_gkd):
 
 @pytest.mark.parametrize("path", ["megatron", "transformers"])
 @pytest.mark.parametrize("install", [True, False])
-def test_gkd_through_safe_loss_wrapper_in_production_mode(path, install, monkeypatch, exact_gkd):
+def test_gkd_through_safe_loss_wrapper_in_production_mode(path, install, monkeypatch, exact_gkd, op_calls):
     """twinkle wraps every loss in its SafeLossWrapper (twinkle.utils.nccl_safe); with TWINKLE_FAIL_FAST=0
     it catches the loss's errors and returns a zero loss instead. The GKD paths compute through it the same
     loss: a zero from a swallowed error would fail here."""
     monkeypatch.setenv("TWINKLE_FAIL_FAST", "0")
     got = run(path, beta=0.5, loss_temperature=1.0, install=install)
     want = run(path, beta=0.5, loss_temperature=1.0)
-    assert want["loss"] > 0.01
+    assert want["loss"] > 0.01 and op_calls
     assert_exact(got, want)
 
 

@@ -70,8 +70,8 @@ def tile_rows(k: int, hidden_size: int) -> int:
 # ------------------------------------------------------------------ the k-wide math (float64)
 # Every op below maps each element alone through the same code wherever it sits in the tensor (plain
 # arithmetic, exp, log; no alpha != 1, no torch.logaddexp: their CPU loops round a tensor's last elements
-# unlike the others), so that a row's bits do not depend on the rows around it. Results are new tensors;
-# the inputs are not written.
+# unlike the others), so that a row's bits do not depend on the rows around it. What they write in place
+# (out=) are temporaries of their own making, never a caller's tensor.
 LOG_TINY = -746.0  # below log(2^-1074): lm's floor where both parts of the mixture underflow
 
 

@@ -49,9 +49,9 @@ def _chunks(kept: Optional[Tensor], n: int, rows: int):
 @torch.library.custom_op("twinkle_mem::gkd_logits_fwd", mutates_args=())
 def gkd_logits_fwd(student: Tensor, teacher: Tensor, labels: Optional[Tensor], beta: float, temperature: float,
                    ignore_index: int, topk: int, chunk_bytes: int) -> tuple[Tensor, Tensor, Tensor]:
-    """student [N, V], teacher [N, V] (or [..., V] of N rows); labels [N] or None; topk 0 (the whole vocab) or k. Returns (loss [N] fp32
-    (fp64 for fp64 student), dL/dx [N, k] at the teacher's top-k ids, those ids [N, k] int64); [N, 0] for the
-    whole vocab. Rows whose label is ignore_index: 0, ids 0."""
+    """student [N, V], teacher [N, V] (or [..., V] of N rows); labels [N] or None; topk 0 (the whole vocab) or k.
+    Returns (loss [N] fp32 (fp64 for fp64 student), dL/dx [N, k] at the teacher's top-k ids, those ids [N, k]
+    int64); [N, 0] for the whole vocab. Rows whose label is ignore_index: 0, ids 0."""
     n, v = student.shape
     acc = stats_dtype(student)
     loss = student.new_zeros((n,), dtype=acc)
@@ -155,7 +155,7 @@ def gkd_from_logits(student_logits, teacher_logits, labels=None, *, topk=None, b
 # The student's logits are read at the teacher's k ids only; saved for backward: dL/dx [N, k] (float64) and the ids,
 # not the logits (backward needs only their shape). Under tensor parallelism the logits are this rank's
 # vocab shard and the ids global: distill.combine_shards, as linear_gkd_topk.
-DEDUP_ROWS = 1024  # rows at a time when summing a row's repeated ids ([rows, k, k] bools)
+DEDUP_ENTRIES = 1 << 24  # rows x k x k at a time when summing a row's repeated ids (bools)
 
 
 @torch.library.custom_op("twinkle_mem::gkd_topk_logits_fwd", mutates_args=())
@@ -193,10 +193,11 @@ def _sum_repeated(g: Tensor, local: Tensor) -> Tensor:
     """g [m, k] with each row's entries of one id summed into the first of them (the others 0): scattered
     into the gradient, every column then gets one value, rounded once to the logits' dtype."""
     out = torch.empty_like(g)
-    for r0 in range(0, g.shape[0], DEDUP_ROWS):
-        ids = local[r0:r0 + DEDUP_ROWS]
-        first = (ids.unsqueeze(2) == ids.unsqueeze(1)).int().argmax(-1)  # each entry's first entry of its id
-        out[r0:r0 + DEDUP_ROWS] = torch.zeros_like(g[r0:r0 + DEDUP_ROWS]).scatter_add_(1, first, g[r0:r0 + DEDUP_ROWS])
+    rows = max(1, DEDUP_ENTRIES // g.shape[1] ** 2)
+    for r0 in range(0, g.shape[0], rows):
+        ids, part = local[r0:r0 + rows], g[r0:r0 + rows]
+        first = (ids.unsqueeze(2) == ids.unsqueeze(1)).byte().argmax(-1)  # each entry's first entry of its id
+        out[r0:r0 + rows] = torch.zeros_like(part).scatter_add_(1, first, part)
     return out
 
 

@@ -38,9 +38,13 @@ def gkd_loss_class():
     return GKDLoss
 
 
+def unwrapped(loss):
+    """The loss inside twinkle's SafeLossWrapper (twinkle wraps every loss it is given), or the loss."""
+    return getattr(loss, "_loss_instance", loss)
+
+
 def _is_gkd(loss) -> bool:
-    inner = getattr(loss, "_loss_instance", loss)  # twinkle's SafeLossWrapper
-    return type(inner) is gkd_loss_class()
+    return type(unwrapped(loss)) is gkd_loss_class()
 
 
 def _has_topk_teacher(kwargs) -> bool:
@@ -60,7 +64,13 @@ def teacher_ineligible(kwargs, vocab: int, tensor_parallel: bool) -> Optional[st
     or None."""
     if _has_topk_teacher(kwargs):
         return None
-    teacher, topk = kwargs["teacher_logits"], kwargs.get("topk")
+    return local_teacher_ineligible(kwargs["teacher_logits"], kwargs.get("topk"), vocab, tensor_parallel)
+
+
+def local_teacher_ineligible(teacher, topk, vocab: int, tensor_parallel: bool) -> Optional[str]:
+    """Why a local teacher's logits (``teacher_logits=``, ``topk=``) are left to twinkle's own code, or None."""
+    if teacher.requires_grad:  # twinkle's loss would send it a gradient; the ops give the teacher none
+        return "teacher_logits that require grad"
     if teacher.shape[-1] != vocab:  # twinkle pads the smaller side with the other's logits
         return f"a teacher of vocab {teacher.shape[-1]} for a student of vocab {vocab}"
     if topk is None and tensor_parallel:
@@ -165,18 +175,23 @@ def _gkd_from_logits(loss, labels, logits, teacher_kwargs):
     from twinkle.data_format import LossOutput
 
     from twinkle_mem import gkd_average, gkd_from_logits, gkd_topk_from_logits
+    group = tensor_parallel_group()  # the logits are this rank's vocab shard under Megatron's TP
+    if not _has_topk_teacher(teacher_kwargs) and (
+            teacher_kwargs["teacher_logits"] is None  # (half a top-k teacher: twinkle's own assertion)
+            or group is not None  # (a full-vocab teacher and a student's shard)
+            or local_teacher_ineligible(teacher_kwargs["teacher_logits"], teacher_kwargs["topk"], logits.shape[-1],
+                                        False)):
+        return None
     if logits.shape[1] != labels.shape[1]:  # twinkle: "some MLLMs return extra prefix logits"
         logits = logits[:, -labels.shape[1]:]
     teacher = _Teacher.of_call(**teacher_kwargs, length=logits.shape[1], device=logits.device)
     options = dict(beta=loss.beta, temperature=loss.temperature, ignore_index=loss.ignore_index)
-    group = tensor_parallel_group()  # the logits are this rank's vocab shard under Megatron's TP
     if teacher.ids is not None:
         per_token = gkd_topk_from_logits(logits, teacher.ids, teacher.logprobs, labels, process_group=group,
                                          **options)
-    elif group is None and teacher.logits.shape == logits.shape and \
-            (teacher.topk is None or isinstance(teacher.topk, int) and 1 <= teacher.topk <= logits.shape[-1]):
+    elif teacher.logits.shape == logits.shape:
         per_token = gkd_from_logits(logits, teacher.logits, labels, topk=teacher.topk, **options)
-    else:
+    else:  # (a teacher shorter than the student)
         return None
     return LossOutput(loss=gkd_average(per_token, labels, loss.ignore_index), num_tokens=0)
 

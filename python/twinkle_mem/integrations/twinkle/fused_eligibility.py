@@ -29,7 +29,7 @@ def call_ineligible(kwargs, loss) -> Optional[str]:
         return f"the loss {type(loss).__name__} needs values (require_values)"
     if not getattr(loss, "require_logps", True):
         return f"the loss {type(loss).__name__} does not use log-probs (require_logps=False)"
-    inner = getattr(loss, "_loss_instance", loss)  # twinkle's SafeLossWrapper
+    inner = distill_loss.unwrapped(loss)
     if getattr(inner, "ignore_index", IGNORE_INDEX) != IGNORE_INDEX:
         return f"the loss ignores label {inner.ignore_index}, twinkle's forward step ignores {IGNORE_INDEX}"
     return None

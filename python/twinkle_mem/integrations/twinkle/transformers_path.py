@@ -78,6 +78,8 @@ def forward_noting_return_logits(original, status_name: str):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
+        if _remote_handle(self):
+            return out
         status = getattr(optimizer_group(self, kwargs), status_name)
         setattr(status, RETURN_LOGITS, bool(kwargs.get("return_logits", False)))
         return out
@@ -91,11 +93,19 @@ def calculate_loss_dropping_logits(original):
     @functools.wraps(original)
     def calculate_loss(self, **kwargs):
         result = original(self, **kwargs)
+        if _remote_handle(self):
+            return result
         group = optimizer_group(self, kwargs)
         drop_step_logits(group.train_status if self.model.training else group.eval_status)  # twinkle's choice
         return result
 
     return calculate_loss
+
+
+def _remote_handle(model) -> bool:
+    """Whether ``model`` is twinkle's Ray driver-side handle (its methods ran in the workers, which hold the
+    state; ``remote_class`` gives the handle no ``optimizer_group``)."""
+    return "optimizer_group" not in vars(model) and not hasattr(type(model), "optimizer_group")
 
 
 def drop_step_logits(status) -> bool:
