@@ -7,7 +7,8 @@ megatron-core GPTModel.
   the others); the fused call's loss and every parameter
   gradient (this rank's shard) equal twinkle's GKD at TP = 1 computed in float64, and no tensor with the
   vocab or its shard as last dim appears.
-- TP = 2, install() alone: the loss from the logits' vocab shards equals the same reference.
+- TP = 2, install() alone: the loss from the logits' vocab shards equals the same reference; so does a
+  local teacher's topk= with either install.
 - PP = 2: the fused step's loss (twinkle broadcasts it to both stages) and each stage's gradients equal the
   unfused step's with GKD in float64.
 """
@@ -16,8 +17,8 @@ import contextlib
 import pytest
 from cpu_harness.megatron import gpt_step_in_world
 import torch
-from helpers import (CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, VOCAB, Cases, VocabTensors, assert_close, blocks,
-                     gkd_in_float64, gkd_teacher)
+from helpers import (CHUNK, FUSED_BLOCKS, GKD_K, LENGTHS, PROMPT, VOCAB, Cases, VocabTensors, assert_close, blocks,
+                     gkd_in_float64, gkd_local_teacher, gkd_teacher)
 
 WORLD = 2
 
@@ -26,7 +27,7 @@ cases = Cases(__name__, timeout_s=240, setup=gpt_step_in_world)
 case = cases.register(WORLD)
 
 
-def _gkd_step(*, fused, tp=1, pp=1, beta=0.5, spy=None, shipped=False):
+def _gkd_step(*, fused, tp=1, pp=1, beta=0.5, spy=None, shipped=False, teacher=gkd_teacher):
     """One twinkle GKD step (forward_backward, temperature 0.7) on a fresh GPTModel (the same seed: the same
     weights): install(fused_lm_head=fused); fused=None: twinkle's GKD in float64 (the exact reference);
     shipped: twinkle-kit as shipped."""
@@ -42,7 +43,7 @@ def _gkd_step(*, fused, tp=1, pp=1, beta=0.5, spy=None, shipped=False):
         with blocks(*FUSED_BLOCKS), gkd_in_float64() if fused is None else contextlib.nullcontext():
             chunk = th.gpt_model(VOCAB, layers=pp)
             model = th.twinkle_megatron_model(chunk, loss=GKDLoss(beta=beta, temperature=0.7), tp_size=tp, pp_size=pp)
-            samples, teacher = th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT), gkd_teacher()
+            samples, teacher = th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT), teacher()
             with spy if spy is not None else contextlib.nullcontext():
                 out = model.forward_backward(inputs=samples, micro_batch_size=2, temperature=0.7, **teacher)
         grads = {n: (p.grad.detach().clone(), getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", 0))
@@ -85,6 +86,22 @@ def gkd_tp2_from_logits(rank, world):
         full = want["grads"][name][0]
         expected = full.chunk(WORLD, dim=dim)[rank] if sharded else full
         assert_close(grad, expected, torch.float32, f"grad of {name} (rank {rank}{', shard' if sharded else ''})")
+
+
+@case
+def gkd_tp2_local_topk(rank, world):
+    """A local teacher's logits with topk= at TP = 2: install() takes its k largest logits (global ids) through
+    gkd_topk_from_logits over the logits' shards, the fused path through linear_gkd_topk; both equal
+    twinkle's GKD at TP = 1 in float64."""
+    local = lambda: gkd_local_teacher(GKD_K)  # noqa: E731
+    want = _gkd_step(fused=None, teacher=local)
+    for fused in (False, True):
+        got = _gkd_step(fused=fused, tp=WORLD, teacher=local)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-7), fused
+        for name, (grad, sharded, dim) in got["grads"].items():
+            full = want["grads"][name][0]
+            expected = full.chunk(WORLD, dim=dim)[rank] if sharded else full
+            assert_close(grad, expected, torch.float32, f"grad of {name} (rank {rank}, fused {fused})")
 
 
 @case

@@ -10,7 +10,8 @@ chunk (about 7 [N, V] at beta = 0.5). Here, for twinkle's GKDLoss itself (a subc
   (``teacher_topk_logprobs`` / ``teacher_topk_indices``) goes to ``twinkle_mem.gkd_topk_from_logits`` (the
   logits read at the k ids only, O(N k) saved, the TP shards combined over twinkle's TP group); a local
   teacher's logits (``teacher_logits=``, with or without ``topk=``) to ``twinkle_mem.gkd_from_logits`` (no
-  per-chunk graph; recomputed in backward), where student and teacher have one vocab and no TP.
+  per-chunk graph; recomputed in backward), where student and teacher have one vocab; under TP a local
+  teacher's ``topk=`` goes to ``gkd_topk_from_logits`` (its k largest logits, global ids).
 - ``install(fused_lm_head=True)``, a distillation call: the deferred output layer (fused_head.py) returns a
   zero-width placeholder carrying its input and weight; twinkle's forward step hands it to the loss as
   ``outputs['logits']`` and the loss is computed from the hidden states: ``linear_gkd_topk`` for a top-k
@@ -20,14 +21,15 @@ chunk (about 7 [N, V] at beta = 0.5). Here, for twinkle's GKDLoss itself (a subc
   ``require_logps = False`` during the call, so the call's ``logps`` are those of a loss without log-probs
   (None).
 
-Every other call (another loss, teachers of another vocab, a whole-vocab teacher under TP, no labels) runs
-twinkle's own code.
+Every other call (another loss, a teacher of another vocab or whose logits require grad, a whole-vocab
+teacher under TP, no labels) runs twinkle's own code.
 """
 import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from . import fused_head
 from ._model import tensor_parallel_group
@@ -178,21 +180,21 @@ def _gkd_from_logits(loss, labels, logits, teacher_kwargs):
     group = tensor_parallel_group()  # the logits are this rank's vocab shard under Megatron's TP
     if not _has_topk_teacher(teacher_kwargs) and (
             teacher_kwargs["teacher_logits"] is None  # (half a top-k teacher: twinkle's own assertion)
-            or group is not None  # (a full-vocab teacher and a student's shard)
-            or local_teacher_ineligible(teacher_kwargs["teacher_logits"], teacher_kwargs["topk"], logits.shape[-1],
-                                        False)):
+            or local_teacher_ineligible(teacher_kwargs["teacher_logits"], teacher_kwargs["topk"],
+                                        logits.shape[-1] * (1 if group is None else dist.get_world_size(group)),
+                                        group is not None)):
         return None
     if logits.shape[1] != labels.shape[1]:  # twinkle: "some MLLMs return extra prefix logits"
         logits = logits[:, -labels.shape[1]:]
     teacher = _Teacher.of_call(**teacher_kwargs, length=logits.shape[1], device=logits.device)
     options = dict(beta=loss.beta, temperature=loss.temperature, ignore_index=loss.ignore_index)
-    if teacher.ids is not None:
-        per_token = gkd_topk_from_logits(logits, teacher.ids, teacher.logprobs, labels, process_group=group,
-                                         **options)
-    elif teacher.logits.shape == logits.shape:
+    if teacher.logits is not None and teacher.logits.shape[:-1] != logits.shape[:-1]:
+        return None  # (a teacher shorter than the student)
+    if teacher.ids is not None or group is not None:  # (under TP: a local teacher's top k, its ids global)
+        ids, logprobs = teacher.top_k()
+        per_token = gkd_topk_from_logits(logits, ids, logprobs, labels, process_group=group, **options)
+    else:
         per_token = gkd_from_logits(logits, teacher.logits, labels, topk=teacher.topk, **options)
-    else:  # (a teacher shorter than the student)
-        return None
     return LossOutput(loss=gkd_average(per_token, labels, loss.ignore_index), num_tokens=0)
 
 
