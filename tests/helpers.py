@@ -461,3 +461,45 @@ def _run_world(module_name, world, timeout_s):
             with open(os.path.join(tmp, f"rank{r}.json")) as f:
                 per_rank.append(json.load(f))
     return per_rank
+
+
+# ------------------------------------------------------------------ the GKD ops from logits (test_distill_*logits)
+GKD_LOSS_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-6, torch.float64: 1e-12}
+
+
+def gkd_logits_case(kind, n, v, dtype, beta, seed):
+    """(student [2, n/2, V] of dtype, teacher (fp32; bf16 for a bf16 student), labels [2, n/2])."""
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.randn(n, v, generator=gen, dtype=torch.float64) * 3
+    t = torch.randn(n, v, generator=gen, dtype=torch.float64) * 3
+    if kind == "peaked":  # both peaked on the same token, gaps of about 40
+        top = torch.randint(0, v, (n,), generator=gen)
+        s[torch.arange(n), top] += 40.0
+        t[torch.arange(n), top] += 40.0
+    if kind == "close":  # the teacher is the student plus noise of 1e-3
+        s = s.to(dtype).double()
+        t = s + 1e-3 * torch.randn(n, v, generator=gen, dtype=torch.float64)
+    t_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    s, t = s.to(dtype), t.to(t_dtype)
+    if kind == "masked":  # a padded vocab: the last third masked in both, at the dtypes' finfo.min
+        s[:, -v // 3:] = torch.finfo(torch.float32 if dtype == torch.float64 else dtype).min
+        t[:, -v // 3:] = torch.finfo(t_dtype).min
+    if kind == "teacher_neg_inf":  # a fifth of the teacher's logits -inf (at beta = 1: where the student's are
+        cols = torch.rand(n, v, generator=gen) < 0.2  # finfo.min too, else KL(S || T) is +inf)
+        cols[:, 0] = False
+        t[cols] = float("-inf")
+        if beta == 1.0:
+            s[cols] = torch.finfo(torch.float32 if dtype == torch.float64 else dtype).min
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < 0.3] = -100
+    lead = (2, n // 2)
+    return s.view(*lead, v), t.view(*lead, v), labels.view(lead)
+
+
+def assert_gkd_loss_close(got, ref, dtype, what):
+    tol = GKD_LOSS_TOL[dtype]
+    got = got.double()
+    assert torch.equal(torch.isinf(got), torch.isinf(ref)) and not torch.isnan(got).any(), f"{what}: {got} vs {ref}"
+    fin = torch.isfinite(ref)
+    ratio = ((got[fin] - ref[fin]).abs() / (tol + tol * ref[fin].abs())).max().item()
+    assert ratio <= 1.0, f"{what}: error {ratio:.3g} x the bound"

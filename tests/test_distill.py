@@ -29,7 +29,7 @@ import torch
 import twinkle_mem
 from helpers import gkd_grad_bounds, json_child, make_head, saved_for_backward, twinkle_per_token
 from numerics import ulp
-from twinkle_mem import distill
+from twinkle_mem import distill, gkd_math
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
 
@@ -405,7 +405,7 @@ def measure(n, h, v, k, dtype="float32", path="op", ignore_frac=0.0, gather_byte
             per = twinkle_mem.linear_gkd_topk(hd, w, ids, lp, labels)
         else:  # the student's logits, then the gather (twinkle's GKDLoss path): the control
             x = (hd @ w.t()).gather(-1, ids)
-            per = distill.gkd_rows(x.float(), lp, 0.5, 1.0)[0].float() * (labels != -100)
+            per = gkd_math.gkd_rows(x.float(), lp, 0.5, 1.0)[0].float() * (labels != -100)
         return (per, *torch.autograd.grad(per.sum(), (hd, w)))
 
     call()  # warm-up

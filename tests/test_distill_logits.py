@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import twinkle_mem
-from helpers import json_child, saved_for_backward, twinkle_per_token
+from helpers import assert_gkd_loss_close, gkd_logits_case, json_child, saved_for_backward, twinkle_per_token
 from numerics import ulp
 from twinkle_mem import distill_logits
 
@@ -29,36 +29,6 @@ GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
 
 BETAS = [0.0, 0.3, 0.5, 1.0]
 KINDS = ["random", "peaked", "close", "masked", "teacher_neg_inf"]
-LOSS_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-6, torch.float64: 1e-12}
-
-
-def make_case(kind, n, v, dtype, beta, seed):
-    """(student [2, n/2, V] of dtype, teacher (fp32; bf16 for a bf16 student), labels [2, n/2])."""
-    gen = torch.Generator().manual_seed(seed)
-    s = torch.randn(n, v, generator=gen, dtype=torch.float64) * 3
-    t = torch.randn(n, v, generator=gen, dtype=torch.float64) * 3
-    if kind == "peaked":  # both peaked on the same token, gaps of about 40
-        top = torch.randint(0, v, (n,), generator=gen)
-        s[torch.arange(n), top] += 40.0
-        t[torch.arange(n), top] += 40.0
-    if kind == "close":  # the teacher is the student plus noise of 1e-3
-        s = s.to(dtype).double()
-        t = s + 1e-3 * torch.randn(n, v, generator=gen, dtype=torch.float64)
-    t_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    s, t = s.to(dtype), t.to(t_dtype)
-    if kind == "masked":  # a padded vocab: the last third masked in both, at the dtypes' finfo.min
-        s[:, -v // 3:] = torch.finfo(torch.float32 if dtype == torch.float64 else dtype).min
-        t[:, -v // 3:] = torch.finfo(t_dtype).min
-    if kind == "teacher_neg_inf":  # a fifth of the teacher's logits -inf (at beta = 1: where the student's are
-        cols = torch.rand(n, v, generator=gen) < 0.2  # finfo.min too, else KL(S || T) is +inf)
-        cols[:, 0] = False
-        t[cols] = float("-inf")
-        if beta == 1.0:
-            s[cols] = torch.finfo(torch.float32 if dtype == torch.float64 else dtype).min
-    labels = torch.randint(0, v, (n,), generator=gen)
-    labels[torch.rand(n, generator=gen) < 0.3] = -100
-    lead = (2, n // 2)
-    return s.view(*lead, v), t.view(*lead, v), labels.view(lead)
 
 
 def twinkle_reference(student, teacher, labels, beta, temperature, topk):
@@ -80,22 +50,13 @@ def run_op(student, teacher, labels, beta, temperature, topk, chunk_bytes=None):
     return avg.detach(), per.detach(), grad
 
 
-def assert_loss_close(got, ref, dtype, what):
-    tol = LOSS_TOL[dtype]
-    got = got.double()
-    assert torch.equal(torch.isinf(got), torch.isinf(ref)) and not torch.isnan(got).any(), f"{what}: {got} vs {ref}"
-    fin = torch.isfinite(ref)
-    ratio = ((got[fin] - ref[fin]).abs() / (tol + tol * ref[fin].abs())).max().item()
-    assert ratio <= 1.0, f"{what}: error {ratio:.3g} x the bound"
-
-
 def check_case(kind, topk, dtype, beta, temperature, seed, n=24, v=300, chunk_bytes=None):
-    student, teacher, labels = make_case(kind, n, v, dtype, beta, seed)
+    student, teacher, labels = gkd_logits_case(kind, n, v, dtype, beta, seed)
     avg_ref, per_ref, grad_ref = twinkle_reference(student, teacher, labels, beta, temperature, topk)
     avg, per, grad = run_op(student, teacher, labels, beta, temperature, topk, chunk_bytes)
     assert per.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    assert_loss_close(per, per_ref, dtype, "per-token loss")
-    assert_loss_close(avg.view(1), avg_ref.view(1), dtype, "average")
+    assert_gkd_loss_close(per, per_ref, dtype, "per-token loss")
+    assert_gkd_loss_close(avg.view(1), avg_ref.view(1), dtype, "average")
     assert grad.dtype == dtype and torch.isfinite(grad).all()
     kept = int((labels != -100).sum())
     allowed = 2 * ulp(grad_ref, dtype) + 16 * 2.0**-53 / (temperature * kept)
@@ -130,7 +91,7 @@ def test_local_topk_teacher_from_hidden_states():
         logits = hidden.double() @ weight.double().t() + bias.double()
         ref = GKDLoss(beta=beta, temperature=0.7)({"labels": labels}, {"logits": logits},
                                                   teacher_logits=teacher.double(), topk=8)["loss"]
-        assert_loss_close(twinkle_mem.gkd_average(per, labels).view(1), ref.view(1), torch.float32, f"beta {beta}")
+        assert_gkd_loss_close(twinkle_mem.gkd_average(per, labels).view(1), ref.view(1), torch.float32, f"beta {beta}")
 
 
 def test_close_teacher_is_a_small_divergence():
@@ -164,7 +125,7 @@ def test_rows_bitwise_the_same_whatever_the_batch_and_chunk(dtype):
 
 
 def test_saves_the_inputs_and_o_nk():
-    student, teacher, labels = make_case("random", 24, 300, torch.float32, 0.5, 6)
+    student, teacher, labels = gkd_logits_case("random", 24, 300, torch.float32, 0.5, 6)
     for topk in (None, 8):
         s = student.clone().requires_grad_()
         with saved_for_backward() as saved:
@@ -178,7 +139,7 @@ def test_saves_the_inputs_and_o_nk():
 def test_chunks_bound_the_working_tensors():
     # The profiler's view of every op: no float64 tensor beyond one chunk of rows (the whole vocab's math).
     n, v = 64, 1000
-    student, teacher, labels = make_case("random", n, v, torch.float32, 0.5, 7)
+    student, teacher, labels = gkd_logits_case("random", n, v, torch.float32, 0.5, 7)
     chunk = 4 * distill_logits.TEMPORARIES * 8 * v  # 4 rows
     s = student.clone().requires_grad_()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -190,7 +151,7 @@ def test_chunks_bound_the_working_tensors():
 
 
 def test_ignored_rows_give_zero_and_no_gradient():
-    student, teacher, labels = make_case("random", 24, 300, torch.float32, 0.5, 8)
+    student, teacher, labels = gkd_logits_case("random", 24, 300, torch.float32, 0.5, 8)
     for topk in (None, 8):
         s = student.clone().requires_grad_()
         per = twinkle_mem.gkd_from_logits(s, teacher, labels, topk=topk)
@@ -200,7 +161,7 @@ def test_ignored_rows_give_zero_and_no_gradient():
 
 
 def test_bad_arguments():
-    student, teacher, labels = make_case("random", 8, 50, torch.float32, 0.5, 9)
+    student, teacher, labels = gkd_logits_case("random", 8, 50, torch.float32, 0.5, 9)
     call = twinkle_mem.gkd_from_logits
     with pytest.raises(ValueError, match="teacher_logits must be"):
         call(student, teacher[..., :10], labels)
@@ -219,7 +180,7 @@ def test_bad_arguments():
 
 
 def test_opcheck_and_compile():
-    student, teacher, labels = make_case("random", 10, 40, torch.float32, 0.5, 10)
+    student, teacher, labels = gkd_logits_case("random", 10, 40, torch.float32, 0.5, 10)
     s2, t2, y2 = student.reshape(10, 40), teacher.reshape(10, 40), labels.reshape(10)
     s = s2.clone().requires_grad_()
     for topk in (0, 8):

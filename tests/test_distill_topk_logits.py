@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 import twinkle_mem
-from helpers import Cases, make_head, saved_for_backward, twinkle_per_token, vocab_shard
+from helpers import (Cases, assert_gkd_loss_close, gkd_logits_case, make_head, saved_for_backward, twinkle_per_token,
+                     vocab_shard)
 from numerics import ulp
-from test_distill_logits import assert_loss_close, make_case
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
 
@@ -60,14 +60,14 @@ def run_op(student, ids, lp, labels, beta, temperature):
 def test_against_twinkle_float64(kind, k, dtype):
     for beta in BETAS:
         for temperature in (0.05, 0.7, 1.0, 1e4):
-            student, teacher, labels = make_case(kind, 24, 300, dtype, beta, seed=KINDS.index(kind) * 10 + k)
+            student, teacher, labels = gkd_logits_case(kind, 24, 300, dtype, beta, seed=KINDS.index(kind) * 10 + k)
             ids, lp = topk_teacher(teacher, k)
             avg_ref, per_ref, grad_ref = reference(student, ids, lp, labels, beta, temperature)
             avg, per, grad = run_op(student, ids, lp, labels, beta, temperature)
             what = f"beta {beta}, T {temperature}"
             assert per.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-            assert_loss_close(per, per_ref, dtype, f"per-token loss, {what}")
-            assert_loss_close(avg.view(1), avg_ref.view(1), dtype, f"average, {what}")
+            assert_gkd_loss_close(per, per_ref, dtype, f"per-token loss, {what}")
+            assert_gkd_loss_close(avg.view(1), avg_ref.view(1), dtype, f"average, {what}")
             assert grad.dtype == dtype and torch.isfinite(grad).all()
             kept = int((labels != -100).sum())
             # float64 math on the scaled logits (x - max) / T, of size up to `scale`: an absolute error of a few
@@ -82,7 +82,7 @@ def test_against_twinkle_float64(kind, k, dtype):
 
 def test_repeated_ids_are_rounded_once():
     # A row whose k ids are one id: its gradient there is the sum of k entries, summed in float64 and rounded once.
-    student, teacher, labels = make_case("random", 24, 300, torch.bfloat16, 0.5, seed=4)
+    student, teacher, labels = gkd_logits_case("random", 24, 300, torch.bfloat16, 0.5, seed=4)
     labels[:] = 1
     ids, lp = topk_teacher(teacher, 8, pad_rows=0)
     ids[:, :, 1:] = ids[:, :, :1]
@@ -91,7 +91,7 @@ def test_repeated_ids_are_rounded_once():
     _avg, _per, grad = run_op(student, ids, lp, labels, 0.5, 0.7)
     at = (torch.arange(2).view(2, 1), torch.arange(12).view(1, 12), ids[:, :, 0])
     # The k entries' gradients cancel (their sum is exactly 0); rounded each to fp32 first, their sum is ~1e-10
-    from twinkle_mem.distill import gkd_rows
+    from twinkle_mem.gkd_math import gkd_rows
     _loss, d = gkd_rows(student.double().gather(-1, ids), lp, 0.5, 0.7)
     scale = d.abs().amax() / int((labels != -100).sum())  # an entry's gradient
     assert scale > 1e-4 and grad[at].double().abs().max() <= 1e-12 * scale and grad_ref[at].abs().max() <= 1e-12 * scale
@@ -111,7 +111,7 @@ def test_the_same_loss_as_linear_gkd_topk(beta):
 
 
 def test_saves_no_logits():
-    student, teacher, labels = make_case("random", 24, 300, torch.float32, 0.5, seed=6)
+    student, teacher, labels = gkd_logits_case("random", 24, 300, torch.float32, 0.5, seed=6)
     ids, lp = topk_teacher(teacher, 8)
     s = student.clone().requires_grad_()
     with saved_for_backward() as saved:
@@ -168,7 +168,7 @@ cases = Cases(__name__, timeout_s=120)
 def shards_give_the_single_process_loss_and_gradient(rank, world):
     shard = 90
     for dtype, beta in ((torch.float32, 0.5), (torch.bfloat16, 0.0), (torch.float32, 1.0)):
-        student, teacher, labels = make_case("random", 24, world * shard, dtype, beta, seed=11)
+        student, teacher, labels = gkd_logits_case("random", 24, world * shard, dtype, beta, seed=11)
         ids, lp = topk_teacher(teacher, 8)
         g_out = torch.randn(labels.shape, generator=torch.Generator().manual_seed(12))
         mine = vocab_shard(student.transpose(0, -1), rank, world).transpose(0, -1).clone().requires_grad_()
@@ -191,7 +191,7 @@ def test_vocab_parallel(world, name):
 
 def test_opcheck():
     from twinkle_mem import distill_logits
-    student, teacher, labels = make_case("random", 10, 200, torch.float32, 0.5, seed=13)
+    student, teacher, labels = gkd_logits_case("random", 10, 200, torch.float32, 0.5, seed=13)
     ids, lp = topk_teacher(teacher, 4)
     s, i2, l2, y2 = student.reshape(10, 200).requires_grad_(), ids.reshape(10, 4), lp.reshape(10, 4), labels.reshape(10)
     torch.library.opcheck(distill_logits.gkd_topk_logits_fwd, (s, i2, l2, y2, 0.5, 0.7, -100, 0, 200, ""))

@@ -47,7 +47,7 @@ def bounds(hidden, weight, bias, ids, lp, labels, g_out, beta, temperature):
     """Per element of (grad_hidden, grad_weight, grad_bias): helpers.gkd_grad_bounds, the terms' sizes from
     the exact logits (dyadic heads) and the op's float64 math, plus the row's largest (see test_distill);
     grad_hidden also one rounding of a rank's partial (up to the sum of its terms' sizes)."""
-    from twinkle_mem.distill import gkd_rows
+    from twinkle_mem.gkd_math import gkd_rows
     x = (hidden.double() @ weight.double().t() + (0 if bias is None else bias.double())).gather(-1, ids)
     _loss, d = gkd_rows(x, lp, beta, temperature)
     d = (d.abs() + d.abs().amax(-1, keepdim=True)) * (g_out.abs() * (labels != -100)).double().unsqueeze(1)

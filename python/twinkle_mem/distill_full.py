@@ -9,8 +9,8 @@ zero-padded / ragged), their math in float64:
 
 forward, per row tile:   pass 1 over the blocks: each row's (max, log-sum-exp) of s = x / T and of t,
                          folded in block order (float64); pass 2: the blocks' ls = (x - M_s) / T - L_s,
-                         lt likewise, distill.gkd_terms, the row's L and K summed in block order.
-backward, per block:     recompute ls, lt; D = g distill.gkd_grad(ls, lt, L, K) (float64, then fp32);
+                         lt likewise, gkd_math.gkd_terms, the row's L and K summed in block order.
+backward, per block:     recompute ls, lt; D = g gkd_math.gkd_grad(ls, lt, L, K) (float64, then fp32);
                          grad_hidden_tile += D @ weight_block, grad_weight_block += D^T hidden_tile,
                          grad_bias_block += D.sum(0), all in fp32 and rounded once.
 
@@ -31,8 +31,8 @@ from torch import Tensor
 
 from . import linear
 from ._contract import stats_dtype
-from .distill import (_kept_rows, _select, check_gkd_options, check_teacher_logits, flat_teacher, gkd_grad, gkd_terms,
-                      log_add_exp, teacher_rows)
+from .distill import _kept_rows, _select, check_gkd_options, check_teacher_logits, flat_teacher, teacher_rows
+from .gkd_math import gkd_grad, gkd_terms, log_add_exp
 from .functional import check_head_args
 
 FULL_BLOCK = 2048  # vocab columns per block of the float64 math

@@ -3,7 +3,7 @@
 ``gkd_from_logits(student_logits, teacher_logits, labels, topk=None)`` returns per token what twinkle-kit's
 ``GKDLoss(beta, temperature)`` sums for that token when the teacher's logits are local: over the whole
 vocab (``topk=None``), or over the teacher's top-k ids (``topk=k``: the teacher's k largest logits and the
-student's logits at those ids, each renormalized over the k). The math is distill.gkd_rows (written
+student's logits at those ids, each renormalized over the k). The math is gkd_math.gkd_rows (written
 once; ``k = V`` for the whole vocab): the same formulas, the same limit 0 log 0 = 0, float64 inside, the
 per-token loss rounded once to fp32 (fp64 for fp64 inputs).
 
@@ -27,7 +27,8 @@ from torch import Tensor
 
 from ._contract import check_float_tensor, stats_dtype
 from .distill import (_kept_rows, _local_ids, _select, check_gkd_options, check_teacher_ids, check_teacher_logits,
-                      check_topk_teacher, combine_shards, flat_teacher, gkd_rows, teacher_rows, vocab_shard)
+                      check_topk_teacher, combine_shards, flat_teacher, teacher_rows, vocab_shard)
+from .gkd_math import gkd_rows
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 # float64 [rows, V] tensors alive at once inside gkd_rows (and the chunk's copies), counted generously
