@@ -503,3 +503,15 @@ def assert_gkd_loss_close(got, ref, dtype, what):
     fin = torch.isfinite(ref)
     ratio = ((got[fin] - ref[fin]).abs() / (tol + tol * ref[fin].abs())).max().item()
     assert ratio <= 1.0, f"{what}: error {ratio:.3g} x the bound"
+
+
+def gkd_topk_teacher(teacher, k, pad_rows=2):
+    """A vLLM-style top-k teacher from full logits [B, L, V]: the k largest ids and their log-probs (fp32), the
+    first ``pad_rows`` rows of each sequence padded as the recipe does, and a repeated id in every other row."""
+    t = teacher.double()
+    ids = t.topk(k, dim=-1).indices
+    lp = t.log_softmax(-1).gather(-1, ids).float()
+    ids[:, :pad_rows], lp[:, :pad_rows] = 0, 0.0
+    if k > 1:
+        ids[:, pad_rows::2, 1] = ids[:, pad_rows::2, 0]
+    return ids, lp

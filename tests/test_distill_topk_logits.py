@@ -7,34 +7,20 @@
   T 0.05 / 0.7 / 1 / 1e4, k 1 / 8 / 64, fp32, bf16 and fp64 logits.
 - The same per-token loss, bitwise, as linear_gkd_topk on a head whose logits are exact in fp32 (dyadic).
 - Saved for backward: O(N k) and the ids, never the logits; rows bitwise the same whatever the batch.
-- Tensor parallelism (gloo, 2 and 4 ranks): each rank's vocab shard of the logits; every rank's loss and
-  its shard of the gradient bitwise the single-process ones.
+- Tensor parallelism: tests/test_distill_vocab_parallel.py (its gloo worlds).
 """
 import pytest
 import torch
-import torch.distributed as dist
 
 import twinkle_mem
-from helpers import (Cases, assert_gkd_loss_close, gkd_logits_case, make_head, saved_for_backward, twinkle_per_token,
-                     vocab_shard)
+from helpers import (assert_gkd_loss_close, gkd_logits_case, gkd_topk_teacher, make_head, saved_for_backward,
+                     twinkle_per_token)
 from numerics import ulp
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
 
 BETAS = [0.0, 0.3, 0.5, 1.0]
 KINDS = ["random", "peaked", "close", "masked"]
-
-
-def topk_teacher(teacher, k, pad_rows=2):
-    """A vLLM-style top-k teacher from full logits [B, L, V]: the k largest ids and their log-probs (fp32), the
-    first ``pad_rows`` rows of each sequence padded as the recipe does, and a repeated id in every other row."""
-    t = teacher.double()
-    ids = t.topk(k, dim=-1).indices
-    lp = t.log_softmax(-1).gather(-1, ids).float()
-    ids[:, :pad_rows], lp[:, :pad_rows] = 0, 0.0
-    if k > 1:
-        ids[:, pad_rows::2, 1] = ids[:, pad_rows::2, 0]
-    return ids, lp
 
 
 def reference(student, ids, lp, labels, beta, temperature):
@@ -61,7 +47,7 @@ def test_against_twinkle_float64(kind, k, dtype):
     for beta in BETAS:
         for temperature in (0.05, 0.7, 1.0, 1e4):
             student, teacher, labels = gkd_logits_case(kind, 24, 300, dtype, beta, seed=KINDS.index(kind) * 10 + k)
-            ids, lp = topk_teacher(teacher, k)
+            ids, lp = gkd_topk_teacher(teacher, k)
             avg_ref, per_ref, grad_ref = reference(student, ids, lp, labels, beta, temperature)
             avg, per, grad = run_op(student, ids, lp, labels, beta, temperature)
             what = f"beta {beta}, T {temperature}"
@@ -84,7 +70,7 @@ def test_repeated_ids_are_rounded_once():
     # A row whose k ids are one id: its gradient there is the sum of k entries, summed in float64 and rounded once.
     student, teacher, labels = gkd_logits_case("random", 24, 300, torch.bfloat16, 0.5, seed=4)
     labels[:] = 1
-    ids, lp = topk_teacher(teacher, 8, pad_rows=0)
+    ids, lp = gkd_topk_teacher(teacher, 8, pad_rows=0)
     ids[:, :, 1:] = ids[:, :, :1]
     lp = torch.randn(lp.shape, generator=torch.Generator().manual_seed(5)).log_softmax(-1)
     _avg_ref, _per_ref, grad_ref = reference(student, ids, lp, labels, 0.5, 0.7)
@@ -104,7 +90,7 @@ def test_the_same_loss_as_linear_gkd_topk(beta):
     logits = torch.addmm(bias, hidden.reshape(24, 32), weight.t()).view(2, 12, 300)  # exact: dyadic operands
     assert torch.equal(logits.double(), hidden.double() @ weight.double().t() + bias.double())
     teacher = torch.randn(2, 12, 300, generator=torch.Generator().manual_seed(8)) * 3
-    ids, lp = topk_teacher(teacher, 8)
+    ids, lp = gkd_topk_teacher(teacher, 8)
     got = twinkle_mem.gkd_topk_from_logits(logits, ids, lp, labels, beta=beta, temperature=0.7)
     want = twinkle_mem.linear_gkd_topk(hidden, weight, ids, lp, labels, bias=bias, beta=beta, temperature=0.7)
     assert torch.equal(got, want)
@@ -112,7 +98,7 @@ def test_the_same_loss_as_linear_gkd_topk(beta):
 
 def test_saves_no_logits():
     student, teacher, labels = gkd_logits_case("random", 24, 300, torch.float32, 0.5, seed=6)
-    ids, lp = topk_teacher(teacher, 8)
+    ids, lp = gkd_topk_teacher(teacher, 8)
     s = student.clone().requires_grad_()
     with saved_for_backward() as saved:
         per = twinkle_mem.gkd_topk_from_logits(s, ids, lp, labels)
@@ -128,7 +114,7 @@ def test_rows_bitwise_the_same_whatever_the_batch():
     gen = torch.Generator().manual_seed(9)
     n, v = 40, 500
     student = (torch.randn(n, v, generator=gen) * torch.logspace(0, 3, n).unsqueeze(1)).to(torch.bfloat16)
-    ids, lp = topk_teacher(torch.randn(1, n, v, generator=gen), 16)
+    ids, lp = gkd_topk_teacher(torch.randn(1, n, v, generator=gen), 16)
     ids, lp = ids[0], lp[0]
     labels = torch.randint(0, v, (n,), generator=gen)
     labels[::4] = -100
@@ -160,39 +146,10 @@ def test_bad_input():
         twinkle_mem.gkd_topk_from_logits(student, ids, lp, labels)
 
 
-# ------------------------------------------------------------------ tensor parallelism (gloo)
-cases = Cases(__name__, timeout_s=120)
-
-
-@cases.register()
-def shards_give_the_single_process_loss_and_gradient(rank, world):
-    shard = 90
-    for dtype, beta in ((torch.float32, 0.5), (torch.bfloat16, 0.0), (torch.float32, 1.0)):
-        student, teacher, labels = gkd_logits_case("random", 24, world * shard, dtype, beta, seed=11)
-        ids, lp = topk_teacher(teacher, 8)
-        g_out = torch.randn(labels.shape, generator=torch.Generator().manual_seed(12))
-        mine = vocab_shard(student.transpose(0, -1), rank, world).transpose(0, -1).clone().requires_grad_()
-        per = twinkle_mem.gkd_topk_from_logits(mine, ids, lp, labels, beta=beta, temperature=0.7,
-                                               process_group=dist.group.WORLD)
-        (grad,) = torch.autograd.grad((per * g_out).sum(), mine)
-        # (no collective below)
-        one = student.clone().requires_grad_()
-        one_per = twinkle_mem.gkd_topk_from_logits(one, ids, lp, labels, beta=beta, temperature=0.7)
-        (one_grad,) = torch.autograd.grad((one_per * g_out).sum(), one)
-        assert torch.equal(per, one_per), dtype
-        assert torch.equal(grad, one_grad[..., rank * shard:(rank + 1) * shard]), dtype
-
-
-@pytest.mark.parametrize("world,name", cases.params(), ids=lambda v: f"world{v}" if isinstance(v, int) else v)
-def test_vocab_parallel(world, name):
-    failures = cases.failures(world, name)
-    assert not failures, "\n".join(failures)
-
-
 def test_opcheck():
     from twinkle_mem import distill_logits
     student, teacher, labels = gkd_logits_case("random", 10, 200, torch.float32, 0.5, seed=13)
-    ids, lp = topk_teacher(teacher, 4)
+    ids, lp = gkd_topk_teacher(teacher, 4)
     s, i2, l2, y2 = student.reshape(10, 200).requires_grad_(), ids.reshape(10, 4), lp.reshape(10, 4), labels.reshape(10)
     torch.library.opcheck(distill_logits.gkd_topk_logits_fwd, (s, i2, l2, y2, 0.5, 0.7, -100, 0, 200, ""))
     torch.library.opcheck(distill_logits.gkd_topk_logits_fwd, (s, i2, l2, None, 0.0, 1.0, -100, 0, 200, ""))

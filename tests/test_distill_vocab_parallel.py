@@ -1,4 +1,5 @@
-"""linear_gkd_topk under tensor parallelism: gloo worlds of 2 and 4 CPU processes, against TP = 1.
+"""linear_gkd_topk (and gkd_topk_from_logits) under tensor parallelism: gloo worlds of 2 and 4 CPU processes,
+against TP = 1.
 
 Every rank holds the same hidden states, teacher top-k and labels and its vocab shard of the LM head
 (Megatron's split); the teacher ids are global. Checked against the single-process call on the whole
@@ -18,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import Cases, gkd_grad_bounds, make_head, tp_head_leaves, vocab_shard
+from helpers import (Cases, gkd_grad_bounds, gkd_logits_case, gkd_topk_teacher, make_head, tp_head_leaves,
+                     vocab_shard)
 from numerics import ulp
 
 cases = Cases(__name__, timeout_s=180)
@@ -195,6 +197,27 @@ def bad_ids_raise_on_every_rank_before_communicating(rank, world):
     with pytest.raises(RuntimeError, match="out of range"):
         twinkle_mem.linear_gkd_topk(hidden, vocab_shard(weight, rank, world), ids, lp, labels,
                                     process_group=dist.group.WORLD)
+
+
+@case()
+def topk_from_logits_shards_give_the_single_process_loss_and_gradient(rank, world):
+    """gkd_topk_from_logits: each rank's vocab shard of the student's logits; every rank's loss and its shard of
+    the gradient bitwise the single-process ones (no collective after the TP call)."""
+    import twinkle_mem
+    shard = 90
+    for dtype, beta in ((torch.float32, 0.5), (torch.bfloat16, 0.0), (torch.float32, 1.0)):
+        student, teacher, labels = gkd_logits_case("random", 24, world * shard, dtype, beta, seed=11)
+        ids, lp = gkd_topk_teacher(teacher, 8)
+        g_out = torch.randn(labels.shape, generator=torch.Generator().manual_seed(12))
+        mine = vocab_shard(student.transpose(0, -1), rank, world).transpose(0, -1).clone().requires_grad_()
+        per = twinkle_mem.gkd_topk_from_logits(mine, ids, lp, labels, beta=beta, temperature=0.7,
+                                               process_group=dist.group.WORLD)
+        (grad,) = torch.autograd.grad((per * g_out).sum(), mine)
+        one = student.clone().requires_grad_()
+        one_per = twinkle_mem.gkd_topk_from_logits(one, ids, lp, labels, beta=beta, temperature=0.7)
+        (one_grad,) = torch.autograd.grad((one_per * g_out).sum(), one)
+        assert torch.equal(per, one_per), dtype
+        assert torch.equal(grad, one_grad[..., rank * shard:(rank + 1) * shard]), dtype
 
 
 # ----------------------------------------------------------------- worlds
