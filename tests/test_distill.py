@@ -310,9 +310,9 @@ def test_opcheck():
     hidden, weight, bias, ids, lp, labels = make_case("teacher_neg_inf", 10, 8, 200, 4, torch.float32, 0.5, 16)
     h2, i2, l2, y2 = hidden.reshape(10, 8), ids.reshape(10, 4), lp.reshape(10, 4), labels.reshape(10)
     h, w, b = (t.clone().requires_grad_() for t in (h2, weight, bias))
-    torch.library.opcheck(distill.gkd_fwd, (h, w, b, i2, l2, y2, 0.5, 0.7, -100, 0, 200, ""))
-    torch.library.opcheck(distill.gkd_fwd, (h, w, None, i2, l2, None, 0.0, 1.0, -100, 0, 200, ""))
-    _loss, coef = distill.gkd_fwd(h2, weight, bias, i2, l2, y2, 0.5, 0.7, -100, 0, 200, "")
+    torch.library.opcheck(distill.gkd_fwd, (h, w, b, i2, l2, y2, 0.5, 0.7, 0.9, -100, 0, 200, ""))
+    torch.library.opcheck(distill.gkd_fwd, (h, w, None, i2, l2, None, 0.0, 1.0, 1.0, -100, 0, 200, ""))
+    _loss, coef = distill.gkd_fwd(h2, weight, bias, i2, l2, y2, 0.5, 0.7, 0.7, -100, 0, 200, "")
     torch.library.opcheck(distill.gkd_bwd, (torch.randn(10), coef, h2, weight, bias, i2, y2, -100, 0, True, True,
                                             True))
     torch.library.opcheck(distill.gkd_bwd, (torch.randn(10), coef, h2, weight, None, i2, y2, -100, 0, True, False,

@@ -83,19 +83,6 @@ def _local_ids(ids: Tensor, vocab_start: int, shard: int) -> tuple[Tensor, Tenso
     return torch.where(own, local, 0), own
 
 
-def teacher_rows(teacher: Tensor, rows: Tensor) -> Tensor:
-    """Rows of a full-vocab teacher [N, V], or of any [..., V] of N rows: a teacher trimmed to the student's
-    length (twinkle's ``teacher_logits[:, :L]``) is read where it lies, not copied whole to be flattened."""
-    if teacher.dim() == 2:
-        return teacher.index_select(0, rows)
-    return teacher[torch.unravel_index(rows, teacher.shape[:-1])]
-
-
-def flat_teacher(teacher: Tensor) -> Tensor:
-    """[N, V] where that is a view, else the teacher as it is (for teacher_rows)."""
-    return teacher.view(-1, teacher.shape[-1]) if teacher.is_contiguous() else teacher
-
-
 def check_teacher_ids(ids: Tensor, vocab_size: int) -> None:
     """Every kept teacher id in [0, vocab_size); checked before any collective (every rank holds the same ids
     and raises alike)."""
@@ -113,6 +100,43 @@ def combine_shards(x: Tensor, own: Tensor, group_name: str) -> Tensor:
     if group_name:
         dist.all_reduce(x, group=_resolve_group(group_name))
     return x
+
+
+def topk_rows(student_x, teacher_ids: Tensor, teacher_logprobs: Tensor, labels: Optional[Tensor], beta: float,
+              temperature: float, teacher_temperature: float, ignore_index: int, vocab_start: int, shard: int,
+              vocab_size: int, group_name: str, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A top-k teacher's (loss [N] in acc, dL/dx [N, k] float64; 0 on rows whose label is ignore_index), the
+    student's logits at the kept rows' ids read by ``student_x(kept, local)`` ([m, k] in acc; kept None: every
+    row) for the ids this shard holds and combined over the group. Shared by linear_gkd_topk (x from the
+    hidden states) and gkd_topk_from_logits (x read from the logits). dL/dx stays float64 (O(N k)): a row's
+    repeated ids, whose terms can cancel, are summed before one rounding."""
+    n, k = teacher_ids.shape
+    loss = teacher_logprobs.new_zeros((n,), dtype=acc)
+    coef = teacher_logprobs.new_zeros((n, k), dtype=torch.float64)
+    kept = _kept_rows(labels, n, ignore_index)
+    ids = _select(teacher_ids, kept).long()
+    if ids.numel() == 0:  # (the same on every rank: the labels are)
+        return loss, coef
+    check_teacher_ids(ids, vocab_size)
+    local, own = _local_ids(ids, vocab_start, shard)
+    x = combine_shards(student_x(kept, local), own, group_name)
+    rows_loss, rows_coef = gkd_rows(x, _select(teacher_logprobs, kept), beta, temperature, teacher_temperature)
+    if kept is None:
+        return rows_loss.to(acc), rows_coef
+    return loss.index_copy_(0, kept, rows_loss.to(acc)), coef.index_copy_(0, kept, rows_coef)
+
+
+def topk_upstream(grad_loss: Tensor, coef: Tensor, teacher_ids: Tensor, labels: Optional[Tensor], ignore_index: int,
+                  vocab_start: int, shard: int, acc: torch.dtype):
+    """(kept rows or None, their local ids [m, k], g = grad_loss dL/dx [m, k] in acc, 0 at ids this shard does not
+    hold), or None where no row is kept: what both top-k backwards start from."""
+    kept = _kept_rows(labels, teacher_ids.shape[0], ignore_index)
+    ids = _select(teacher_ids, kept).long()
+    if ids.numel() == 0:
+        return None
+    local, own = _local_ids(ids, vocab_start, shard)
+    g = torch.where(own, _select(grad_loss, kept).to(acc).unsqueeze(1) * _select(coef, kept).to(acc), 0.0)
+    return kept, local, own, g
 
 
 def _tiles(m: int, rows: int):
@@ -144,33 +168,25 @@ def _student_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], local: Te
 # ------------------------------------------------------------------ forward op
 @torch.library.custom_op("twinkle_mem::linear_gkd_topk_fwd", mutates_args=())
 def gkd_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher_ids: Tensor, teacher_logprobs: Tensor,
-            labels: Optional[Tensor], beta: float, temperature: float, ignore_index: int, vocab_start: int,
-            vocab_size: int, group_name: str) -> tuple[Tensor, Tensor]:
+            labels: Optional[Tensor], beta: float, temperature: float, teacher_temperature: float, ignore_index: int,
+            vocab_start: int, vocab_size: int, group_name: str) -> tuple[Tensor, Tensor]:
     """hidden [N, H], weight [Vs, H] (the vocab [vocab_start, vocab_start + Vs) of vocab_size), bias [Vs]
     or None, teacher_ids [N, k] global ids, teacher_logprobs [N, k], labels [N] or None. Returns
-    (loss [N], dL/dx [N, k]) in fp32 (fp64 for fp64 hidden), 0 on rows whose label is ignore_index."""
-    n, k = teacher_ids.shape
+    (loss [N] fp32 (fp64 for fp64 hidden), dL/dx [N, k] float64), 0 on rows whose label is ignore_index."""
     acc = stats_dtype(hidden)
-    loss, coef = hidden.new_zeros((n,), dtype=acc), hidden.new_zeros((n, k), dtype=acc)
-    kept = _kept_rows(labels, n, ignore_index)
-    ids = _select(teacher_ids, kept).long()
-    if ids.numel() == 0:  # (the same on every rank: the labels are)
-        return loss, coef
-    check_teacher_ids(ids, vocab_size)
-    local, own = _local_ids(ids, vocab_start, weight.shape[0])
-    x = combine_shards(_student_logits(_select(hidden, kept), weight, bias, local, acc), own, group_name)
-    rows_loss, rows_coef = gkd_rows(x, _select(teacher_logprobs, kept), beta, temperature)
-    if kept is None:
-        return rows_loss.to(acc), rows_coef.to(acc)
-    return loss.index_copy_(0, kept, rows_loss.to(acc)), coef.index_copy_(0, kept, rows_coef.to(acc))
+
+    def student_x(kept, local):
+        return _student_logits(_select(hidden, kept), weight, bias, local, acc)
+
+    return topk_rows(student_x, teacher_ids, teacher_logprobs, labels, beta, temperature, teacher_temperature,
+                     ignore_index, vocab_start, weight.shape[0], vocab_size, group_name, acc)
 
 
 @gkd_fwd.register_fake
-def _gkd_fwd_fake(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, beta, temperature, ignore_index,
-                  vocab_start, vocab_size, group_name):
+def _gkd_fwd_fake(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, beta, temperature, teacher_temperature,
+                  ignore_index, vocab_start, vocab_size, group_name):
     n, k = teacher_ids.shape
-    acc = stats_dtype(hidden)
-    return hidden.new_empty((n,), dtype=acc), hidden.new_empty((n, k), dtype=acc)
+    return hidden.new_empty((n,), dtype=stats_dtype(hidden)), hidden.new_empty((n, k), dtype=torch.float64)
 
 
 # ------------------------------------------------------------------ backward op
@@ -214,15 +230,13 @@ def gkd_bwd(grad_loss: Tensor, coef: Tensor, hidden: Tensor, weight: Tensor, bia
     grad_hidden = hidden.new_zeros((n, h_size)) if need_hidden else none()
     grad_weight = torch.zeros_like(weight) if need_weight else none()
     grad_bias = torch.zeros_like(bias) if need_bias else none()
-    kept = _kept_rows(labels, n, ignore_index)
-    ids = _select(teacher_ids, kept).long()
-    if ids.numel() == 0:
+    upstream = topk_upstream(grad_loss, coef, teacher_ids, labels, ignore_index, vocab_start, weight.shape[0], acc)
+    if upstream is None:
         return grad_hidden, grad_weight, grad_bias
-    local, own = _local_ids(ids, vocab_start, weight.shape[0])
-    g = torch.where(own, _select(grad_loss, kept).to(acc).unsqueeze(1) * _select(coef, kept).to(acc), 0.0)
+    kept, local, own, g = upstream
     h = _select(hidden, kept)
     if need_hidden:
-        m, k = ids.shape
+        m, k = local.shape
         rows = tile_rows(k, h_size)
         for r0, r1 in _tiles(m, rows):
             w = _gathered_weight(weight, local[r0:r1], rows, acc)
@@ -246,7 +260,7 @@ def _gkd_bwd_fake(grad_loss, coef, hidden, weight, bias, teacher_ids, labels, ig
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, teacher_ids, _tlp, labels, _beta, _t, ignore_index, vocab_start, _vs, _g = inputs
+    hidden, weight, bias, teacher_ids, _tlp, labels, _beta, _t, _tt, ignore_index, vocab_start, _vs, _g = inputs
     _loss, coef = output
     ctx.save_for_backward(hidden, weight, bias, teacher_ids, labels, coef)
     ctx.args = (ignore_index, vocab_start)
@@ -260,7 +274,7 @@ def _backward(ctx, grad_loss, _grad_coef):
     grads = gkd_bwd(grad_loss, coef, hidden, weight, bias, teacher_ids, labels, *ctx.args, need_hidden, need_weight,
                     need_bias)
     grads = [gr if need else None for gr, need in zip(grads, (need_hidden, need_weight, need_bias))]
-    return (*grads, None, None, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None, None, None)
 
 
 gkd_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -291,19 +305,6 @@ def check_topk_teacher(teacher_ids, teacher_logprobs, rows: Tensor, rows_name: s
             raise ValueError(f"{name} is on {t.device} but {rows_name} is on {rows.device}")
 
 
-def check_teacher_logits(teacher_logits: Tensor, shape: tuple, like: Tensor, like_name: str) -> None:
-    """The full-vocab teacher's checks (gkd_from_logits, linear_gkd_full): float, ``shape``, no gradient, on
-    ``like``'s device."""
-    check_float_tensor("teacher_logits", teacher_logits)
-    if tuple(teacher_logits.shape) != tuple(shape):
-        raise ValueError(f"teacher_logits must be {tuple(shape)} (the student's rows and vocab), got "
-                         f"{tuple(teacher_logits.shape)}")
-    if teacher_logits.requires_grad:
-        raise ValueError("teacher_logits must not require grad: no gradient flows to the teacher (detach it)")
-    if teacher_logits.device != like.device:
-        raise ValueError(f"teacher_logits is on {teacher_logits.device} but {like_name} is on {like.device}")
-
-
 def check_gkd_options(labels, rows: Tensor, rows_name: str, beta, temperature, ignore_index) -> None:
     """The checks every GKD function shares (ValueError naming the argument): labels None or of the rows'
     leading shape on their device, beta in [0, 1], temperature, ignore_index."""
@@ -322,7 +323,7 @@ def check_gkd_options(labels, rows: Tensor, rows_name: str, beta, temperature, i
 
 
 def linear_gkd_topk(hidden, weight, teacher_ids, teacher_logprobs, labels=None, *, bias=None, beta=0.5,
-                    temperature=1.0, ignore_index=-100, process_group=None):
+                    temperature=1.0, ignore_index=-100, process_group=None, teacher_temperature=None):
     """twinkle's GKDLoss per token over a top-k teacher, from the LM head's input; nothing [N, V].
 
     hidden: [..., H] bf16/fp16/fp32/fp64; weight: [V, H] of hidden's dtype (under ``process_group``, this
@@ -332,17 +333,28 @@ def linear_gkd_topk(hidden, weight, teacher_ids, teacher_logprobs, labels=None, 
     fp64 hidden), with gradients to hidden, weight and bias; ``gkd_average`` gives GKDLoss's scalar. Under
     ``process_group`` (world size > 1) the loss is the same on every rank and the hidden gradient is this
     rank's partial sum (all-reduce it, as Megatron's copy_to_tensor_model_parallel_region does).
+    ``teacher_temperature``: the teacher's, ``temperature`` when None (twinkle divides both sides by one).
     Formulas, memory and semantics: the module docstring and docs/distillation.md.
     """
     _check_args(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, beta, temperature, ignore_index)
+    teacher_temperature = checked_teacher_temperature(teacher_temperature, temperature)
     h_size = hidden.shape[-1]
     n = math.prod(hidden.shape[:-1])
     k = teacher_ids.shape[-1]
     loss, _coef = gkd_fwd(hidden.reshape(n, h_size), weight, bias, teacher_ids.reshape(n, k),
                           teacher_logprobs.reshape(n, k), None if labels is None else labels.reshape(n),
-                          float(beta), float(temperature), int(ignore_index),
+                          float(beta), float(temperature), teacher_temperature, int(ignore_index),
                           *vocab_shard(process_group, weight.shape[0], "weight"))
     return loss.view(hidden.shape[:-1])
+
+
+def checked_teacher_temperature(teacher_temperature, temperature) -> float:
+    """The teacher's temperature as a float: ``temperature`` when None; ValueError unless finite and > 0."""
+    if teacher_temperature is None:
+        return float(temperature)
+    if isinstance(teacher_temperature, Tensor) or not (0 < teacher_temperature < math.inf):
+        raise ValueError(f"teacher_temperature must be None or a finite Python number > 0, got {teacher_temperature!r}")
+    return float(teacher_temperature)
 
 
 def vocab_shard(process_group, shard: int, what: str) -> tuple[int, int, str]:

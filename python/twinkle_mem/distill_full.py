@@ -23,7 +23,6 @@ row's results are bitwise the same whatever the batch. No tensor parallelism (th
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -31,7 +30,8 @@ from torch import Tensor
 
 from . import linear
 from ._contract import stats_dtype
-from .distill import _kept_rows, _select, check_gkd_options, check_teacher_logits, flat_teacher, teacher_rows
+from .distill import _kept_rows, _select, check_gkd_options, checked_teacher_temperature
+from .distill_logits import check_teacher_logits, flat_teacher, teacher_rows
 from .gkd_math import gkd_grad, gkd_terms, log_add_exp
 from .functional import check_head_args
 
@@ -218,11 +218,9 @@ def linear_gkd_full(hidden, weight, teacher_logits, labels=None, *, bias=None, b
     check_head_args(hidden, weight, bias)
     check_teacher_logits(teacher_logits, (*hidden.shape[:-1], weight.shape[0]), hidden, "hidden")
     check_gkd_options(labels, hidden, "hidden", beta, temperature, ignore_index)
-    teacher_temperature = temperature if teacher_temperature is None else teacher_temperature
-    if isinstance(teacher_temperature, Tensor) or not (0 < teacher_temperature < math.inf):
-        raise ValueError(f"teacher_temperature must be None or a finite Python number > 0, got {teacher_temperature!r}")
+    teacher_temperature = checked_teacher_temperature(teacher_temperature, temperature)
     n = teacher_logits.numel() // weight.shape[0]
     loss, _stats = gkd_full_fwd(hidden.reshape(n, hidden.shape[-1]), weight, bias, flat_teacher(teacher_logits),
                                 None if labels is None else labels.reshape(n), float(beta), float(temperature),
-                                float(teacher_temperature), int(ignore_index))
+                                teacher_temperature, int(ignore_index))
     return loss.view(hidden.shape[:-1])

@@ -26,13 +26,39 @@ import torch
 from torch import Tensor
 
 from ._contract import check_float_tensor, stats_dtype
-from .distill import (_kept_rows, _local_ids, _select, check_gkd_options, check_teacher_ids, check_teacher_logits,
-                      check_topk_teacher, combine_shards, flat_teacher, teacher_rows, vocab_shard)
+from .distill import _kept_rows, check_gkd_options, check_topk_teacher, topk_rows, topk_upstream, vocab_shard
 from .gkd_math import gkd_rows
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 # float64 [rows, V] tensors alive at once inside gkd_rows (and the chunk's copies), counted generously
 TEMPORARIES = 20
+
+
+# ------------------------------------------------------------------ a local teacher's full logits
+def check_teacher_logits(teacher_logits: Tensor, shape: tuple, like: Tensor, like_name: str) -> None:
+    """The full-vocab teacher's checks (gkd_from_logits, linear_gkd_full): float, ``shape``, no gradient, on
+    ``like``'s device."""
+    check_float_tensor("teacher_logits", teacher_logits)
+    if tuple(teacher_logits.shape) != tuple(shape):
+        raise ValueError(f"teacher_logits must be {tuple(shape)} (the student's rows and vocab), got "
+                         f"{tuple(teacher_logits.shape)}")
+    if teacher_logits.requires_grad:
+        raise ValueError("teacher_logits must not require grad: no gradient flows to the teacher (detach it)")
+    if teacher_logits.device != like.device:
+        raise ValueError(f"teacher_logits is on {teacher_logits.device} but {like_name} is on {like.device}")
+
+
+def teacher_rows(teacher: Tensor, rows: Tensor) -> Tensor:
+    """Rows of a full-vocab teacher [N, V], or of any [..., V] of N rows: a teacher trimmed to the student's
+    length (twinkle's ``teacher_logits[:, :L]``) is read where it lies, not copied whole to be flattened."""
+    if teacher.dim() == 2:
+        return teacher.index_select(0, rows)
+    return teacher[torch.unravel_index(rows, teacher.shape[:-1])]
+
+
+def flat_teacher(teacher: Tensor) -> Tensor:
+    """[N, V] where that is a view, else the teacher as it is (for teacher_rows)."""
+    return teacher.view(-1, teacher.shape[-1]) if teacher.is_contiguous() else teacher
 
 
 def chunk_rows(vocab: int, chunk_bytes: int) -> int:
@@ -165,22 +191,14 @@ def gkd_topk_logits_fwd(student: Tensor, teacher_ids: Tensor, teacher_logprobs: 
                         group_name: str) -> tuple[Tensor, Tensor]:
     """student [N, Vs] (the vocab [vocab_start, vocab_start + Vs) of vocab_size), teacher_ids [N, k] global,
     teacher_logprobs [N, k], labels [N] or None. Returns (loss [N] fp32 (fp64 for fp64), dL/dx [N, k] float64)."""
-    n, k = teacher_ids.shape
     acc = stats_dtype(student)
-    # dL/dx kept in float64 (O(N k)): backward sums a row's repeated ids, whose terms can cancel, before rounding
-    loss, coef = student.new_zeros((n,), dtype=acc), student.new_zeros((n, k), dtype=torch.float64)
-    kept = _kept_rows(labels, n, ignore_index)
-    ids = _select(teacher_ids, kept).long()
-    if ids.numel() == 0:
-        return loss, coef
-    check_teacher_ids(ids, vocab_size)
-    local, own = _local_ids(ids, vocab_start, student.shape[1])
-    rows = (torch.arange(n, device=student.device) if kept is None else kept).unsqueeze(1)
-    x = combine_shards(student[rows, local].to(acc), own, group_name)  # [m, k]: no row of the logits copied
-    rows_loss, rows_coef = gkd_rows(x, _select(teacher_logprobs, kept), beta, temperature)
-    if kept is None:
-        return rows_loss.to(acc), rows_coef
-    return loss.index_copy_(0, kept, rows_loss.to(acc)), coef.index_copy_(0, kept, rows_coef)
+
+    def student_x(kept, local):  # [m, k]: no row of the logits copied
+        rows = torch.arange(student.shape[0], device=student.device) if kept is None else kept
+        return student[rows.unsqueeze(1), local].to(acc)
+
+    return topk_rows(student_x, teacher_ids, teacher_logprobs, labels, beta, temperature, temperature, ignore_index,
+                     vocab_start, student.shape[1], vocab_size, group_name, acc)
 
 
 @gkd_topk_logits_fwd.register_fake
@@ -208,12 +226,10 @@ def gkd_topk_logits_bwd(grad_loss: Tensor, coef: Tensor, teacher_ids: Tensor, la
     """The student's gradient [N, shard] in ``dtype``: g dL/dx at the ids this shard holds, 0 elsewhere."""
     n = teacher_ids.shape[0]
     grad = coef.new_zeros((n, shard), dtype=dtype)
-    kept = _kept_rows(labels, n, ignore_index)
-    ids = _select(teacher_ids, kept).long()
-    if ids.numel() == 0:
+    upstream = topk_upstream(grad_loss, coef, teacher_ids, labels, ignore_index, vocab_start, shard, torch.float64)
+    if upstream is None:
         return grad
-    local, own = _local_ids(ids, vocab_start, shard)
-    g = torch.where(own, _select(grad_loss, kept).to(coef.dtype).unsqueeze(1) * _select(coef, kept), 0.0)
+    kept, local, _own, g = upstream
     rows = (torch.arange(n, device=grad.device) if kept is None else kept).unsqueeze(1).expand_as(local)
     return grad.index_put_((rows, local), _sum_repeated(g, local).to(dtype), accumulate=True)
 
@@ -257,7 +273,7 @@ def gkd_topk_from_logits(student_logits, teacher_ids, teacher_logprobs, labels=N
     check_topk_teacher(teacher_ids, teacher_logprobs, student_logits, "student_logits")
     check_gkd_options(labels, student_logits, "student_logits", beta, temperature, ignore_index)
     v, k = student_logits.shape[-1], teacher_ids.shape[-1]
-    n = student_logits.numel() // v if v else math.prod(student_logits.shape[:-1])
+    n = math.prod(student_logits.shape[:-1])
     loss, _coef = gkd_topk_logits_fwd(student_logits.reshape(n, v), teacher_ids.reshape(n, k),
                                       teacher_logprobs.reshape(n, k), None if labels is None else labels.reshape(n),
                                       float(beta), float(temperature), int(ignore_index),

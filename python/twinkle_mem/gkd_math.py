@@ -75,7 +75,8 @@ def gkd_terms(ls: Tensor, lt: Tensor, beta: float) -> tuple[Tensor, Optional[Ten
 
 def gkd_grad(ls: Tensor, lt: Tensor, loss: Tensor, k_student: Optional[Tensor], beta: float,
              temperature: float) -> Tensor:
-    """dL/dx per entry (the module docstring's formulas), given the row's L and K ([.., 1])."""
+    """dL/dx per entry (the formulas of distill.py's docstring), given the row's L and K ([.., 1]); ``temperature``
+    the student's."""
     p = ls.exp()
     if beta == 0:
         d = p.sub_(lt.exp())
@@ -87,11 +88,12 @@ def gkd_grad(ls: Tensor, lt: Tensor, loss: Tensor, k_student: Optional[Tensor], 
     return d.div_(temperature)
 
 
-def gkd_rows(x: Tensor, teacher_logprobs: Tensor, beta: float, temperature: float) -> tuple[Tensor, Tensor]:
+def gkd_rows(x: Tensor, teacher_logprobs: Tensor, beta: float, temperature: float,
+             teacher_temperature: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """(L [m], dL/dx [m, k]) in float64 from the student's logits x [m, k] at the teacher's ids and the
-    teacher's log-probs [m, k]."""
+    teacher's log-probs [m, k]; the teacher's divided by ``teacher_temperature`` (``temperature`` if None)."""
     ls = _scaled(x, temperature).log_softmax(-1)
-    lt = _scaled(teacher_logprobs, temperature).log_softmax(-1)
+    lt = _scaled(teacher_logprobs, temperature if teacher_temperature is None else teacher_temperature).log_softmax(-1)
     terms, k_terms = gkd_terms(ls, lt, beta)
     loss = terms.sum(-1)
     k_student = None if k_terms is None else k_terms.sum(-1, keepdim=True)

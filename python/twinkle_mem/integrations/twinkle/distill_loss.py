@@ -224,15 +224,14 @@ def _fused_gkd(loss, labels, head: fused_head.DeferredHead, teacher_kwargs):
                            "unchanged.")
     # twinkle's forward step divides the student's logits by the call's temperature Tc before the loss, which
     # divides student and teacher by its own Tl: x / (Tc Tl) and t / Tl; nothing is done to the hidden states.
-    options = dict(beta=loss.beta, temperature=loss.temperature * head.temperature, ignore_index=loss.ignore_index)
+    options = dict(beta=loss.beta, temperature=loss.temperature * head.temperature,
+                   teacher_temperature=loss.temperature, ignore_index=loss.ignore_index)
     if whole_vocab:
-        per_token = linear_gkd_full(hidden, head.weight, teacher.logits, labels,
-                                    teacher_temperature=loss.temperature, **options)
-    else:  # (k columns: the teacher's Tl as (lp Tc) / (Tc Tl), scaled in float64)
-        scaled = (lambda t: t.double() * head.temperature) if head.temperature != 1.0 else (lambda t: t)  # noqa: E731
+        per_token = linear_gkd_full(hidden, head.weight, teacher.logits, labels, **options)
+    else:
         ids, logprobs = teacher.top_k()
         if head.seq_first:
             ids, logprobs = ids.transpose(0, 1), logprobs.transpose(0, 1)
-        per_token = linear_gkd_topk(hidden, head.weight, ids, scaled(logprobs), labels,
-                                    process_group=head.process_group, **options)
+        per_token = linear_gkd_topk(hidden, head.weight, ids, logprobs, labels, process_group=head.process_group,
+                                    **options)
     return LossOutput(loss=gkd_average(per_token, labels, loss.ignore_index), num_tokens=0)
