@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 import twinkle_mem
 from numerics import SUBNORMAL_STEP, check_outputs, ulp
-from twinkle_mem import linear
+from twinkle_mem import engine
 from twinkle_mem.linear import linear_bwd, linear_fwd
 from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
 
@@ -144,15 +144,15 @@ def opcheck_op_schemas(dtype, device="cpu"):
 # ------------------------------------------------------------------ the fused LM head
 @contextlib.contextmanager
 def blocks(cols=None, rows=None):
-    """Vocab blocks of `cols` columns and row tiles of `rows` rows (linear.VOCAB_BLOCK, linear.ROW_TILE)
+    """Vocab blocks of `cols` columns and row tiles of `rows` rows (engine.VOCAB_BLOCK, engine.ROW_TILE)
     for the duration, so that small test sizes see several blocks and tiles (None: the default)."""
-    saved = linear.VOCAB_BLOCK, linear.ROW_TILE
-    linear.VOCAB_BLOCK = saved[0] if cols is None else cols
-    linear.ROW_TILE = saved[1] if rows is None else rows
+    saved = engine.VOCAB_BLOCK, engine.ROW_TILE
+    engine.VOCAB_BLOCK = saved[0] if cols is None else cols
+    engine.ROW_TILE = saved[1] if rows is None else rows
     try:
         yield
     finally:
-        linear.VOCAB_BLOCK, linear.ROW_TILE = saved
+        engine.VOCAB_BLOCK, engine.ROW_TILE = saved
 
 
 def _dyadic(shape, scale, gen):
@@ -246,7 +246,7 @@ VOCAB = 1018  # hidden 32, ffn 64/128, 4 heads, sequences <= 40, 128 positions: 
 SEQ, PROMPT = 40, 12
 LENGTHS = [SEQ, SEQ - 7, SEQ - 3, SEQ - 11]  # micro-batches of 2 on Megatron: 80 rows each
 CHUNK = 64 << 10  # the fused op's block memory
-# Vocab blocks of 128 columns and row tiles of 16 rows (linear.VOCAB_BLOCK, ROW_TILE: the defaults exceed
+# Vocab blocks of 128 columns and row tiles of 16 rows (engine.VOCAB_BLOCK, ROW_TILE: the defaults exceed
 # this model's vocab and micro-batches): several blocks and tiles per micro-batch.
 FUSED_BLOCKS = (128, 16)
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.25, 2.0])

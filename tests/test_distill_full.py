@@ -19,7 +19,7 @@ import torch
 import twinkle_mem
 from helpers import VocabTensors, gkd_grad_bounds, make_head, saved_for_backward, twinkle_per_token
 from numerics import ulp
-from twinkle_mem import distill_full, linear
+from twinkle_mem import distill_full, engine
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
 
@@ -32,7 +32,7 @@ LOSS_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-6, torch.float64: 1e-12}
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(distill_full, "FULL_BLOCK", 64)  # 300 columns: 4 blocks and a ragged one
-    monkeypatch.setattr(linear, "ROW_TILE", 8)  # 24 rows, some ignored: tiles of 8, the last partial
+    monkeypatch.setattr(engine, "ROW_TILE", 8)  # 24 rows, some ignored: tiles of 8, the last partial
 
 
 def make_case(kind, n, h, v, dtype, beta, seed):
@@ -187,7 +187,7 @@ def test_no_tensor_of_the_logits_size_beyond_the_teacher(small_blocks):
         per = twinkle_mem.linear_gkd_full(hw, ww, teacher, labels, bias=bw)
         torch.autograd.grad(per.sum(), (hw, ww, bw))
     blocks = [s for e in prof.events() if e.name == "aten::exp" for s in e.input_shapes if s]
-    assert blocks and max(math.prod(s) for s in blocks) <= linear.ROW_TILE * distill_full.FULL_BLOCK, blocks[:4]
+    assert blocks and max(math.prod(s) for s in blocks) <= engine.ROW_TILE * distill_full.FULL_BLOCK, blocks[:4]
 
 
 def test_ignored_rows_and_bad_arguments():

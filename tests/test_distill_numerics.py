@@ -39,7 +39,7 @@ import torch
 import twinkle_mem
 from helpers import gkd_grad_bounds, make_head
 from numerics import ulp
-from twinkle_mem import distill, distill_full, linear
+from twinkle_mem import distill, distill_full, engine
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
 
@@ -294,7 +294,7 @@ def check(op, cls, dtype, beta, temperature, seed):
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(distill_full, "FULL_BLOCK", 64)  # 300 columns: 4 blocks and a ragged one
-    monkeypatch.setattr(linear, "ROW_TILE", 8)  # 16 rows: 2 tiles
+    monkeypatch.setattr(engine, "ROW_TILE", 8)  # 16 rows: 2 tiles
     monkeypatch.setattr(distill, "MAX_TILE_ROWS", 8)
 
 

@@ -21,7 +21,7 @@ import torch
 
 import twinkle_mem
 from twinkle_mem import composite
-from twinkle_mem.linear import ROW_TILE, block_width, tile_bytes
+from twinkle_mem.engine import ROW_TILE, block_width, tile_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "check_linear_invariance.py")

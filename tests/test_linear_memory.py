@@ -27,14 +27,14 @@ PER_ROW = 256  # O(N): row statistics, labels, kept-row indices, upstream gradie
 def measure(n, h, v, dtype="float32", chunk_bytes=64 << 20, ignore_frac=0.0, path="fused", entropy=True,
             threads=None, vocab_block=None, row_tile=None):
     """Runs in this process: one forward + backward; returns the peak RSS rise and what it may hold.
-    vocab_block, row_tile: linear.VOCAB_BLOCK / ROW_TILE instead of the defaults (small sizes)."""
+    vocab_block, row_tile: engine.VOCAB_BLOCK / ROW_TILE instead of the defaults (small sizes)."""
     import torch
 
     import twinkle_mem
-    from twinkle_mem import linear
+    from twinkle_mem import engine
     from twinkle_mem.measure import peak_rss
-    linear.VOCAB_BLOCK = vocab_block or linear.VOCAB_BLOCK
-    linear.ROW_TILE = row_tile or linear.ROW_TILE
+    engine.VOCAB_BLOCK = vocab_block or engine.VOCAB_BLOCK
+    engine.ROW_TILE = row_tile or engine.ROW_TILE
     assert twinkle_mem.backends()["cpu"] == "loaded", f"native CPU kernels not loaded: {twinkle_mem.backends()}"
     if threads:
         torch.set_num_threads(threads)

@@ -23,7 +23,7 @@ import torch
 import twinkle_mem
 from helpers import assert_stats_close, blocks, make_head, op_bound, reference, through_matmul
 from numerics import Impl, check_case, make_cases, ulp
-from twinkle_mem import composite, functional, linear
+from twinkle_mem import composite, engine, functional, linear
 from twinkle_mem.linear import block_width, linear_bwd, linear_fwd, tile_bytes, tiles_in_flight
 
 lsls = twinkle_mem.linear_selective_log_softmax
@@ -321,13 +321,13 @@ def test_no_tensor_of_the_logits_size_goes_through_any_op():
 
 def test_block_plan():
     # Block widths from the vocab alone; chunk_bytes only sets how many row tiles share a buffer.
-    assert block_width(1000) == 1000 and block_width(151936) == linear.VOCAB_BLOCK == 8192
-    tile = linear.ROW_TILE * 4096 * 4  # one fp32 tile of logits
+    assert block_width(1000) == 1000 and block_width(151936) == engine.VOCAB_BLOCK == 8192
+    tile = engine.ROW_TILE * 4096 * 4  # one fp32 tile of logits
     assert tiles_in_flight(4096, 64, torch.float32, 3 * tile + 5, False) == 3
     assert tiles_in_flight(4096, 64, torch.float32, 3 * tile + 5, True) == 3  # fp32: nothing else
     # bf16 backward: + fp32 weight block and grad_weight accumulator (2 x 4 B x cols x H), grad_bias
     # accumulator, fp32 copies of one gradient tile and one hidden tile
-    fixed = 4 * (2 * 4096 * 64 + 4096 + linear.ROW_TILE * (4096 + 64))
+    fixed = 4 * (2 * 4096 * 64 + 4096 + engine.ROW_TILE * (4096 + 64))
     assert tile_bytes(4096, 64, torch.bfloat16, True) == (tile // 2, fixed)
     assert tiles_in_flight(4096, 64, torch.bfloat16, fixed + 2 * (tile // 2), True) == 2
     with pytest.raises(ValueError, match="chunk_bytes"):

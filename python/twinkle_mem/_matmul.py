@@ -1,5 +1,5 @@
-"""The fused LM head's matmuls (linear.py): the logits of one row tile of a vocab block, and products
-summed into an fp32 accumulator for bf16/fp16 operands."""
+"""The fused heads' matmuls (engine.py): the logits of one row tile of a vocab block, and products summed
+into an fp32 accumulator for bf16/fp16 operands."""
 from __future__ import annotations
 
 from typing import Optional
@@ -8,12 +8,12 @@ import torch
 from torch import Tensor
 
 
-def logits_tile(out: Tensor, hidden_tile: Tensor, weight: Tensor, bias: Optional[Tensor], v0: int, v1: int) -> None:
-    """out [ROW_TILE, v1 - v0] = hidden_tile @ weight[v0:v1].T (+ bias[v0:v1])."""
-    if bias is None:
-        torch.mm(hidden_tile, weight[v0:v1].t(), out=out)
+def logits_into(out: Tensor, hidden_tile: Tensor, w: Tensor, b: Optional[Tensor]) -> None:
+    """out [rows, cols] = hidden_tile @ w.T (+ b), w [cols, H] a weight block, all of one dtype."""
+    if b is None:
+        torch.mm(hidden_tile, w.t(), out=out)
     else:
-        torch.addmm(bias[v0:v1], hidden_tile, weight[v0:v1].t(), out=out)
+        torch.addmm(b, hidden_tile, w.t(), out=out)
 
 
 _mixed_addmm_ok: dict = {}  # device type -> whether torch.addmm(bf16, bf16, out_dtype=fp32) runs there

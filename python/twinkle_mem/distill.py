@@ -54,7 +54,8 @@ from torch import Tensor
 from ._contract import check_float_tensor, stats_dtype
 from .functional import check_head_args
 from .gkd_math import gkd_rows
-from .linear import _pad_rows, _resolve_group, _select, block_width
+from .engine import block_width, pad_rows as _pad_rows
+from .linear import _resolve_group
 from .vocab_parallel import rank_and_world
 
 # The gathered weight rows of one row tile, in fp32: R k H 4 bytes at most this (and R <= MAX_TILE_ROWS).
@@ -69,6 +70,10 @@ def tile_rows(k: int, hidden_size: int) -> int:
 
 
 # ------------------------------------------------------------------ gathers by row tiles
+def _select(t: Optional[Tensor], kept: Optional[Tensor]) -> Optional[Tensor]:
+    return t if t is None or kept is None else t.index_select(0, kept)
+
+
 def _kept_rows(labels: Optional[Tensor], n: int, ignore_index: int) -> Optional[Tensor]:
     if labels is None:
         return None

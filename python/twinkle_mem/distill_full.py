@@ -4,7 +4,7 @@
 ``linear_gkd_full(hidden, weight, teacher_logits, labels)`` returns per token what
 ``gkd_from_logits(hidden @ weight.T + bias, teacher_logits, labels)`` returns (distill.py's formulas with
 k = V), with gradients to hidden, weight and bias, working on one [ROW_TILE, FULL_BLOCK] block of the
-student's logits at a time (ROW_TILE = linear.ROW_TILE rows, FULL_BLOCK vocab columns; the last of each
+student's logits at a time (ROW_TILE = engine.ROW_TILE rows, FULL_BLOCK vocab columns; the last of each
 zero-padded / ragged), their math in float64:
 
 forward, per row tile:   pass 1 over the blocks: each row's (max, log-sum-exp) of s = x / T and of t,
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import linear
+from . import engine
 from ._contract import stats_dtype
 from .distill import _kept_rows, _select, check_gkd_options, checked_teacher_temperature
 from .distill_logits import check_teacher_logits, flat_teacher, teacher_rows
@@ -68,10 +68,10 @@ class _Tile:
     """One row tile of the kept rows: hidden (acc dtype, zero-padded), the rows' teacher indices."""
 
     def __init__(self, h: Tensor, rows: Tensor, r0: int, acc):
-        n = min(linear.ROW_TILE, h.shape[0] - r0)
+        n = min(engine.ROW_TILE, h.shape[0] - r0)
         self.count = n
-        self.h = linear._pad_rows(h[r0:r0 + n], linear.ROW_TILE).to(acc)
-        self.rows = linear._pad_rows(rows[r0:r0 + n], linear.ROW_TILE)
+        self.h = engine.pad_rows(h[r0:r0 + n], engine.ROW_TILE).to(acc)
+        self.rows = engine.pad_rows(rows[r0:r0 + n], engine.ROW_TILE)
 
 
 def _logits(tile: _Tile, w_block: Tensor, b_block: Optional[Tensor]) -> Tensor:
@@ -95,7 +95,7 @@ def _normalized(x: Tensor, t: Tensor, stats: Tensor, temperature: float,
 
 
 def _tiles(h, rows, acc):
-    for r0 in range(0, h.shape[0], linear.ROW_TILE):
+    for r0 in range(0, h.shape[0], engine.ROW_TILE):
         yield r0, _Tile(h, rows, r0, acc)
 
 
@@ -167,7 +167,7 @@ def gkd_full_bwd(grad_loss: Tensor, stats: Tensor, hidden: Tensor, weight: Tenso
             d.mul_(grad_loss.index_select(0, tile.rows).double().unsqueeze(1))
             d[tile.count:] = 0  # the padding rows add exactly nothing
             d = d.to(acc)
-            r0 = j * linear.ROW_TILE
+            r0 = j * engine.ROW_TILE
             gh[r0:r0 + tile.count] += (d @ w_b)[:tile.count]
             gw.addmm_(d.t(), tile.h)
             gb += d.sum(0)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from . import ops
 from ._contract import check_float_tensor, check_index_and_options, check_logits_args, ignore_value
+from .engine import check_head_args
 from .linear import DEFAULT_CHUNK_BYTES, block_width, default_chunk_bytes, linear_fwd, tiles_in_flight
 from .vocab_parallel import rank_and_world, vocab_parallel_selective_log_softmax
 from .rows import to_op_rows
@@ -74,29 +75,6 @@ def entropy_from_logits(logits, chunk_size=None, *, temperature=1.0, inplace_bac
     _logp, entropy = selective_log_softmax(logits, no_labels, True, temperature=temperature,
                                            inplace_backward=inplace_backward)
     return entropy
-
-
-def check_head_args(hidden, weight, bias) -> None:
-    """The LM head's hidden states, weight and bias (linear_selective_log_softmax, distill.linear_gkd_topk):
-    ValueError naming the bad argument."""
-    check_float_tensor("hidden", hidden)
-    check_float_tensor("weight", weight)
-    if hidden.dim() < 1 or hidden.shape[-1] < 1:
-        raise ValueError(f"hidden must be [..., H] with H >= 1, got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V, H] with V >= 1 and H = hidden.shape[-1] = {hidden.shape[-1]}, got shape "
-                         f"{tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype} (cast one of them, "
-                         "e.g. hidden.to(weight.dtype), as the linear layer would compute in one dtype)")
-    if weight.device != hidden.device:
-        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]:
-            raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {getattr(bias, 'shape', type(bias))}")
-        if bias.dtype != hidden.dtype or bias.device != hidden.device:
-            raise ValueError(f"bias must have hidden's dtype and device ({hidden.dtype}, {hidden.device}), got "
-                             f"{bias.dtype}, {bias.device}")
 
 
 def _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_bytes) -> bool:

@@ -79,3 +79,14 @@ def to_op_rows(logits: torch.Tensor, index: torch.Tensor, multi: bool) -> OpRows
     else:
         labels = index.reshape(op_lead) if tuple(op_lead) != tuple(lead_shape) else index
     return OpRows(rows, labels, lead_shape, index.shape)
+
+
+def kept_rows(labels, ignore_index: int):
+    """The indices of the rows a call works on, those with a label other than ``ignore_index`` (labels [N];
+    [N, k]: kept if any of its k is, a row of k = 0 labels too), or None when every row is (labels None too).
+    The fused heads drop the others before any matmul."""
+    if labels is None or labels.numel() == 0:
+        return None
+    keep = labels != ignore_index
+    kept = (keep.any(dim=1) if keep.dim() == 2 else keep).nonzero().squeeze(1)
+    return None if kept.numel() == labels.shape[0] else kept
