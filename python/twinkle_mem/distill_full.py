@@ -3,22 +3,22 @@
 
 ``linear_gkd_full(hidden, weight, teacher_logits, labels)`` returns per token what
 ``gkd_from_logits(hidden @ weight.T + bias, teacher_logits, labels)`` returns (distill.py's formulas with
-k = V), with gradients to hidden, weight and bias, working on one [ROW_TILE, FULL_BLOCK] block of the
-student's logits at a time (ROW_TILE = engine.ROW_TILE rows, FULL_BLOCK vocab columns; the last of each
-zero-padded / ragged), their math in float64:
+k = V), with gradients to hidden, weight and bias. It runs on the blockwise engine (engine.py: kept rows,
+row tiles of engine.ROW_TILE rows, vocab blocks of FULL_BLOCK columns, fp32 sums, needed gradients) and
+supplies the per-block math, in float64, on one [ROW_TILE, FULL_BLOCK] block of the student's logits (fp32,
+fp64 for fp64 inputs) at a time:
 
-forward, per row tile:   pass 1 over the blocks: each row's (max, log-sum-exp) of s = x / T and of t,
-                         folded in block order (float64); pass 2: the blocks' ls = (x - M_s) / T - L_s,
-                         lt likewise, gkd_math.gkd_terms, the row's L and K summed in block order.
-backward, per block:     recompute ls, lt; D = g gkd_math.gkd_grad(ls, lt, L, K) (float64, then fp32);
-                         grad_hidden_tile += D @ weight_block, grad_weight_block += D^T hidden_tile,
-                         grad_bias_block += D.sum(0), all in fp32 and rounded once.
+forward, two sweeps:  1. each row's (max, log-sum-exp) of s = x / T and of t, folded in block order (float64);
+                      2. the blocks' ls = (x - M_s) / T - L_s, lt likewise, gkd_math.gkd_terms, the row's L
+                         and K summed in block order.
+backward, one sweep:  recompute ls, lt; D = g gkd_math.gkd_grad(ls, lt, L, K) (float64, then fp32), from
+                      which the engine sums grad_hidden, grad_weight and grad_bias in fp32, each rounded once.
 
-The logits x are summed in fp32 (fp32 copies of bf16/fp16 operands; fp64 for fp64). Saved for backward:
-the inputs (references) and six float64 values per row. Memory beyond inputs and gradients: a block's
-float64 working tensors (about 16 of [ROW_TILE, FULL_BLOCK]: 64 MiB), the fp32 copies of a weight block
-and of a tile, the fp32 accumulators of grad_hidden [N_kept, H] and of a block of grad_weight. Rows
-whose label is ignore_index give 0 and are dropped before any matmul. Fixed tile and block shapes: a
+Saved for backward: the inputs (references) and six float64 values per row. Memory beyond inputs and
+gradients, at every dtype: a block's float64 working tensors (about 16 of [ROW_TILE, FULL_BLOCK]), one fp32
+weight block and one fp32 hidden tile (bf16 / fp16: the engine's copies), the fp32 accumulators of
+grad_hidden [N_kept, H] and of a block of grad_weight; a gradient autograd does not ask for is not built.
+Rows whose label is ignore_index give 0 and are dropped before any matmul. Fixed tile and block shapes: a
 row's results are bitwise the same whatever the batch. No tensor parallelism (the top-k op has it).
 """
 from __future__ import annotations
@@ -28,30 +28,28 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import engine
 from ._contract import stats_dtype
-from .distill import _kept_rows, _select, check_gkd_options, checked_teacher_temperature
+from .distill import check_gkd_options, checked_teacher_temperature
 from .distill_logits import check_teacher_logits, flat_teacher, teacher_rows
+from .engine import Needs, Plan, Rows, acc_dtype, backward_sweep, check_head_args, forward_sweep
 from .gkd_math import gkd_grad, gkd_terms, log_add_exp
-from .functional import check_head_args
 
 FULL_BLOCK = 2048  # vocab columns per block of the float64 math
+# The rows' statistics, saved for backward: [N, STATS] float64.
+M_S, L_S, M_T, L_T, LOSS, K = range(6)
+STATS = 6
 
 
-def _acc_dtype(hidden: Tensor) -> torch.dtype:
-    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
-
-
-def _blocks(v: int):
-    cols = min(FULL_BLOCK, v)
-    for v0 in range(0, v, cols):
-        yield v0, min(v0 + cols, v)
+def _plan(hidden: Tensor, v: int) -> Plan:
+    """Blocks of FULL_BLOCK columns, one row tile at a time, logits in fp32 (fp64 for fp64): the float64 math
+    takes them as they are."""
+    return Plan(min(FULL_BLOCK, v), 1, acc_dtype(hidden.dtype))
 
 
 def _fold(state, z: Tensor, temperature: float):
     """(M, L) of the rows after one more block z [r, c] (fp32 logits, or float64): M the max, L = log sum
     exp((z - M) / T), in float64 (z - M formed in float64: exact for fp32 z), one float64 copy of the block
-    worked in place."""
+    worked in place. state None: the first block."""
     mb = z.amax(-1).double()
     lb = z.double().sub_(mb.unsqueeze(-1)).div_(temperature).exp_().sum(-1).log_()
     empty = mb == float("-inf")  # a block of -inf only adds nothing (its own (M, L) would be NaN)
@@ -64,39 +62,19 @@ def _fold(state, z: Tensor, temperature: float):
     return new, log_add_exp(term(m, l_), term(mb, lb))
 
 
-class _Tile:
-    """One row tile of the kept rows: hidden (acc dtype, zero-padded), the rows' teacher indices."""
-
-    def __init__(self, h: Tensor, rows: Tensor, r0: int, acc):
-        n = min(engine.ROW_TILE, h.shape[0] - r0)
-        self.count = n
-        self.h = engine.pad_rows(h[r0:r0 + n], engine.ROW_TILE).to(acc)
-        self.rows = engine.pad_rows(rows[r0:r0 + n], engine.ROW_TILE)
-
-
-def _logits(tile: _Tile, w_block: Tensor, b_block: Optional[Tensor]) -> Tensor:
-    """The block's logits in acc (fp32, fp64 for fp64 inputs): the float64 math takes them as they are."""
-    return tile.h @ w_block.t() if b_block is None else torch.addmm(b_block, tile.h, w_block.t())
-
-
-def _teacher(teacher: Tensor, tile: _Tile, v0: int, v1: int) -> Tensor:
-    """The tile's rows of a teacher block, in the teacher's dtype (bf16 / fp16 to fp32)."""
-    t = teacher_rows(teacher[..., v0:v1], tile.rows)
+def _teacher_block(teacher: Tensor, ids: Tensor, v0: int, v1: int) -> Tensor:
+    """The rows ``ids`` of a teacher block, in the teacher's dtype (bf16 / fp16 to fp32)."""
+    t = teacher_rows(teacher[..., v0:v1], ids)
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def _normalized(x: Tensor, t: Tensor, stats: Tensor, temperature: float,
                 teacher_temperature: float) -> tuple[Tensor, Tensor]:
-    """ls, lt of a block (float64) from the rows' stats [r, 6] = (M_s, L_s, M_t, L_t, loss, K): (x - M) / T - L,
-    x - M formed in float64, in place on one float64 copy of each."""
-    ls = x.double().sub_(stats[:, 0:1]).div_(temperature).sub_(stats[:, 1:2])
-    lt = t.double().sub_(stats[:, 2:3]).div_(teacher_temperature).sub_(stats[:, 3:4])
+    """ls, lt of a block (float64) from the rows' stats [r, STATS]: (x - M) / T - L, x - M formed in float64,
+    in place on one float64 copy of each."""
+    ls = x.double().sub_(stats[:, M_S:M_S + 1]).div_(temperature).sub_(stats[:, L_S:L_S + 1])
+    lt = t.double().sub_(stats[:, M_T:M_T + 1]).div_(teacher_temperature).sub_(stats[:, L_T:L_T + 1])
     return ls, lt
-
-
-def _tiles(h, rows, acc):
-    for r0 in range(0, h.shape[0], engine.ROW_TILE):
-        yield r0, _Tile(h, rows, r0, acc)
 
 
 @torch.library.custom_op("twinkle_mem::linear_gkd_full_fwd", mutates_args=())
@@ -104,86 +82,73 @@ def gkd_full_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher
                  beta: float, temperature: float, teacher_temperature: float,
                  ignore_index: int) -> tuple[Tensor, Tensor]:
     """hidden [N, H], weight [V, H], bias [V] or None, teacher [N, V] (or [..., V] of N rows), labels [N] or
-    None. Returns (loss [N]
-    fp32 (fp64 for fp64 hidden), the rows' stats [N, 6] float64); ignored rows 0."""
+    None. Returns (loss [N] fp32 (fp64 for fp64 hidden), the rows' stats [N, STATS] float64); ignored rows 0."""
     n, v = hidden.shape[0], teacher.shape[-1]
-    acc = _acc_dtype(hidden)
     loss = hidden.new_zeros((n,), dtype=stats_dtype(hidden))
-    stats = hidden.new_zeros((n, 6), dtype=torch.float64)
-    kept = _kept_rows(labels, n, ignore_index)
-    rows = torch.arange(n, device=hidden.device) if kept is None else kept
-    h = _select(hidden, kept)
-    wb = [(weight[v0:v1].to(acc), None if bias is None else bias[v0:v1].to(acc)) for v0, v1 in _blocks(v)] \
-        if h.shape[0] else []
-    for r0, tile in _tiles(h, rows, acc):
-        s_state = t_state = None
-        for (v0, v1), (w_b, b_b) in zip(_blocks(v), wb):
-            s_state = _fold(s_state, _logits(tile, w_b, b_b), temperature)
-            t_state = _fold(t_state, _teacher(teacher, tile, v0, v1), teacher_temperature)
-        st = torch.stack([*s_state, *t_state, torch.zeros_like(s_state[0]), torch.zeros_like(s_state[0])], dim=1)
-        for (v0, v1), (w_b, b_b) in zip(_blocks(v), wb):
-            ls, lt = _normalized(_logits(tile, w_b, b_b), _teacher(teacher, tile, v0, v1), st, temperature,
-                                 teacher_temperature)
-            terms, k_terms = gkd_terms(ls, lt, beta)
-            st[:, 4] += terms.sum(-1)
-            if k_terms is not None:
-                st[:, 5] += k_terms.sum(-1)
-        stats.index_copy_(0, tile.rows[:tile.count], st[:tile.count])
-        loss.index_copy_(0, tile.rows[:tile.count], st[:tile.count, 4].to(loss.dtype))
+    stats = hidden.new_zeros((n, STATS), dtype=torch.float64)
+    rows = Rows(hidden, labels, ignore_index)
+    if rows.m == 0:
+        return loss, stats
+    ids = rows.ids()
+    st = hidden.new_zeros((rows.tiles.padded, STATS), dtype=torch.float64)
+    plan = _plan(hidden, v)
+
+    def fold(v0, v1, rs, x):  # pass 1: each row's (max, log-sum-exp) of s = x / T and of t, in block order
+        first = v0 == 0
+        s = _fold(None if first else (st[rs, M_S], st[rs, L_S]), x, temperature)
+        t = _fold(None if first else (st[rs, M_T], st[rs, L_T]), _teacher_block(teacher, ids[rs], v0, v1),
+                  teacher_temperature)
+        st[rs, M_S], st[rs, L_S] = s
+        st[rs, M_T], st[rs, L_T] = t
+
+    def terms(v0, v1, rs, x):  # pass 2: the row's L and K, summed in block order
+        ls, lt = _normalized(x, _teacher_block(teacher, ids[rs], v0, v1), st[rs], temperature, teacher_temperature)
+        loss_terms, k_terms = gkd_terms(ls, lt, beta)
+        st[rs, LOSS] += loss_terms.sum(-1)
+        if k_terms is not None:
+            st[rs, K] += k_terms.sum(-1)
+
+    forward_sweep(rows.tiles, weight, bias, plan, fold)
+    forward_sweep(rows.tiles, weight, bias, plan, terms)
+    rows.put(stats, 0, st[:rows.m])
+    rows.put(loss, 0, st[:rows.m, LOSS].to(loss.dtype))
     return loss, stats
 
 
 @gkd_full_fwd.register_fake
 def _gkd_full_fwd_fake(hidden, weight, bias, teacher, labels, beta, temperature, teacher_temperature, ignore_index):
     n = hidden.shape[0]
-    return hidden.new_empty((n,), dtype=stats_dtype(hidden)), hidden.new_empty((n, 6), dtype=torch.float64)
+    return hidden.new_empty((n,), dtype=stats_dtype(hidden)), hidden.new_empty((n, STATS), dtype=torch.float64)
 
 
 @torch.library.custom_op("twinkle_mem::linear_gkd_full_bwd", mutates_args=())
 def gkd_full_bwd(grad_loss: Tensor, stats: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                  teacher: Tensor, labels: Optional[Tensor], beta: float, temperature: float,
-                 teacher_temperature: float, ignore_index: int,
+                 teacher_temperature: float, ignore_index: int, need_hidden: bool, need_weight: bool,
                  need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_hidden [N, H], grad_weight [V, H], grad_bias [V] or [0])."""
-    n, v = hidden.shape[0], teacher.shape[-1]
-    acc = _acc_dtype(hidden)
-    kept = _kept_rows(labels, n, ignore_index)
-    rows = torch.arange(n, device=hidden.device) if kept is None else kept
-    h = _select(hidden, kept)
-    grad_weight = torch.zeros_like(weight)
-    grad_bias = torch.zeros_like(bias) if need_bias else hidden.new_empty(0)
-    gh = hidden.new_zeros((h.shape[0], hidden.shape[1]), dtype=acc)
-    tiles = [tile for _r0, tile in _tiles(h, rows, acc)]
-    for v0, v1 in _blocks(v) if h.shape[0] else []:
-        w_b = weight[v0:v1].to(acc)
-        b_b = None if bias is None else bias[v0:v1].to(acc)
-        gw = torch.zeros_like(w_b)
-        gb = torch.zeros((v1 - v0,), dtype=acc, device=hidden.device)
-        for j, tile in enumerate(tiles):
-            st = stats.index_select(0, tile.rows)
-            ls, lt = _normalized(_logits(tile, w_b, b_b), _teacher(teacher, tile, v0, v1), st, temperature,
-                                 teacher_temperature)
-            d = gkd_grad(ls, lt, st[:, 4:5], st[:, 5:6], beta, temperature)
-            d.mul_(grad_loss.index_select(0, tile.rows).double().unsqueeze(1))
-            d[tile.count:] = 0  # the padding rows add exactly nothing
-            d = d.to(acc)
-            r0 = j * engine.ROW_TILE
-            gh[r0:r0 + tile.count] += (d @ w_b)[:tile.count]
-            gw.addmm_(d.t(), tile.h)
-            gb += d.sum(0)
-        grad_weight[v0:v1] = gw
-        if need_bias:
-            grad_bias[v0:v1] = gb
-    grad_hidden = hidden.new_zeros(hidden.shape)
-    grad_hidden.index_copy_(0, rows, gh.to(hidden.dtype))
-    return grad_hidden, grad_weight, grad_bias
+    """(grad_hidden [N, H], grad_weight [V, H], grad_bias [V]); an empty [0] for a gradient not needed."""
+    rows = Rows(hidden, labels, ignore_index)
+    needs = Needs(need_hidden, need_weight, need_bias)
+    plan = _plan(hidden, teacher.shape[-1])
+    if rows.m == 0:
+        return backward_sweep(rows, hidden, weight, bias, plan, needs, None)
+    ids = rows.ids()
+    st = stats.index_select(0, ids)
+    g = grad_loss.index_select(0, ids).double().unsqueeze(1)
+
+    def block_grad(v0, v1, rs, x):  # D = g dL/dx, from ls, lt recomputed; float64, then fp32 (fp64)
+        ls, lt = _normalized(x, _teacher_block(teacher, ids[rs], v0, v1), st[rs], temperature, teacher_temperature)
+        d = gkd_grad(ls, lt, st[rs, LOSS:LOSS + 1], st[rs, K:K + 1], beta, temperature).mul_(g[rs])
+        return d.to(x.dtype)
+
+    return backward_sweep(rows, hidden, weight, bias, plan, needs, block_grad)
 
 
 @gkd_full_bwd.register_fake
 def _gkd_full_bwd_fake(grad_loss, stats, hidden, weight, bias, teacher, labels, beta, temperature,
-                       teacher_temperature, ignore_index, need_bias):
-    return (torch.empty_like(hidden), torch.empty_like(weight),
-            torch.empty_like(bias) if need_bias else hidden.new_empty(0))
+                       teacher_temperature, ignore_index, need_hidden, need_weight, need_bias):
+    return (hidden.new_empty(hidden.shape if need_hidden else 0), weight.new_empty(weight.shape if need_weight else 0),
+            bias.new_empty(bias.shape) if need_bias else hidden.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
@@ -195,10 +160,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, _grad_stats):
     hidden, weight, bias, teacher, labels, stats = ctx.saved_tensors
-    need_bias = ctx.needs_input_grad[2] and bias is not None
-    gh, gw, gb = gkd_full_bwd(grad_loss, stats, hidden, weight, bias, teacher, labels, *ctx.args, need_bias)
-    return (gh if ctx.needs_input_grad[0] else None, gw if ctx.needs_input_grad[1] else None,
-            gb if need_bias else None, None, None, None, None, None, None)
+    needs = Needs.of(ctx.needs_input_grad, ("hidden", "weight", "bias"), bias)
+    grads = gkd_full_bwd(grad_loss, stats, hidden, weight, bias, teacher, labels, *ctx.args, *needs)
+    grads = [g if need else None for g, need in zip(grads, needs)]
+    return (*grads, None, None, None, None, None, None)
 
 
 gkd_full_fwd.register_autograd(_backward, setup_context=_setup_context)
