@@ -25,14 +25,15 @@ log-prob is -inf (and at beta = 1 where the student's is); everywhere else the v
 The k-wide math runs in float64 (O(N k)) and the loss is rounded once. Repeated ids (the recipe's
 padding rows: k ids 0 with log-probs 0.0) are k separate entries, as in twinkle.
 
-Work, by row tiles of ``tile_rows(k, H)`` rows (fixed by k, H: a row's results do not depend on the
-batch; the last tile zero-padded): gather the tile's k weight rows ([R, k, H], in fp32), one batched
-matmul with the hidden rows. Rows whose label is ``ignore_index`` are dropped before any of it.
-Saved for backward: the inputs (references) and dL/dx [N, k]. Backward:
+It runs on the blockwise engine (engine.py) in its other block shape: per row tile of ``tile_rows(k, H)``
+rows (fixed by k and H: a row's results do not depend on the batch; the last tile zero-padded), the tile's
+k weight rows gathered ([R, k, H], fp32) and one batched matmul with the hidden rows
+(engine.gathered_logits). Rows whose label is ``ignore_index`` are dropped before any of it. Saved for
+backward: the inputs (references) and dL/dx [N, k]. Backward (engine.gathered_backward):
 
     grad_hidden[n] = sum_j g_n dL/dx[n, j] weight[ids[n, j]]     (per row tile, fp32, rounded once)
     grad_weight[v] = sum_{(n, j): ids[n, j] = v} g_n dL/dx[n, j] hidden[n]   (per vocab block of
-                     linear.block_width columns, an fp32 accumulator for bf16/fp16, rounded once)
+                     engine.block_width columns, an fp32 accumulator for bf16/fp16, rounded once)
     grad_bias[v]   likewise with 1 for hidden[n].
 
 Tensor parallelism (``process_group``): ``weight`` / ``bias`` are this rank's vocab shard
@@ -48,15 +49,13 @@ import math
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ._contract import check_float_tensor, stats_dtype
-from .functional import check_head_args
+from .engine import Needs, Rows, check_head_args, gathered_backward, gathered_logits
 from .gkd_math import gkd_rows
-from .engine import block_width, pad_rows as _pad_rows
-from .linear import _resolve_group
-from .vocab_parallel import rank_and_world
+from .rows import kept_rows
+from .vocab_parallel import VocabShard
 
 # The gathered weight rows of one row tile, in fp32: R k H 4 bytes at most this (and R <= MAX_TILE_ROWS).
 # With the tile's copy in the input dtype and the hidden tile, a pass holds about twice this at once.
@@ -69,23 +68,8 @@ def tile_rows(k: int, hidden_size: int) -> int:
     return max(1, min(MAX_TILE_ROWS, GATHER_BYTES // max(1, 4 * k * hidden_size)))
 
 
-# ------------------------------------------------------------------ gathers by row tiles
 def _select(t: Optional[Tensor], kept: Optional[Tensor]) -> Optional[Tensor]:
     return t if t is None or kept is None else t.index_select(0, kept)
-
-
-def _kept_rows(labels: Optional[Tensor], n: int, ignore_index: int) -> Optional[Tensor]:
-    if labels is None:
-        return None
-    kept = (labels != ignore_index).nonzero().squeeze(1)
-    return None if kept.numel() == n else kept
-
-
-def _local_ids(ids: Tensor, vocab_start: int, shard: int) -> tuple[Tensor, Tensor]:
-    """(ids on this shard, local and 0 elsewhere; whether each id is on this shard)."""
-    local = ids - vocab_start
-    own = (local >= 0) & (local < shard)
-    return torch.where(own, local, 0), own
 
 
 def check_teacher_ids(ids: Tensor, vocab_size: int) -> None:
@@ -96,15 +80,6 @@ def check_teacher_ids(ids: Tensor, vocab_size: int) -> None:
         i, k = int(bad.flatten().nonzero()[0]), ids.shape[1]
         raise RuntimeError(f"twinkle_mem: teacher id out of range: {int(ids.flatten()[i])} is not in "
                            f"[0, {vocab_size}) (at kept row {i // k}, entry {i % k})")
-
-
-def combine_shards(x: Tensor, own: Tensor, group_name: str) -> Tensor:
-    """The student's logits at the teacher's ids from every rank's part: each id is held by one rank and the
-    others add exact zeros, so one all_reduce (sum) gives the full x, exactly, on every rank."""
-    x = torch.where(own, x, 0.0)
-    if group_name:
-        dist.all_reduce(x, group=_resolve_group(group_name))
-    return x
 
 
 def topk_rows(student_x, teacher_ids: Tensor, teacher_logprobs: Tensor, labels: Optional[Tensor], beta: float,
@@ -118,13 +93,14 @@ def topk_rows(student_x, teacher_ids: Tensor, teacher_logprobs: Tensor, labels: 
     n, k = teacher_ids.shape
     loss = teacher_logprobs.new_zeros((n,), dtype=acc)
     coef = teacher_logprobs.new_zeros((n, k), dtype=torch.float64)
-    kept = _kept_rows(labels, n, ignore_index)
+    kept = kept_rows(labels, ignore_index)
     ids = _select(teacher_ids, kept).long()
     if ids.numel() == 0:  # (the same on every rank: the labels are)
         return loss, coef
     check_teacher_ids(ids, vocab_size)
-    local, own = _local_ids(ids, vocab_start, shard)
-    x = combine_shards(student_x(kept, local), own, group_name)
+    vocab = VocabShard(vocab_start, vocab_size, group_name)
+    local, own = vocab.local_ids(ids, shard)
+    x = vocab.sum(torch.where(own, student_x(kept, local), 0.0))  # each id held by one rank: the others add 0
     rows_loss, rows_coef = gkd_rows(x, _select(teacher_logprobs, kept), beta, temperature, teacher_temperature)
     if kept is None:
         return rows_loss.to(acc), rows_coef
@@ -133,41 +109,15 @@ def topk_rows(student_x, teacher_ids: Tensor, teacher_logprobs: Tensor, labels: 
 
 def topk_upstream(grad_loss: Tensor, coef: Tensor, teacher_ids: Tensor, labels: Optional[Tensor], ignore_index: int,
                   vocab_start: int, shard: int, acc: torch.dtype):
-    """(kept rows or None, their local ids [m, k], g = grad_loss dL/dx [m, k] in acc, 0 at ids this shard does not
-    hold), or None where no row is kept: what both top-k backwards start from."""
-    kept = _kept_rows(labels, teacher_ids.shape[0], ignore_index)
+    """(kept rows or None, their local ids [m, k], whether this shard holds each, g = grad_loss dL/dx [m, k] in acc,
+    0 at ids this shard does not hold), or None where no row is kept: what both top-k backwards start from."""
+    kept = kept_rows(labels, ignore_index)
     ids = _select(teacher_ids, kept).long()
     if ids.numel() == 0:
         return None
-    local, own = _local_ids(ids, vocab_start, shard)
+    local, own = VocabShard(vocab_start, 0, "").local_ids(ids, shard)
     g = torch.where(own, _select(grad_loss, kept).to(acc).unsqueeze(1) * _select(coef, kept).to(acc), 0.0)
     return kept, local, own, g
-
-
-def _tiles(m: int, rows: int):
-    for r0 in range(0, m, rows):
-        yield r0, min(r0 + rows, m)
-
-
-def _gathered_weight(weight: Tensor, ids_tile: Tensor, rows: int, acc: torch.dtype) -> Tensor:
-    """weight[ids] of a tile padded to ``rows`` rows, [rows, k, H] in acc (padding: id 0)."""
-    ids_tile = _pad_rows(ids_tile, rows)
-    return weight.index_select(0, ids_tile.reshape(-1)).view(rows, ids_tile.shape[1], -1).to(acc)
-
-
-def _student_logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], local: Tensor, acc) -> Tensor:
-    """x [m, k] = h . weight[local] + bias[local], in acc, by row tiles of tile_rows(k, H) rows."""
-    m, k = local.shape
-    rows = tile_rows(k, h.shape[1])
-    x = h.new_empty((m, k), dtype=acc)
-    for r0, r1 in _tiles(m, rows):
-        w = _gathered_weight(weight, local[r0:r1], rows, acc)
-        ht = _pad_rows(h[r0:r1], rows).to(acc)
-        xt = torch.bmm(w, ht.unsqueeze(2)).squeeze(2)[: r1 - r0]
-        if bias is not None:
-            xt = xt + bias[local[r0:r1]].to(acc)
-        x[r0:r1] = xt
-    return x
 
 
 # ------------------------------------------------------------------ forward op
@@ -178,13 +128,13 @@ def gkd_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher_ids:
     """hidden [N, H], weight [Vs, H] (the vocab [vocab_start, vocab_start + Vs) of vocab_size), bias [Vs]
     or None, teacher_ids [N, k] global ids, teacher_logprobs [N, k], labels [N] or None. Returns
     (loss [N] fp32 (fp64 for fp64 hidden), dL/dx [N, k] float64), 0 on rows whose label is ignore_index."""
-    acc = stats_dtype(hidden)
+    rows = Rows(hidden, labels, ignore_index, tile_rows(teacher_ids.shape[1], hidden.shape[1]))
 
     def student_x(kept, local):
-        return _student_logits(_select(hidden, kept), weight, bias, local, acc)
+        return gathered_logits(rows.tiles, weight, bias, local)
 
     return topk_rows(student_x, teacher_ids, teacher_logprobs, labels, beta, temperature, teacher_temperature,
-                     ignore_index, vocab_start, weight.shape[0], vocab_size, group_name, acc)
+                     ignore_index, vocab_start, weight.shape[0], vocab_size, group_name, stats_dtype(hidden))
 
 
 @gkd_fwd.register_fake
@@ -195,66 +145,18 @@ def _gkd_fwd_fake(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, b
 
 
 # ------------------------------------------------------------------ backward op
-def _grad_weight_blocks(g: Tensor, h: Tensor, local: Tensor, own: Tensor, grad_weight: Optional[Tensor],
-                        grad_bias: Optional[Tensor], acc) -> None:
-    """grad_weight[v] += sum over entries (n, j) with local id v of g[n, j] h[n] (grad_bias: of g[n, j]),
-    by vocab blocks, each summed in acc and written once; entries in row-major order, in chunks."""
-    shard = (grad_weight if grad_weight is not None else grad_bias).shape[0]
-    h_size = h.shape[1]
-    cols = block_width(shard)
-    chunk = max(1, GATHER_BYTES // (4 * h_size))
-    for v0 in range(0, shard, cols):
-        v1 = min(v0 + cols, shard)
-        entries = (own & (local >= v0) & (local < v1)).flatten().nonzero().squeeze(1)
-        if entries.numel() == 0:
-            continue
-        target = (grad_weight, grad_bias)
-        blocks = [None if t is None else (t[v0:v1] if t.dtype == acc else t[v0:v1].to(acc)) for t in target]
-        for e0 in range(0, entries.numel(), chunk):
-            e = entries[e0:e0 + chunk]
-            at = local.flatten()[e] - v0
-            ge = g.flatten()[e]
-            if blocks[0] is not None:
-                blocks[0].index_add_(0, at, h.index_select(0, e // local.shape[1]).to(acc) * ge.unsqueeze(1))
-            if blocks[1] is not None:
-                blocks[1].index_add_(0, at, ge)
-        for t, b in zip(target, blocks):
-            if t is not None and t.dtype != acc:
-                t[v0:v1] = b
-
-
 @torch.library.custom_op("twinkle_mem::linear_gkd_topk_bwd", mutates_args=())
 def gkd_bwd(grad_loss: Tensor, coef: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
             teacher_ids: Tensor, labels: Optional[Tensor], ignore_index: int, vocab_start: int, need_hidden: bool,
             need_weight: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden [N, H], grad_weight [Vs, H], grad_bias [Vs]); an empty [0] for one not needed.
     coef: the forward's dL/dx. grad_hidden is this shard's term (the ids it holds)."""
-    n, h_size = hidden.shape
-    none = lambda: hidden.new_empty(0)  # noqa: E731  (a fresh one each: outputs may not alias)
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    grad_hidden = hidden.new_zeros((n, h_size)) if need_hidden else none()
-    grad_weight = torch.zeros_like(weight) if need_weight else none()
-    grad_bias = torch.zeros_like(bias) if need_bias else none()
-    upstream = topk_upstream(grad_loss, coef, teacher_ids, labels, ignore_index, vocab_start, weight.shape[0], acc)
-    if upstream is None:
-        return grad_hidden, grad_weight, grad_bias
-    kept, local, own, g = upstream
-    h = _select(hidden, kept)
-    if need_hidden:
-        m, k = local.shape
-        rows = tile_rows(k, h_size)
-        for r0, r1 in _tiles(m, rows):
-            w = _gathered_weight(weight, local[r0:r1], rows, acc)
-            gt = _pad_rows(g[r0:r1], rows).unsqueeze(1)  # [rows, 1, k]
-            part = torch.bmm(gt, w).squeeze(1)[: r1 - r0].to(hidden.dtype)
-            if kept is None:
-                grad_hidden[r0:r1] = part
-            else:
-                grad_hidden.index_copy_(0, kept[r0:r1], part)
-    if need_weight or need_bias:
-        _grad_weight_blocks(g, h, local, own, grad_weight if need_weight else None,
-                            grad_bias if need_bias else None, acc)
-    return grad_hidden, grad_weight, grad_bias
+    needs = Needs(need_hidden, need_weight, need_bias)
+    rows = Rows(hidden, labels, ignore_index, tile_rows(teacher_ids.shape[1], hidden.shape[1]))
+    upstream = topk_upstream(grad_loss, coef, teacher_ids, labels, ignore_index, vocab_start, weight.shape[0],
+                             stats_dtype(hidden))
+    _kept, local, own, g = upstream if upstream is not None else (None, None, None, None)
+    return gathered_backward(rows, hidden, weight, bias, local, own, g, needs, GATHER_BYTES)
 
 
 @gkd_bwd.register_fake
@@ -362,13 +264,9 @@ def checked_teacher_temperature(teacher_temperature, temperature) -> float:
     return float(teacher_temperature)
 
 
-def vocab_shard(process_group, shard: int, what: str) -> tuple[int, int, str]:
-    """(vocab_start, vocab_size, group name) of this rank's ``shard`` columns: Megatron's split, the group's
-    name "" without tensor parallelism."""
-    if process_group is None or dist.get_world_size(process_group) == 1:
-        return 0, shard, ""
-    rank, world = rank_and_world(process_group, shard, what)
-    return rank * shard, world * shard, process_group.group_name
+def vocab_shard(process_group, shard: int, what: str) -> VocabShard:
+    """This rank's ``shard`` columns: Megatron's split (VocabShard.of)."""
+    return VocabShard.of(process_group, shard, what)
 
 
 def gkd_average(per_token: Tensor, labels: Optional[Tensor] = None, ignore_index: int = -100) -> Tensor:

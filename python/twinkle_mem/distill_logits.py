@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 
 from ._contract import check_float_tensor, stats_dtype
-from .distill import _kept_rows, check_gkd_options, check_topk_teacher, topk_rows, topk_upstream, vocab_shard
+from .distill import check_gkd_options, check_topk_teacher, topk_rows, topk_upstream, vocab_shard
 from .gkd_math import gkd_rows
+from .rows import kept_rows
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 # float64 [rows, V] tensors alive at once inside gkd_rows (and the chunk's copies), counted generously
@@ -84,7 +85,7 @@ def gkd_logits_fwd(student: Tensor, teacher: Tensor, labels: Optional[Tensor], b
     loss = student.new_zeros((n,), dtype=acc)
     coef = student.new_zeros((n, topk), dtype=acc)
     ids = torch.zeros((n, topk), dtype=torch.int64, device=student.device)
-    kept = _kept_rows(labels, n, ignore_index)
+    kept = kept_rows(labels, ignore_index)
     for rows in _chunks(kept, n, chunk_rows(v, chunk_bytes)):
         rows = rows.to(student.device)
         x, t = student.index_select(0, rows), teacher_rows(teacher, rows)
@@ -118,7 +119,7 @@ def gkd_logits_bwd(grad_loss: Tensor, coef: Tensor, ids: Tensor, student: Tensor
     if ids.shape[1]:  # top-k: the ids of a row are distinct (torch.topk); ignored rows add 0 at id 0
         g = grad_loss.to(coef.dtype).unsqueeze(1) * coef
         return grad.scatter_add_(1, ids, g.to(student.dtype))
-    for rows in _chunks(_kept_rows(labels, n, ignore_index), n, chunk_rows(v, chunk_bytes)):
+    for rows in _chunks(kept_rows(labels, ignore_index), n, chunk_rows(v, chunk_bytes)):
         rows = rows.to(student.device)
         _loss, d = gkd_rows(student.index_select(0, rows), teacher_rows(teacher, rows), beta, temperature)
         g = grad_loss.index_select(0, rows).double().unsqueeze(1) * d

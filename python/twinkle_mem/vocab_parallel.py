@@ -32,8 +32,11 @@ statistics. Nothing vocab-sized is allocated besides the gradient.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from . import ops
 from ._contract import OpOptions
@@ -86,6 +89,39 @@ def rank_and_world(process_group, shard: int, what: str) -> tuple[int, int]:
     if world * shard >= 2**63:
         raise ValueError(f"{what}: shard size {shard} x {world} ranks overflows the vocab index")
     return rank, world
+
+
+class VocabShard(NamedTuple):
+    """This rank's part of a vocab split across a tensor-parallel group (Megatron's split: rank r holds
+    ``[r Vs, (r + 1) Vs)``), as the fused heads' and GKD ops' schemas carry it: ``vocab_start``, ``vocab_size``
+    (the whole vocab) and ``group_name`` ("" without tensor parallelism: the whole vocab here)."""
+    vocab_start: int
+    vocab_size: int
+    group_name: str
+
+    @classmethod
+    def of(cls, process_group, shard: int, what: str) -> "VocabShard":
+        """This rank's ``shard`` columns under ``process_group`` (None or a group of one: the whole vocab)."""
+        if process_group is None or dist.get_world_size(process_group) == 1:
+            return cls(0, shard, "")
+        rank, world = rank_and_world(process_group, shard, what)
+        return cls(rank * shard, world * shard, process_group.group_name)
+
+    def group(self):
+        """The process group, or None without tensor parallelism."""
+        return dist.distributed_c10d._resolve_process_group(self.group_name) if self.group_name else None
+
+    def sum(self, x: Tensor) -> Tensor:
+        """x summed over the group's ranks, in place (one all_reduce); x itself without tensor parallelism."""
+        if self.group_name:
+            dist.all_reduce(x, group=self.group())
+        return x
+
+    def local_ids(self, ids: Tensor, width: int) -> tuple[Tensor, Tensor]:
+        """(global ``ids`` as this shard's ``width`` columns, 0 where another rank holds them; whether this one does)."""
+        local = ids - self.vocab_start
+        own = (local >= 0) & (local < width)
+        return torch.where(own, local, 0), own
 
 
 def gather_combine_shard_stats(logp_r, entropy_r, shift_r, log_sum_r, y, shard, inv_temperature, ignore_index,
