@@ -53,8 +53,8 @@ from torch import Tensor
 
 from ._contract import check_float_tensor, stats_dtype
 from .engine import Needs, Rows, check_head_args, gathered_backward, gathered_logits
-from .gkd_math import gkd_rows
-from .rows import kept_rows
+from .gkd_math import GkdOptions, gkd_rows
+from .op_args import call, named_inputs, pick, register_autograd
 from .vocab_parallel import VocabShard
 
 # The gathered weight rows of one row tile, in fp32: R k H 4 bytes at most this (and R <= MAX_TILE_ROWS).
@@ -82,42 +82,37 @@ def check_teacher_ids(ids: Tensor, vocab_size: int) -> None:
                            f"[0, {vocab_size}) (at kept row {i // k}, entry {i % k})")
 
 
-def topk_rows(student_x, teacher_ids: Tensor, teacher_logprobs: Tensor, labels: Optional[Tensor], beta: float,
-              temperature: float, teacher_temperature: float, ignore_index: int, vocab_start: int, shard: int,
-              vocab_size: int, group_name: str, acc: torch.dtype) -> tuple[Tensor, Tensor]:
-    """A top-k teacher's (loss [N] in acc, dL/dx [N, k] float64; 0 on rows whose label is ignore_index), the
-    student's logits at the kept rows' ids read by ``student_x(kept, local)`` ([m, k] in acc; kept None: every
-    row) for the ids this shard holds and combined over the group. Shared by linear_gkd_topk (x from the
-    hidden states) and gkd_topk_from_logits (x read from the logits). dL/dx stays float64 (O(N k)): a row's
-    repeated ids, whose terms can cancel, are summed before one rounding."""
+def topk_rows(student_x, teacher_ids: Tensor, teacher_logprobs: Tensor, kept: Optional[Tensor], gkd: GkdOptions,
+              shard: VocabShard, width: int, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A top-k teacher's (loss [N] in acc, dL/dx [N, k] float64; 0 on the rows not ``kept``), the student's logits
+    at the kept rows' ids read by ``student_x(local)`` ([m, k] in acc) for the ids this shard (``width``
+    columns) holds and summed over its group. Shared by linear_gkd_topk (x from the hidden states) and
+    gkd_topk_from_logits (x read from the logits). dL/dx stays float64 (O(N k)): a row's repeated ids, whose
+    terms can cancel, are summed before one rounding."""
     n, k = teacher_ids.shape
     loss = teacher_logprobs.new_zeros((n,), dtype=acc)
     coef = teacher_logprobs.new_zeros((n, k), dtype=torch.float64)
-    kept = kept_rows(labels, ignore_index)
     ids = _select(teacher_ids, kept).long()
     if ids.numel() == 0:  # (the same on every rank: the labels are)
         return loss, coef
-    check_teacher_ids(ids, vocab_size)
-    vocab = VocabShard(vocab_start, vocab_size, group_name)
-    local, own = vocab.local_ids(ids, shard)
-    x = vocab.sum(torch.where(own, student_x(kept, local), 0.0))  # each id held by one rank: the others add 0
-    rows_loss, rows_coef = gkd_rows(x, _select(teacher_logprobs, kept), beta, temperature, teacher_temperature)
+    check_teacher_ids(ids, shard.vocab_size)
+    local, own = shard.local_ids(ids, width)
+    x = shard.sum(torch.where(own, student_x(local), 0.0))  # each id held by one rank: the others add 0
+    rows_loss, rows_coef = gkd_rows(x, _select(teacher_logprobs, kept), gkd.beta, gkd.temperature, gkd.teacher_temp())
     if kept is None:
         return rows_loss.to(acc), rows_coef
     return loss.index_copy_(0, kept, rows_loss.to(acc)), coef.index_copy_(0, kept, rows_coef)
 
 
-def topk_upstream(grad_loss: Tensor, coef: Tensor, teacher_ids: Tensor, labels: Optional[Tensor], ignore_index: int,
-                  vocab_start: int, shard: int, acc: torch.dtype):
-    """(kept rows or None, their local ids [m, k], whether this shard holds each, g = grad_loss dL/dx [m, k] in acc,
-    0 at ids this shard does not hold), or None where no row is kept: what both top-k backwards start from."""
-    kept = kept_rows(labels, ignore_index)
+def topk_upstream(grad_loss: Tensor, coef: Tensor, teacher_ids: Tensor, kept: Optional[Tensor], shard: VocabShard,
+                  width: int, acc: torch.dtype):
+    """(the kept rows' local ids [m, k], whether this shard holds each, g = grad_loss dL/dx [m, k] in acc, 0 at ids
+    this shard does not hold), or None where no row is kept: what both top-k backwards start from."""
     ids = _select(teacher_ids, kept).long()
     if ids.numel() == 0:
         return None
-    local, own = VocabShard(vocab_start, 0, "").local_ids(ids, shard)
-    g = torch.where(own, _select(grad_loss, kept).to(acc).unsqueeze(1) * _select(coef, kept).to(acc), 0.0)
-    return kept, local, own, g
+    local, own = shard.local_ids(ids, width)
+    return local, own, torch.where(own, _select(grad_loss, kept).to(acc).unsqueeze(1) * _select(coef, kept).to(acc), 0.0)
 
 
 # ------------------------------------------------------------------ forward op
@@ -128,13 +123,11 @@ def gkd_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher_ids:
     """hidden [N, H], weight [Vs, H] (the vocab [vocab_start, vocab_start + Vs) of vocab_size), bias [Vs]
     or None, teacher_ids [N, k] global ids, teacher_logprobs [N, k], labels [N] or None. Returns
     (loss [N] fp32 (fp64 for fp64 hidden), dL/dx [N, k] float64), 0 on rows whose label is ignore_index."""
+    gkd = GkdOptions(beta, temperature, teacher_temperature, ignore_index)
     rows = Rows(hidden, labels, ignore_index, tile_rows(teacher_ids.shape[1], hidden.shape[1]))
-
-    def student_x(kept, local):
-        return gathered_logits(rows.tiles, weight, bias, local)
-
-    return topk_rows(student_x, teacher_ids, teacher_logprobs, labels, beta, temperature, teacher_temperature,
-                     ignore_index, vocab_start, weight.shape[0], vocab_size, group_name, stats_dtype(hidden))
+    return topk_rows(lambda local: gathered_logits(rows.tiles, weight, bias, local), teacher_ids, teacher_logprobs,
+                     rows.index, gkd, VocabShard(vocab_start, vocab_size, group_name), weight.shape[0],
+                     stats_dtype(hidden))
 
 
 @gkd_fwd.register_fake
@@ -151,12 +144,12 @@ def gkd_bwd(grad_loss: Tensor, coef: Tensor, hidden: Tensor, weight: Tensor, bia
             need_weight: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden [N, H], grad_weight [Vs, H], grad_bias [Vs]); an empty [0] for one not needed.
     coef: the forward's dL/dx. grad_hidden is this shard's term (the ids it holds)."""
-    needs = Needs(need_hidden, need_weight, need_bias)
     rows = Rows(hidden, labels, ignore_index, tile_rows(teacher_ids.shape[1], hidden.shape[1]))
-    upstream = topk_upstream(grad_loss, coef, teacher_ids, labels, ignore_index, vocab_start, weight.shape[0],
+    upstream = topk_upstream(grad_loss, coef, teacher_ids, rows.index, VocabShard(vocab_start), weight.shape[0],
                              stats_dtype(hidden))
-    _kept, local, own, g = upstream if upstream is not None else (None, None, None, None)
-    return gathered_backward(rows, hidden, weight, bias, local, own, g, needs, GATHER_BYTES)
+    local, own, g = upstream if upstream is not None else (None, None, None)
+    return gathered_backward(rows, hidden, weight, bias, local, own, g, Needs(need_hidden, need_weight, need_bias),
+                             GATHER_BYTES)
 
 
 @gkd_bwd.register_fake
@@ -167,33 +160,23 @@ def _gkd_bwd_fake(grad_loss, coef, hidden, weight, bias, teacher_ids, labels, ig
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, teacher_ids, _tlp, labels, _beta, _t, _tt, ignore_index, vocab_start, _vs, _g = inputs
-    _loss, coef = output
-    ctx.save_for_backward(hidden, weight, bias, teacher_ids, labels, coef)
-    ctx.args = (ignore_index, vocab_start)
-    ctx.mark_non_differentiable(coef)
+    args = named_inputs(gkd_fwd, inputs)
+    ctx.gkd, ctx.shard = pick(GkdOptions, gkd_fwd, inputs), pick(VocabShard, gkd_fwd, inputs)
+    ctx.save_for_backward(args["hidden"], args["weight"], args["bias"], args["teacher_ids"], args["labels"], output[1])
+    ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, grad_loss, _grad_coef):
     hidden, weight, bias, teacher_ids, labels, coef = ctx.saved_tensors
-    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-    need_bias = need_bias and bias is not None
-    grads = gkd_bwd(grad_loss, coef, hidden, weight, bias, teacher_ids, labels, *ctx.args, need_hidden, need_weight,
-                    need_bias)
-    grads = [gr if need else None for gr, need in zip(grads, (need_hidden, need_weight, need_bias))]
-    return (*grads, None, None, None, None, None, None, None, None, None, None)
+    needs = Needs.of(ctx, gkd_fwd, bias)
+    return needs.grads(*call(gkd_bwd, grad_loss, coef, hidden, weight, bias, teacher_ids, labels, ctx.gkd, ctx.shard,
+                             needs.args()))
 
 
-gkd_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(gkd_fwd, _backward, _setup_context)
 
 
 # ------------------------------------------------------------------ public functions
-def _check_args(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, beta, temperature, ignore_index):
-    check_head_args(hidden, weight, bias)
-    check_topk_teacher(teacher_ids, teacher_logprobs, hidden, "hidden")
-    check_gkd_options(labels, hidden, "hidden", beta, temperature, ignore_index)
-
-
 def check_topk_teacher(teacher_ids, teacher_logprobs, rows: Tensor, rows_name: str) -> None:
     """A top-k teacher's checks: int ids and float log-probs of one shape [..., k], [...] the rows' leading
     shape, on the rows' device."""
@@ -212,21 +195,27 @@ def check_topk_teacher(teacher_ids, teacher_logprobs, rows: Tensor, rows_name: s
             raise ValueError(f"{name} is on {t.device} but {rows_name} is on {rows.device}")
 
 
-def check_gkd_options(labels, rows: Tensor, rows_name: str, beta, temperature, ignore_index) -> None:
+def checked_gkd(labels, rows: Tensor, rows_name: str, gkd: GkdOptions) -> GkdOptions:
     """The checks every GKD function shares (ValueError naming the argument): labels None or of the rows'
-    leading shape on their device, beta in [0, 1], temperature, ignore_index."""
+    leading shape on their device, beta in [0, 1], temperature, ignore_index, teacher_temperature (None or
+    finite > 0). Returns ``gkd`` as the ops take it: floats, the teacher's temperature given."""
     lead = tuple(rows.shape[:-1])
     if labels is not None and (not isinstance(labels, Tensor) or labels.dtype not in (torch.int64, torch.int32)
                                or tuple(labels.shape) != lead or labels.device != rows.device):
         raise ValueError(f"labels must be None or an int64/int32 tensor of shape {rows_name}.shape[:-1] = {lead} "
                          f"on {rows.device}, got {getattr(labels, 'dtype', type(labels))} "
                          f"{tuple(getattr(labels, 'shape', ()))}")
+    beta, temperature, teacher_temperature, ignore_index = gkd
     if isinstance(beta, Tensor) or not (0.0 <= beta <= 1.0):
         raise ValueError(f"beta must be a Python number in [0, 1], got {beta!r}")
     if isinstance(temperature, Tensor) or not (0 < temperature < math.inf):
         raise ValueError(f"temperature must be a finite Python number > 0, got {temperature!r}")
     if not isinstance(ignore_index, int):
         raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if teacher_temperature is not None and (isinstance(teacher_temperature, Tensor)
+                                            or not (0 < teacher_temperature < math.inf)):
+        raise ValueError(f"teacher_temperature must be None or a finite Python number > 0, got {teacher_temperature!r}")
+    return GkdOptions(float(beta), float(temperature), float(gkd.teacher_temp()), int(ignore_index))
 
 
 def linear_gkd_topk(hidden, weight, teacher_ids, teacher_logprobs, labels=None, *, bias=None, beta=0.5,
@@ -243,30 +232,16 @@ def linear_gkd_topk(hidden, weight, teacher_ids, teacher_logprobs, labels=None, 
     ``teacher_temperature``: the teacher's, ``temperature`` when None (twinkle divides both sides by one).
     Formulas, memory and semantics: the module docstring and docs/distillation.md.
     """
-    _check_args(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, beta, temperature, ignore_index)
-    teacher_temperature = checked_teacher_temperature(teacher_temperature, temperature)
+    check_head_args(hidden, weight, bias)
+    check_topk_teacher(teacher_ids, teacher_logprobs, hidden, "hidden")
+    gkd = checked_gkd(labels, hidden, "hidden", GkdOptions(beta, temperature, teacher_temperature, ignore_index))
     h_size = hidden.shape[-1]
     n = math.prod(hidden.shape[:-1])
     k = teacher_ids.shape[-1]
-    loss, _coef = gkd_fwd(hidden.reshape(n, h_size), weight, bias, teacher_ids.reshape(n, k),
-                          teacher_logprobs.reshape(n, k), None if labels is None else labels.reshape(n),
-                          float(beta), float(temperature), teacher_temperature, int(ignore_index),
-                          *vocab_shard(process_group, weight.shape[0], "weight"))
+    loss, _coef = call(gkd_fwd, hidden.reshape(n, h_size), weight, bias, teacher_ids.reshape(n, k),
+                       teacher_logprobs.reshape(n, k), None if labels is None else labels.reshape(n), gkd,
+                       VocabShard.of(process_group, weight.shape[0], "weight"))
     return loss.view(hidden.shape[:-1])
-
-
-def checked_teacher_temperature(teacher_temperature, temperature) -> float:
-    """The teacher's temperature as a float: ``temperature`` when None; ValueError unless finite and > 0."""
-    if teacher_temperature is None:
-        return float(temperature)
-    if isinstance(teacher_temperature, Tensor) or not (0 < teacher_temperature < math.inf):
-        raise ValueError(f"teacher_temperature must be None or a finite Python number > 0, got {teacher_temperature!r}")
-    return float(teacher_temperature)
-
-
-def vocab_shard(process_group, shard: int, what: str) -> VocabShard:
-    """This rank's ``shard`` columns: Megatron's split (VocabShard.of)."""
-    return VocabShard.of(process_group, shard, what)
 
 
 def gkd_average(per_token: Tensor, labels: Optional[Tensor] = None, ignore_index: int = -100) -> Tensor:

@@ -29,10 +29,11 @@ import torch
 from torch import Tensor
 
 from ._contract import stats_dtype
-from .distill import check_gkd_options, checked_teacher_temperature
+from .distill import checked_gkd
 from .distill_logits import check_teacher_logits, flat_teacher, teacher_rows
 from .engine import Needs, Plan, Rows, acc_dtype, backward_sweep, check_head_args, forward_sweep
-from .gkd_math import gkd_grad, gkd_terms, log_add_exp
+from .gkd_math import GkdOptions, gkd_grad, gkd_terms, log_add_exp
+from .op_args import call, named_inputs, pick, register_autograd
 
 FULL_BLOCK = 2048  # vocab columns per block of the float64 math
 # The rows' statistics, saved for backward: [N, STATS] float64.
@@ -68,12 +69,11 @@ def _teacher_block(teacher: Tensor, ids: Tensor, v0: int, v1: int) -> Tensor:
     return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
-def _normalized(x: Tensor, t: Tensor, stats: Tensor, temperature: float,
-                teacher_temperature: float) -> tuple[Tensor, Tensor]:
+def _normalized(x: Tensor, t: Tensor, stats: Tensor, gkd: GkdOptions) -> tuple[Tensor, Tensor]:
     """ls, lt of a block (float64) from the rows' stats [r, STATS]: (x - M) / T - L, x - M formed in float64,
     in place on one float64 copy of each."""
-    ls = x.double().sub_(stats[:, M_S:M_S + 1]).div_(temperature).sub_(stats[:, L_S:L_S + 1])
-    lt = t.double().sub_(stats[:, M_T:M_T + 1]).div_(teacher_temperature).sub_(stats[:, L_T:L_T + 1])
+    ls = x.double().sub_(stats[:, M_S:M_S + 1]).div_(gkd.temperature).sub_(stats[:, L_S:L_S + 1])
+    lt = t.double().sub_(stats[:, M_T:M_T + 1]).div_(gkd.teacher_temp()).sub_(stats[:, L_T:L_T + 1])
     return ls, lt
 
 
@@ -83,6 +83,7 @@ def gkd_full_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher
                  ignore_index: int) -> tuple[Tensor, Tensor]:
     """hidden [N, H], weight [V, H], bias [V] or None, teacher [N, V] (or [..., V] of N rows), labels [N] or
     None. Returns (loss [N] fp32 (fp64 for fp64 hidden), the rows' stats [N, STATS] float64); ignored rows 0."""
+    gkd = GkdOptions(beta, temperature, teacher_temperature, ignore_index)
     n, v = hidden.shape[0], teacher.shape[-1]
     loss = hidden.new_zeros((n,), dtype=stats_dtype(hidden))
     stats = hidden.new_zeros((n, STATS), dtype=torch.float64)
@@ -95,15 +96,15 @@ def gkd_full_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher
 
     def fold(v0, v1, rs, x):  # pass 1: each row's (max, log-sum-exp) of s = x / T and of t, in block order
         first = v0 == 0
-        s = _fold(None if first else (st[rs, M_S], st[rs, L_S]), x, temperature)
+        s = _fold(None if first else (st[rs, M_S], st[rs, L_S]), x, gkd.temperature)
         t = _fold(None if first else (st[rs, M_T], st[rs, L_T]), _teacher_block(teacher, ids[rs], v0, v1),
-                  teacher_temperature)
+                  gkd.teacher_temp())
         st[rs, M_S], st[rs, L_S] = s
         st[rs, M_T], st[rs, L_T] = t
 
     def terms(v0, v1, rs, x):  # pass 2: the row's L and K, summed in block order
-        ls, lt = _normalized(x, _teacher_block(teacher, ids[rs], v0, v1), st[rs], temperature, teacher_temperature)
-        loss_terms, k_terms = gkd_terms(ls, lt, beta)
+        ls, lt = _normalized(x, _teacher_block(teacher, ids[rs], v0, v1), st[rs], gkd)
+        loss_terms, k_terms = gkd_terms(ls, lt, gkd.beta)
         st[rs, LOSS] += loss_terms.sum(-1)
         if k_terms is not None:
             st[rs, K] += k_terms.sum(-1)
@@ -127,6 +128,7 @@ def gkd_full_bwd(grad_loss: Tensor, stats: Tensor, hidden: Tensor, weight: Tenso
                  teacher_temperature: float, ignore_index: int, need_hidden: bool, need_weight: bool,
                  need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden [N, H], grad_weight [V, H], grad_bias [V]); an empty [0] for a gradient not needed."""
+    gkd = GkdOptions(beta, temperature, teacher_temperature, ignore_index)
     rows = Rows(hidden, labels, ignore_index)
     needs = Needs(need_hidden, need_weight, need_bias)
     plan = _plan(hidden, teacher.shape[-1])
@@ -137,8 +139,8 @@ def gkd_full_bwd(grad_loss: Tensor, stats: Tensor, hidden: Tensor, weight: Tenso
     g = grad_loss.index_select(0, ids).double().unsqueeze(1)
 
     def block_grad(v0, v1, rs, x):  # D = g dL/dx, from ls, lt recomputed; float64, then fp32 (fp64)
-        ls, lt = _normalized(x, _teacher_block(teacher, ids[rs], v0, v1), st[rs], temperature, teacher_temperature)
-        d = gkd_grad(ls, lt, st[rs, LOSS:LOSS + 1], st[rs, K:K + 1], beta, temperature).mul_(g[rs])
+        ls, lt = _normalized(x, _teacher_block(teacher, ids[rs], v0, v1), st[rs], gkd)
+        d = gkd_grad(ls, lt, st[rs, LOSS:LOSS + 1], st[rs, K:K + 1], gkd.beta, gkd.temperature).mul_(g[rs])
         return d.to(x.dtype)
 
     return backward_sweep(rows, hidden, weight, bias, plan, needs, block_grad)
@@ -152,21 +154,20 @@ def _gkd_full_bwd_fake(grad_loss, stats, hidden, weight, bias, teacher, labels, 
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, teacher, labels, beta, temperature, teacher_temperature, ignore_index = inputs
-    ctx.save_for_backward(hidden, weight, bias, teacher, labels, output[1])
-    ctx.args = (beta, temperature, teacher_temperature, ignore_index)
+    args = named_inputs(gkd_full_fwd, inputs)
+    ctx.gkd = pick(GkdOptions, gkd_full_fwd, inputs)
+    ctx.save_for_backward(args["hidden"], args["weight"], args["bias"], args["teacher"], args["labels"], output[1])
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, grad_loss, _grad_stats):
     hidden, weight, bias, teacher, labels, stats = ctx.saved_tensors
-    needs = Needs.of(ctx.needs_input_grad, ("hidden", "weight", "bias"), bias)
-    grads = gkd_full_bwd(grad_loss, stats, hidden, weight, bias, teacher, labels, *ctx.args, *needs)
-    grads = [g if need else None for g, need in zip(grads, needs)]
-    return (*grads, None, None, None, None, None, None)
+    needs = Needs.of(ctx, gkd_full_fwd, bias)
+    return needs.grads(*call(gkd_full_bwd, grad_loss, stats, hidden, weight, bias, teacher, labels, ctx.gkd,
+                             needs.args()))
 
 
-gkd_full_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(gkd_full_fwd, _backward, _setup_context)
 
 
 def linear_gkd_full(hidden, weight, teacher_logits, labels=None, *, bias=None, beta=0.5, temperature=1.0,
@@ -182,10 +183,8 @@ def linear_gkd_full(hidden, weight, teacher_logits, labels=None, *, bias=None, b
     """
     check_head_args(hidden, weight, bias)
     check_teacher_logits(teacher_logits, (*hidden.shape[:-1], weight.shape[0]), hidden, "hidden")
-    check_gkd_options(labels, hidden, "hidden", beta, temperature, ignore_index)
-    teacher_temperature = checked_teacher_temperature(teacher_temperature, temperature)
+    gkd = checked_gkd(labels, hidden, "hidden", GkdOptions(beta, temperature, teacher_temperature, ignore_index))
     n = teacher_logits.numel() // weight.shape[0]
-    loss, _stats = gkd_full_fwd(hidden.reshape(n, hidden.shape[-1]), weight, bias, flat_teacher(teacher_logits),
-                                None if labels is None else labels.reshape(n), float(beta), float(temperature),
-                                teacher_temperature, int(ignore_index))
+    loss, _stats = call(gkd_full_fwd, hidden.reshape(n, hidden.shape[-1]), weight, bias, flat_teacher(teacher_logits),
+                        None if labels is None else labels.reshape(n), gkd)
     return loss.view(hidden.shape[:-1])

@@ -26,9 +26,11 @@ import torch
 from torch import Tensor
 
 from ._contract import check_float_tensor, stats_dtype
-from .distill import check_gkd_options, check_topk_teacher, topk_rows, topk_upstream, vocab_shard
-from .gkd_math import gkd_rows
+from .distill import check_topk_teacher, checked_gkd, topk_rows, topk_upstream
+from .gkd_math import GkdOptions, gkd_rows
+from .op_args import call, named_inputs, pick, register_autograd
 from .rows import kept_rows
+from .vocab_parallel import VocabShard
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 # float64 [rows, V] tensors alive at once inside gkd_rows (and the chunk's copies), counted generously
@@ -134,20 +136,20 @@ def _gkd_logits_bwd_fake(grad_loss, coef, ids, student, teacher, labels, beta, t
 
 
 def _setup_context(ctx, inputs, output):
-    student, teacher, labels, beta, temperature, ignore_index, _topk, chunk_bytes = inputs
+    args = named_inputs(gkd_logits_fwd, inputs)
+    ctx.gkd, ctx.chunk_bytes = pick(GkdOptions, gkd_logits_fwd, inputs), args["chunk_bytes"]
     _loss, coef, ids = output
-    ctx.save_for_backward(student, teacher, labels, coef, ids)
-    ctx.args = (beta, temperature, ignore_index, chunk_bytes)
+    ctx.save_for_backward(args["student"], args["teacher"], args["labels"], coef, ids)
     ctx.mark_non_differentiable(coef, ids)
 
 
 def _backward(ctx, grad_loss, _grad_coef, _grad_ids):
     student, teacher, labels, coef, ids = ctx.saved_tensors
-    grad = gkd_logits_bwd(grad_loss, coef, ids, student, teacher, labels, *ctx.args)
-    return grad, None, None, None, None, None, None, None
+    return {"student": call(gkd_logits_bwd, grad_loss, coef, ids, student, teacher, labels, ctx.gkd,
+                            {"chunk_bytes": ctx.chunk_bytes})}
 
 
-gkd_logits_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(gkd_logits_fwd, _backward, _setup_context)
 
 
 def gkd_from_logits(student_logits, teacher_logits, labels=None, *, topk=None, beta=0.5, temperature=1.0,
@@ -166,23 +168,23 @@ def gkd_from_logits(student_logits, teacher_logits, labels=None, *, topk=None, b
         raise ValueError("student_logits must have a vocab dim")
     check_teacher_logits(teacher_logits, student_logits.shape, student_logits, "student_logits")
     lead, v = tuple(student_logits.shape[:-1]), student_logits.shape[-1]
-    check_gkd_options(labels, student_logits, "student_logits", beta, temperature, ignore_index)
+    gkd = checked_gkd(labels, student_logits, "student_logits", GkdOptions(beta, temperature, None, ignore_index))
     if topk is not None and (not isinstance(topk, int) or not 1 <= topk <= v):
         raise ValueError(f"topk must be None or an int in [1, V = {v}], got {topk!r}")
     chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
     n = student_logits.numel() // v
-    loss, _coef, _ids = gkd_logits_fwd(student_logits.reshape(n, v), flat_teacher(teacher_logits),
-                                       None if labels is None else labels.reshape(n), float(beta),
-                                       float(temperature), int(ignore_index), int(topk or 0), int(chunk_bytes))
+    loss, _coef, _ids = call(gkd_logits_fwd, student_logits.reshape(n, v), flat_teacher(teacher_logits),
+                             None if labels is None else labels.reshape(n), gkd,
+                             {"topk": int(topk or 0), "chunk_bytes": int(chunk_bytes)})
     return loss.view(lead)
 
 
 # ------------------------------------------------------------------ a top-k teacher's ids and log-probs
 # The student's logits are read at the teacher's k ids only; saved for backward: dL/dx [N, k] (float64) and the ids,
 # not the logits (backward needs only their shape). Under tensor parallelism the logits are this rank's
-# vocab shard and the ids global: distill.combine_shards, as linear_gkd_topk.
+# vocab shard and the ids global: distill.topk_rows, as linear_gkd_topk.
 DEDUP_ENTRIES = 1 << 24  # rows x k x k at a time when summing a row's repeated ids (bools)
 
 
@@ -192,14 +194,12 @@ def gkd_topk_logits_fwd(student: Tensor, teacher_ids: Tensor, teacher_logprobs: 
                         group_name: str) -> tuple[Tensor, Tensor]:
     """student [N, Vs] (the vocab [vocab_start, vocab_start + Vs) of vocab_size), teacher_ids [N, k] global,
     teacher_logprobs [N, k], labels [N] or None. Returns (loss [N] fp32 (fp64 for fp64), dL/dx [N, k] float64)."""
+    kept = kept_rows(labels, ignore_index)
+    rows = (torch.arange(student.shape[0], device=student.device) if kept is None else kept).unsqueeze(1)
     acc = stats_dtype(student)
-
-    def student_x(kept, local):  # [m, k]: no row of the logits copied
-        rows = torch.arange(student.shape[0], device=student.device) if kept is None else kept
-        return student[rows.unsqueeze(1), local].to(acc)
-
-    return topk_rows(student_x, teacher_ids, teacher_logprobs, labels, beta, temperature, temperature, ignore_index,
-                     vocab_start, student.shape[1], vocab_size, group_name, acc)
+    return topk_rows(lambda local: student[rows, local].to(acc),  # [m, k]: no row of the logits copied
+                     teacher_ids, teacher_logprobs, kept, GkdOptions(beta, temperature, None, ignore_index),
+                     VocabShard(vocab_start, vocab_size, group_name), student.shape[1], acc)
 
 
 @gkd_topk_logits_fwd.register_fake
@@ -227,10 +227,11 @@ def gkd_topk_logits_bwd(grad_loss: Tensor, coef: Tensor, teacher_ids: Tensor, la
     """The student's gradient [N, shard] in ``dtype``: g dL/dx at the ids this shard holds, 0 elsewhere."""
     n = teacher_ids.shape[0]
     grad = coef.new_zeros((n, shard), dtype=dtype)
-    upstream = topk_upstream(grad_loss, coef, teacher_ids, labels, ignore_index, vocab_start, shard, torch.float64)
+    kept = kept_rows(labels, ignore_index)
+    upstream = topk_upstream(grad_loss, coef, teacher_ids, kept, VocabShard(vocab_start), shard, torch.float64)
     if upstream is None:
         return grad
-    kept, local, _own, g = upstream
+    local, _own, g = upstream
     rows = (torch.arange(n, device=grad.device) if kept is None else kept).unsqueeze(1).expand_as(local)
     return grad.index_put_((rows, local), _sum_repeated(g, local).to(dtype), accumulate=True)
 
@@ -241,19 +242,20 @@ def _gkd_topk_logits_bwd_fake(grad_loss, coef, teacher_ids, labels, ignore_index
 
 
 def _topk_setup_context(ctx, inputs, output):
-    student, teacher_ids, _lp, labels, _beta, _t, ignore_index, vocab_start, _vs, _g = inputs
-    _loss, coef = output
-    ctx.save_for_backward(coef, teacher_ids, labels)  # not the logits: their shape and dtype suffice
-    ctx.args = (ignore_index, vocab_start, student.shape[1], student.dtype)
-    ctx.mark_non_differentiable(coef)
+    args = named_inputs(gkd_topk_logits_fwd, inputs)
+    ctx.gkd, ctx.vocab = pick(GkdOptions, gkd_topk_logits_fwd, inputs), pick(VocabShard, gkd_topk_logits_fwd, inputs)
+    ctx.student = {"shard": args["student"].shape[1], "dtype": args["student"].dtype}  # not the logits themselves
+    ctx.save_for_backward(output[1], args["teacher_ids"], args["labels"])
+    ctx.mark_non_differentiable(output[1])
 
 
 def _topk_backward(ctx, grad_loss, _grad_coef):
     coef, teacher_ids, labels = ctx.saved_tensors
-    return gkd_topk_logits_bwd(grad_loss, coef, teacher_ids, labels, *ctx.args), *([None] * 9)
+    return {"student": call(gkd_topk_logits_bwd, grad_loss, coef, teacher_ids, labels, ctx.gkd, ctx.vocab,
+                            ctx.student)}
 
 
-gkd_topk_logits_fwd.register_autograd(_topk_backward, setup_context=_topk_setup_context)
+register_autograd(gkd_topk_logits_fwd, _topk_backward, _topk_setup_context)
 
 
 def gkd_topk_from_logits(student_logits, teacher_ids, teacher_logprobs, labels=None, *, beta=0.5, temperature=1.0,
@@ -272,11 +274,10 @@ def gkd_topk_from_logits(student_logits, teacher_ids, teacher_logprobs, labels=N
     if student_logits.dim() < 1:
         raise ValueError("student_logits must have a vocab dim")
     check_topk_teacher(teacher_ids, teacher_logprobs, student_logits, "student_logits")
-    check_gkd_options(labels, student_logits, "student_logits", beta, temperature, ignore_index)
+    gkd = checked_gkd(labels, student_logits, "student_logits", GkdOptions(beta, temperature, None, ignore_index))
     v, k = student_logits.shape[-1], teacher_ids.shape[-1]
     n = math.prod(student_logits.shape[:-1])
-    loss, _coef = gkd_topk_logits_fwd(student_logits.reshape(n, v), teacher_ids.reshape(n, k),
-                                      teacher_logprobs.reshape(n, k), None if labels is None else labels.reshape(n),
-                                      float(beta), float(temperature), int(ignore_index),
-                                      *vocab_shard(process_group, v, "student_logits"))
+    loss, _coef = call(gkd_topk_logits_fwd, student_logits.reshape(n, v), teacher_ids.reshape(n, k),
+                       teacher_logprobs.reshape(n, k), None if labels is None else labels.reshape(n), gkd,
+                       VocabShard.of(process_group, v, "student_logits"))
     return loss.view(student_logits.shape[:-1])

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ._contract import check_float_tensor
 from ._matmul import add_matmul, logits_into, mixed_addmm
+from .op_args import arg_names
 from .rows import kept_rows
 
 # Every matmul and merge is cut from these constants alone, never from N or chunk_bytes, so that a row's results
@@ -203,10 +204,19 @@ class Needs(NamedTuple):
     bias: bool
 
     @classmethod
-    def of(cls, needs_input_grad, names, bias: Optional[Tensor]) -> "Needs":
-        """From autograd's needs_input_grad of an op whose inputs are ``names`` (its schema's)."""
-        need = dict(zip(names, needs_input_grad))
+    def of(cls, ctx, op, bias: Optional[Tensor]) -> "Needs":
+        """From autograd's needs_input_grad of ``op``, whose inputs named hidden, weight and bias are the head's."""
+        need = dict(zip(arg_names(op), ctx.needs_input_grad))
         return cls(need["hidden"], need["weight"], need["bias"] and bias is not None)
+
+    def args(self) -> dict:
+        """The backward ops' need_hidden, need_weight, need_bias arguments (op_args.call)."""
+        return {"need_hidden": self.hidden, "need_weight": self.weight, "need_bias": self.bias}
+
+    def grads(self, grad_hidden: Tensor, grad_weight: Tensor, grad_bias: Tensor) -> dict:
+        """A backward op's three results as autograd's gradients by input name (op_args.register_autograd)."""
+        return {"hidden": grad_hidden if self.hidden else None, "weight": grad_weight if self.weight else None,
+                "bias": grad_bias if self.bias else None}
 
 
 class Plan(NamedTuple):

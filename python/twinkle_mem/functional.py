@@ -15,8 +15,9 @@ import torch.distributed as dist
 from . import ops
 from ._contract import check_float_tensor, check_index_and_options, check_logits_args, ignore_value
 from .engine import check_head_args
-from .linear import DEFAULT_CHUNK_BYTES, block_width, default_chunk_bytes, linear_fwd, tiles_in_flight
-from .vocab_parallel import rank_and_world, vocab_parallel_selective_log_softmax
+from .linear import DEFAULT_CHUNK_BYTES, LogprobOptions, block_width, default_chunk_bytes, linear_fwd, tiles_in_flight
+from .op_args import call
+from .vocab_parallel import VocabShard, vocab_parallel_selective_log_softmax
 from .rows import to_op_rows
 
 def selective_log_softmax(logits, index, return_entropy=False, *, temperature=1.0, ignore_index=None,
@@ -114,16 +115,10 @@ def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *,
     tiles_in_flight(cols, h_size, hidden.dtype, chunk_bytes, backward=True)
     rows = hidden.reshape(n, h_size)  # a view unless the leading dims cannot be merged
     labels = index.reshape(n, index.shape[-1] if multi else 1)
-    ignore = ignore_value(ignore_index)
-    shard = weight.shape[0]
-    rank, world, group_name = 0, 1, ""
-    if process_group is not None and dist.get_world_size(process_group) > 1:
-        rank, world = rank_and_world(process_group, shard, "weight")
-        group_name = process_group.group_name
-    inv_temperature = ops.inv_temperature_tensor(temperature)
-    logp, entropy, _shift, _log_sum = linear_fwd(rows, weight, bias, labels, inv_temperature, ignore,
-                                                 bool(return_entropy), int(chunk_bytes), rank * shard, world * shard,
-                                                 group_name)
+    opts = LogprobOptions(ops.inv_temperature_tensor(temperature), ignore_value(ignore_index), bool(return_entropy),
+                          int(chunk_bytes))
+    shard = VocabShard.of(process_group, weight.shape[0], "weight")
+    logp, entropy, _shift, _log_sum = call(linear_fwd, rows, weight, bias, labels, opts, shard)
     logp = logp.view(index.shape)
     if return_entropy:
         return logp, entropy.view(hidden.shape[:-1])

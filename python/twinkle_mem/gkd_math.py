@@ -10,7 +10,7 @@ formulas are derived in docs/distillation.md and listed in distill.py's docstrin
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -20,6 +20,19 @@ from torch import Tensor
 # unlike the others), so that a row's bits do not depend on the rows around it. What they write in place
 # (out=) are temporaries of their own making, never a caller's tensor.
 LOG_TINY = -746.0  # below log(2^-1074): lm's floor where both parts of the mixture underflow
+
+
+class GkdOptions(NamedTuple):
+    """twinkle's GKDLoss's scalars, one value for every GKD op (their schemas name them alike):
+    ``teacher_temperature`` None is ``temperature`` (twinkle divides both sides by one)."""
+    beta: float
+    temperature: float
+    teacher_temperature: Optional[float] = None
+    ignore_index: int = -100
+
+    def teacher_temp(self) -> float:
+        """The teacher's temperature."""
+        return self.temperature if self.teacher_temperature is None else self.teacher_temperature
 
 
 def _weighted_log_ratio(w: Tensor, a: Tensor, b: Tensor, out: Optional[Tensor] = None) -> Tensor:

@@ -29,7 +29,7 @@ The public function, ``linear_selective_log_softmax``, is in functional.py.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,8 +39,9 @@ from . import ops
 from ._contract import check_op_label_range, stats_dtype
 from .engine import (Needs, Plan, Rows, backward_sweep, block_width, forward_sweep, tile_bytes,  # noqa: F401
                      tiles_in_flight)
+from .op_args import call, named_inputs, pick, register_autograd
 from .row_stats import combine_shard_stats_in_tiles, output_shift
-from .vocab_parallel import gather_shard_stats
+from .vocab_parallel import VocabShard, gather_shard_stats
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 
@@ -51,6 +52,16 @@ def default_chunk_bytes(cols: int, hidden_size: int, dtype: torch.dtype) -> int:
     return max(DEFAULT_CHUNK_BYTES, sum(tile_bytes(cols, hidden_size, dtype, backward=True)))
 
 
+class LogprobOptions(NamedTuple):
+    """The fused log-prob head's scalars, one value (its ops' schemas name them alike; the vocab shard is a
+    vocab_parallel.VocabShard). inv_temperature: 1/T, a 0-dim CPU tensor across the op boundary
+    (ops.inv_temperature_tensor: no recompile when T changes under torch.compile), a float inside the ops."""
+    inv_temperature: object
+    ignore_index: int
+    with_entropy: bool
+    chunk_bytes: int
+
+
 def _plan(hidden: Tensor, shard: int, chunk_bytes: int, backward: bool) -> Plan:
     """Vocab blocks of block_width columns, as many row tiles per op call as chunk_bytes holds, logits in the
     input dtype (the op reads them as the model's layer would give them)."""
@@ -58,13 +69,9 @@ def _plan(hidden: Tensor, shard: int, chunk_bytes: int, backward: bool) -> Plan:
     return Plan(cols, tiles_in_flight(cols, hidden.shape[1], hidden.dtype, chunk_bytes, backward), hidden.dtype)
 
 
-def _resolve_group(group_name: str):
-    return dist.distributed_c10d._resolve_process_group(group_name)
-
-
 # ------------------------------------------------------------------ forward op
-def _shard_stats(rows: Rows, weight, bias, labels, inv_temperature, ignore_index, with_entropy, vocab_start,
-                 vocab_size, chunk_bytes):
+def _shard_stats(rows: Rows, weight: Tensor, bias: Optional[Tensor], labels: Tensor, opts: LogprobOptions,
+                 shard: VocabShard):
     """This weight's (shard's) statistics for the padded kept rows, in float64: (logp [M, k] against
     the shard's own normalizer, 0 for labels elsewhere; entropy [M] of the shard's softmax or None;
     shift [M]; log_sum [M]), M = rows.tiles.padded. labels: [M, k] int64, ignore_index on the padding.
@@ -73,20 +80,19 @@ def _shard_stats(rows: Rows, weight, bias, labels, inv_temperature, ignore_index
     time (row_stats.combine_shard_stats_in_tiles), so the fold adds no rounding of its own and a
     row's result depends on nothing but its row.
     """
-    shard = weight.shape[0]
-    local = labels - vocab_start
-    ignored = labels == ignore_index
+    width = weight.shape[0]
+    local = labels - shard.vocab_start
+    ignored = labels == opts.ignore_index
     state = [None] * 4  # logp, entropy, shift, log_sum of the rows: float64
 
     def step(v0, v1, rs, x):  # the op on a block's logits, folded into the rows' state
-        block = [None if t is None else t.double() for t in ops.fwd(
-            x, labels[rs], inv_temperature, ignore_index, vocab_start + v0, vocab_size, with_entropy, False)]
-        block[1] = block[1] if with_entropy else None
+        block = [t.double() for t in ops.fwd(x, labels[rs], opts.inv_temperature, opts.ignore_index,
+                                             shard.vocab_start + v0, shard.vocab_size, opts.with_entropy, False)]
+        block[1] = block[1] if opts.with_entropy else None
         if v0 == 0:  # the first block: the op's own statistics
             for i, t in enumerate(block):
                 if t is not None:
-                    if state[i] is None:
-                        state[i] = t.new_empty((rows.tiles.padded, *t.shape[1:]))
+                    state[i] = t.new_empty((rows.tiles.padded, *t.shape[1:])) if state[i] is None else state[i]
                     state[i][rs] = t
             return
         logp_b, entropy_b, shift_b, log_sum_b = block
@@ -94,15 +100,15 @@ def _shard_stats(rows: Rows, weight, bias, labels, inv_temperature, ignore_index
         merged = combine_shard_stats_in_tiles(
             rows.tiles.tile, torch.stack([state[2][rs], shift_b]), torch.stack([state[3][rs], log_sum_b]),
             torch.stack([state[0][rs], logp_b]), None if entropy_b is None else torch.stack([state[1][rs], entropy_b]),
-            in_block.long(), ignored[rs], inv_temperature)
+            in_block.long(), ignored[rs], opts.inv_temperature)
         for i, t in enumerate(merged):
             if t is not None:
                 state[i][rs] = t
 
-    forward_sweep(rows.tiles, weight, bias, _plan(rows.tiles.rows, shard, chunk_bytes, backward=False), step)
+    forward_sweep(rows.tiles, weight, bias, _plan(rows.tiles.rows, width, opts.chunk_bytes, backward=False), step)
     logp, entropy, shift, log_sum = state
     # Labels on another rank's shard: 0 here, as the op gives (the ranks' merge takes the owner's).
-    on_shard = (local >= 0) & (local < shard) & ~ignored
+    on_shard = (local >= 0) & (local < width) & ~ignored
     return torch.where(on_shard, logp, 0), entropy, shift, log_sum
 
 
@@ -113,9 +119,9 @@ def linear_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: T
     """hidden [N, H], weight [Vs, H] (the vocab [vocab_start, vocab_start + Vs) of vocab_size),
     bias [Vs] or None, labels [N, k] global ids. Returns fp32 (fp64 for fp64 hidden) full-vocab
     logp [N, k], entropy [N] (or [0]), shift [N], log_sum [N]; the rows whose labels are all
-    ignore_index give 0 everywhere. group_name: the TP group ('' for none). inv_temperature: 1/T as
-    a 0-dim CPU tensor (ops.inv_temperature_tensor: no recompile when T changes under torch.compile)."""
-    inv_temperature = inv_temperature.item()
+    ignore_index give 0 everywhere. group_name: the TP group ('' for none)."""
+    opts = LogprobOptions(inv_temperature.item(), ignore_index, with_entropy, chunk_bytes)
+    shard = VocabShard(vocab_start, vocab_size, group_name)
     n, k = labels.shape
     # Checked here, on the caller's labels: the op's own check would see a row tile's and name its entry.
     check_op_label_range(labels, labels == ignore_index, vocab_size, ignore_index)
@@ -128,19 +134,18 @@ def linear_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: T
     if rows.m == 0:  # (the same on every rank: the labels are)
         return logp, entropy, shift, log_sum
     y = rows.take(labels.long(), ignore_index)
-    stats = _shard_stats(rows, weight, bias, y, inv_temperature, ignore_index, with_entropy, vocab_start,
-                         vocab_size, chunk_bytes)
+    stats = _shard_stats(rows, weight, bias, y, opts, shard)
     if group_name:  # the ranks' merge, in float64 too (O(N) bytes on the wire), by row tiles as above
-        group = _resolve_group(group_name)
-        gathered = gather_shard_stats(*stats, y, weight.shape[0], inv_temperature, ignore_index, group,
+        group = shard.group()
+        gathered = gather_shard_stats(*stats, y, weight.shape[0], opts.inv_temperature, ignore_index, group,
                                       dist.get_world_size(group))
-        stats = combine_shard_stats_in_tiles(rows.tiles.tile, *gathered, inv_temperature)
+        stats = combine_shard_stats_in_tiles(rows.tiles.tile, *gathered, opts.inv_temperature)
     outs = (logp, entropy, shift, log_sum) if with_entropy else (logp, None, shift, log_sum)
     tile = rows.tiles.tile
     for r0 in range(0, rows.m, tile):  # the last step by row tiles too (row_stats.combine_shard_stats_in_tiles)
         s = slice(r0, r0 + tile)
         logp_k, entropy_k, shift_k, log_sum_k = (None if t is None else t[s] for t in stats)
-        shift_k, log_sum_k = output_shift(shift_k, log_sum_k, inv_temperature, acc)
+        shift_k, log_sum_k = output_shift(shift_k, log_sum_k, opts.inv_temperature, acc)
         r1 = min(r0 + tile, rows.m)
         for out, val in zip(outs, (logp_k, entropy_k, shift_k, log_sum_k)):
             if out is not None:
@@ -167,9 +172,9 @@ def linear_bwd(grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor
     shift, log_sum, entropy: the forward's full-vocab statistics. grad_hidden is this weight's
     (shard's) term of d_logits @ weight."""
     inv_temperature = inv_temperature.item()
-    needs = Needs(need_hidden, need_weight, need_bias)
     rows = Rows(hidden, labels, ignore_index)
     plan = _plan(hidden, weight.shape[0], chunk_bytes, backward=True)
+    needs = Needs(need_hidden, need_weight, need_bias)
     if rows.m == 0:
         return backward_sweep(rows, hidden, weight, bias, plan, needs, None)
     y = rows.take(labels.long(), ignore_index)  # the padding: ignored, zero gradient
@@ -196,25 +201,22 @@ def _linear_bwd_fake(grad_logp, grad_entropy, hidden, weight, bias, labels, shif
 
 
 def _setup_context(ctx, inputs, output):
-    (hidden, weight, bias, labels, inv_temperature, ignore_index, with_entropy, chunk_bytes, vocab_start,
-     _vocab_size, _group_name) = inputs
+    args = named_inputs(linear_fwd, inputs)
+    ctx.options, ctx.shard = pick(LogprobOptions, linear_fwd, inputs), pick(VocabShard, linear_fwd, inputs)
     _logp, entropy, shift, log_sum = output
-    ctx.save_for_backward(hidden, weight, bias, labels, shift, log_sum, entropy if with_entropy else None)
-    ctx.args = (inv_temperature, ignore_index, chunk_bytes, vocab_start)
-    ctx.with_entropy = with_entropy
+    ctx.save_for_backward(args["hidden"], args["weight"], args["bias"], args["labels"], shift, log_sum,
+                          entropy if ctx.options.with_entropy else None)
     ctx.mark_non_differentiable(shift, log_sum)
 
 
 def _backward(ctx, grad_logp, grad_entropy, _grad_shift, _grad_log_sum):
     hidden, weight, bias, labels, shift, log_sum, entropy = ctx.saved_tensors
-    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-    need_bias = need_bias and bias is not None
+    needs = Needs.of(ctx, linear_fwd, bias)
     if grad_logp is None:
         grad_logp = shift.new_zeros(labels.shape)
-    grads = linear_bwd(grad_logp, grad_entropy if ctx.with_entropy else None, hidden, weight, bias, labels, shift,
-                       log_sum, entropy, *ctx.args, need_hidden, need_weight, need_bias)
-    grads = [g if need else None for g, need in zip(grads, (need_hidden, need_weight, need_bias))]
-    return (*grads, None, None, None, None, None, None, None, None)
+    grad_entropy = grad_entropy if ctx.options.with_entropy else None
+    return needs.grads(*call(linear_bwd, grad_logp, grad_entropy, hidden, weight, bias, labels, shift, log_sum,
+                             entropy, ctx.options, ctx.shard, needs.args()))
 
 
-linear_fwd.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(linear_fwd, _backward, _setup_context)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from . import _native
 from ._contract import OpOptions, new_grad_like, stats_dtype
+from .op_args import register_autograd
 
 _native.load()
 
@@ -107,11 +108,11 @@ def _native_backward(logits, labels, shift, log_sum, entropy, grad_logp, grad_en
 
 def _backward(ctx, grad_logp, grad_entropy, _grad_shift, _grad_log_sum):
     logits, labels, shift, log_sum, entropy = ctx.saved_tensors
-    grad_logits = backward_into_logits(logits, labels, shift, log_sum, entropy, grad_logp, grad_entropy, ctx.options)
-    return grad_logits, None, None, None, None, None, None, None
+    return {"logits": backward_into_logits(logits, labels, shift, log_sum, entropy, grad_logp, grad_entropy,
+                                           ctx.options)}
 
 
-torch.library.register_autograd("twinkle_mem::selective_log_softmax_fwd", _backward, setup_context=_setup_context)
+register_autograd("twinkle_mem::selective_log_softmax_fwd", _backward, _setup_context)
 
 
 # ------------------------------------------------------------------ 1/T as a tensor, for torch.compile
@@ -153,4 +154,4 @@ def bwd_t_(grad_logp: Tensor, grad_entropy: Optional[Tensor], logits: Tensor, la
 fwd_t.register_fake(_fwd_fake)
 bwd_t.register_fake(_bwd_fake)
 bwd_t_.register_fake(_bwd_inplace_fake)
-fwd_t.register_autograd(_backward, setup_context=_setup_context)
+register_autograd(fwd_t, _backward, _setup_context)

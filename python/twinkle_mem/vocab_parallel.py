@@ -73,9 +73,9 @@ def vocab_parallel_selective_log_softmax(logits_shard, labels, return_entropy, i
     which checks the arguments.
     """
     rank, world = rank_and_world(process_group, logits_shard.shape[-1], "logits")
-    logp, entropy = _VocabParallelSelectiveLogSoftmax.apply(logits_shard, labels, inv_temperature, ignore_index,
-                                                            bool(return_entropy), bool(inplace_backward),
-                                                            process_group, rank, world)
+    options = OpOptions(inv_temperature, ignore_index, rank * logits_shard.shape[-1], bool(return_entropy),
+                        bool(inplace_backward))
+    logp, entropy = _VocabParallelSelectiveLogSoftmax.apply(logits_shard, labels, options, process_group, world)
     return logp, (entropy if return_entropy else None)
 
 
@@ -94,10 +94,11 @@ def rank_and_world(process_group, shard: int, what: str) -> tuple[int, int]:
 class VocabShard(NamedTuple):
     """This rank's part of a vocab split across a tensor-parallel group (Megatron's split: rank r holds
     ``[r Vs, (r + 1) Vs)``), as the fused heads' and GKD ops' schemas carry it: ``vocab_start``, ``vocab_size``
-    (the whole vocab) and ``group_name`` ("" without tensor parallelism: the whole vocab here)."""
+    (the whole vocab) and ``group_name`` ("" without tensor parallelism: the whole vocab here). A backward op
+    takes vocab_start only (the others: 0 and "")."""
     vocab_start: int
-    vocab_size: int
-    group_name: str
+    vocab_size: int = 0
+    group_name: str = ""
 
     @classmethod
     def of(cls, process_group, shard: int, what: str) -> "VocabShard":
@@ -173,20 +174,20 @@ def gather_shard_stats(logp_r, entropy_r, shift_r, log_sum_r, y, shard, inv_temp
 class _VocabParallelSelectiveLogSoftmax(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, rows, labels, inv_temperature, ignore_index, with_entropy, inplace_backward, group, rank,
-                world):
+    def forward(ctx, rows, labels, options: OpOptions, group, world):
         shard = rows.shape[-1]
         lead_dims = rows.dim() - 1
-        logp_r, entropy_r, shift_r, log_sum_r = ops.fwd(rows, labels, inv_temperature, ignore_index, rank * shard,
-                                                        world * shard, with_entropy, False)
+        with_entropy = options.with_entropy
+        logp_r, entropy_r, shift_r, log_sum_r = ops.fwd(rows, labels, options.inv_temperature, options.ignore_index,
+                                                        options.vocab_start, world * shard, with_entropy, False)
         logp, entropy, shift, log_sum = gather_combine_shard_stats(
             logp_r, entropy_r if with_entropy else None, shift_r, log_sum_r, label_matrix(labels, lead_dims), shard,
-            inv_temperature, ignore_index, group, world)
+            options.inv_temperature, options.ignore_index, group, world)
         lead = rows.shape[:-1]
         shift, log_sum = shift.view(lead), log_sum.view(lead)
         entropy = entropy.view(lead) if with_entropy else None
         ctx.save_for_backward(rows, labels, shift, log_sum, entropy)
-        ctx.options = OpOptions(inv_temperature, ignore_index, rank * shard, with_entropy, inplace_backward)
+        ctx.options = options
         logp = logp.view(labels.shape)
         if entropy is None:
             entropy = logp.new_empty(0)
@@ -196,10 +197,11 @@ class _VocabParallelSelectiveLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):  # a double backward raises (ops.backward_into_logits)
         rows, labels, shift, log_sum, entropy = ctx.saved_tensors
+        others = (None,) * (len(ctx.needs_input_grad) - 1)  # the labels and the call's settings
         if not ctx.needs_input_grad[0]:
-            return (None, ) * 9
-        grad = ops.backward_into_logits(rows, labels, shift, log_sum, entropy, grad_logp, grad_entropy, ctx.options)
-        return grad, None, None, None, None, None, None, None, None
+            return None, *others
+        return ops.backward_into_logits(rows, labels, shift, log_sum, entropy, grad_logp, grad_entropy,
+                                        ctx.options), *others
 
 
 def _check_header(headers, group, header, device):
