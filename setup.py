@@ -240,7 +240,7 @@ if __name__ == "__main__":  # pip's build backend runs this file as __main__; te
         packages=find_packages("python"),
         py_modules=["twinkle_mem_startup"],  # the start-up hook: TWINKLE_MEM_INSTALL, docs/cluster_jobs.md
         package_dir={"": "python"},
-        package_data={"twinkle_mem": ["schemas.def"]},  # read by _native.py when no native library loads
+        package_data={"twinkle_mem": ["schemas.def"]},  # read by op/native.py when no native library loads
         ext_modules=ext_modules,
         cmdclass={"build_ext": BuildExt.with_options(no_python_abi_suffix=True), "build_py": BuildPy,
                   "editable_wheel": EditableWheel},

@@ -200,7 +200,7 @@ def edge_rows_check(logits, labels, rows=4):
     shape) against float64: max |error| of logp and entropy, max error / (|ref| + 1e-6 rowmax) of
     the gradient."""
     import twinkle_mem
-    from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
+    from twinkle_mem.op.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
 
     n = labels.shape[0]
     x = logits[:n].detach().requires_grad_(True)
@@ -232,7 +232,7 @@ def smoke(dtype_names=("bf16", "fp16", "fp32", "fp64")) -> int:
     labels are a device-side assert, which ends the context: tests/test_cuda.py checks them in a
     child process.)"""
     import twinkle_mem
-    from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
+    from twinkle_mem.op.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
 
     assert DEVICE != "cuda" or twinkle_mem.backends().get("cuda") == "loaded", twinkle_mem.backends()
     torch.manual_seed(0)

@@ -23,8 +23,8 @@ import torch_npu  # noqa: F401
 
 import twinkle_mem
 from bench_common import run_metadata, write_json
-from twinkle_mem import composite
-from twinkle_mem.reference import selective_log_softmax_ref
+from twinkle_mem.op import composite
+from twinkle_mem.op.reference import selective_log_softmax_ref
 
 SHAPES = [(4096, 151936), (16384, 151936), (8192, 32000)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

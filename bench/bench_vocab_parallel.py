@@ -57,7 +57,7 @@ def _worker(rank, world, mode, n, vocab, reps, init_file, out_dir):
                             timeout=datetime.timedelta(seconds=600))
     try:
         import twinkle_mem
-        import twinkle_mem.vocab_parallel as vp
+        import twinkle_mem.op.vocab_parallel as vp
         shard_v = vocab // world
         gen = torch.Generator().manual_seed(1234 + rank)
         shard = (torch.randn(n, shard_v, generator=gen) * 4).bfloat16()

@@ -22,7 +22,7 @@ IGNORE = -100
 
 
 def _chunks(vocab, h, dtype):
-    from twinkle_mem.engine import block_width, tile_bytes
+    from twinkle_mem.heads.engine import block_width, tile_bytes
     smallest = sum(tile_bytes(block_width(vocab), h, dtype, True))
     return [smallest, 3 * smallest + 12345, 1 << 30]
 
@@ -46,7 +46,7 @@ def _call(hidden, weight, bias, labels, g_logp, g_ent, *, entropy, temperature, 
 
 def _layouts(n_list, probes, seed):
     """(name, N, probe positions, drop others?) for every N: positions at both ends and around tile edges."""
-    from twinkle_mem.engine import ROW_TILE
+    from twinkle_mem.heads.engine import ROW_TILE
     gen = torch.Generator().manual_seed(seed)
     for n in n_list:
         if n < probes:

@@ -23,7 +23,7 @@ import tempfile
 
 import torch
 
-from twinkle_mem._contract import new_grad_like
+from twinkle_mem.op.contract import new_grad_like
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")

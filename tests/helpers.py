@@ -5,8 +5,8 @@ megatron-core and mcore_bridge, shared with bench/, is cpu_harness/ at the repos
   lives in tests/numerics.py (check_outputs): logp and entropy within 1e-6 absolute + 1e-6 relative
   of float64, gradients within 2 ulp + 2^-22 of the row's largest + the subnormal step, or no worse
   than 2x torch's own fp32 path on the same input.
-- The fused LM head: small vocab blocks and row tiles (``blocks``), LM heads with exact logits
-  (``make_head``), their float64 reference and the gradient bound carried through the matmuls.
+- The fused LM heads: small vocab blocks and row tiles (``blocks``); their exact LM heads, float64
+  references and bounds are in head_helpers.py, the distillation's in distill_helpers.py.
 - The fused head in twinkle-kit: the shared model sizes, a recording GRPOLoss, the tolerance, a
   dispatch mode that sees every tensor an op returns (``VocabTensors``).
 - gloo worlds (``Cases``): CPU processes that run a test module's registered cases.
@@ -38,10 +38,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import twinkle_mem
-from numerics import SUBNORMAL_STEP, check_outputs, ulp
-from twinkle_mem import engine
-from twinkle_mem.linear import linear_bwd, linear_fwd
-from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
+from numerics import check_outputs
+from twinkle_mem.heads import engine
+from twinkle_mem.heads.logprobs import linear_bwd, linear_fwd
 
 
 # ------------------------------------------------------------------ the op
@@ -153,82 +152,6 @@ def blocks(cols=None, rows=None):
         yield
     finally:
         engine.VOCAB_BLOCK, engine.ROW_TILE = saved
-
-
-def _dyadic(shape, scale, gen):
-    """Values k * scale, |k| <= 8: products and their sums over H <= 64 are exact in fp32."""
-    return torch.randint(-8, 9, shape, generator=gen).double() * scale
-
-
-def make_head(n, h, v, dtype, *, bias=True, ignore_frac=0.0, k=None, seed=0, lead=None):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = _dyadic((n, h), 0.25, gen)
-    weight = _dyadic((v, h), 0.125, gen)
-    b = _dyadic((v,), 0.5, gen) if bias else None
-    labels = torch.randint(0, v, (n,) if k is None else (n, k), generator=gen)
-    if ignore_frac:
-        drop = torch.rand(n, generator=gen) < ignore_frac
-        labels[drop] = -100
-        if k is not None:
-            labels[~drop, 0] = torch.where(torch.rand(int((~drop).sum()), generator=gen) < 0.3, -100,
-                                           labels[~drop, 0])
-    cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
-    hidden, weight, b = cast(hidden), cast(weight), cast(b)
-    if lead is not None:
-        hidden, labels = hidden.view(*lead, h), labels.view(*lead, *labels.shape[1:])
-    return hidden, weight, b, labels
-
-
-def reference(hidden, weight, bias, labels, g_logp, g_entropy, temperature, ignore_index):
-    """float64 values and gradients, from the logits as the dtype's matmul rounds them
-    (exact fp32 sums of exact products, rounded once to the dtype)."""
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    x = (h2.double() @ weight.double().t() + (0 if bias is None else bias.double()))
-    x = x.to(hidden.dtype).double()  # the logits' rounding, as any matmul in that dtype rounds them
-    y = labels.reshape(h2.shape[0], *labels.shape[hidden.dim() - 1:])
-    logp, entropy, lse, mean = selective_log_softmax_ref(x, y, temperature, ignore_index)
-    gl = g_logp.reshape(y.shape).double()
-    ge = None if g_entropy is None else g_entropy.reshape(-1).double()
-    d = selective_log_softmax_grad_ref(x, y, gl, ge, temperature, ignore_index)
-    return dict(logp=logp.view(labels.shape), entropy=entropy.view(labels.shape[:hidden.dim() - 1]), d=d, x=x,
-                lse=lse, mean=mean)
-
-
-def op_bound(d, dtype):
-    """The op's per-element bound on the logits' gradient d [N, V] (tests/numerics.py): 2 ulp of the
-    dtype + 2^-22 of the row's largest gradient + the dtype's subnormal step."""
-    return 2 * ulp(d, dtype) + 2.0**-22 * d.abs().amax(-1, keepdim=True) + SUBNORMAL_STEP[dtype]
-
-
-def through_matmul(bound, d, operand_abs):
-    """|error| allowed in d @ operand: the per-element bound carried through the sum, plus fp32
-    accumulation over the summed dim."""
-    return bound @ operand_abs + d.shape[-1] * 2.0**-24 * (d.abs() @ operand_abs)
-
-
-def gkd_grad_bounds(hidden, weight, ids, sizes, eps):
-    """linear_gkd_topk's gradients (tests/test_distill*.py): per element of (grad_hidden [N, H],
-    grad_weight [V, H], grad_bias [V]), (m + 4) eps sum of the sizes of its m terms, from the sizes
-    [N, k] of the per-entry gradients dL/dx (float64, 0 on ignored rows) and the entries' ids [N, k]:
-    each entry's dL/dx rounded once, then summed in fp32 (helpers.through_matmul's bound, per entry)."""
-    k = ids.shape[1]
-    hf = hidden.double().reshape(-1, hidden.shape[-1])
-    bh = (k + 4) * eps * torch.einsum("nk,nkh->nh", sizes, weight.double().abs()[ids])
-    dense = torch.zeros(hf.shape[0], weight.shape[0], dtype=torch.float64).scatter_add_(1, ids, sizes)
-    count = torch.zeros(weight.shape[0], dtype=torch.float64).index_add_(0, ids.flatten(),
-                                                                         (sizes > 0).double().flatten())
-    return bh, (count + 4).unsqueeze(1) * eps * (dense.t() @ hf.abs()), (count + 4) * eps * dense.sum(0)
-
-
-def twinkle_per_token(loss_fn, labels, logits, **teacher):
-    """twinkle's GKDLoss (``loss_fn``) for each kept token alone: its average over one token is that token's
-    sum (float64 [labels.shape], 0 on ignored tokens). ``teacher``: the loss's teacher keyword arguments."""
-    per_token = torch.zeros(labels.shape, dtype=torch.float64)
-    for i in (labels != -100).nonzero():
-        one = torch.full_like(labels, -100)
-        one[tuple(i)] = 0
-        per_token[tuple(i)] = loss_fn({"labels": one}, {"logits": logits.detach()}, **teacher)["loss"]
-    return per_token
 
 
 def json_child(script, cfg: dict) -> dict:
@@ -360,29 +283,6 @@ def gkd_in_float64():
         GKDLoss._generalized_jsd_loss = original
 
 
-# ------------------------------------------------------------------ a vocab-parallel head on one rank
-def vocab_shard(t, rank, world):
-    """This rank's rows of a [V, ...] tensor under Megatron's vocab split (``None`` stays ``None``)."""
-    if t is None:
-        return None
-    s = t.shape[0] // world
-    return t[rank * s:(rank + 1) * s]
-
-
-def tp_head_leaves(hidden, weight, bias, rank, world, through_megatron):
-    """Leaves for one rank's vocab-parallel head: (hidden, weight shard, bias shard or None, the op's input).
-    ``through_megatron``: the op's input goes through Megatron's copy_to_tensor_model_parallel_region
-    (identity; its backward all-reduces grad_hidden over the TP group), as a ColumnParallelLinear's does."""
-    hp = hidden.clone().requires_grad_()
-    w = vocab_shard(weight, rank, world).clone().requires_grad_()
-    bb = vocab_shard(bias, rank, world).clone().requires_grad_() if bias is not None else None
-    x = hp
-    if through_megatron:
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-        x = copy_to_tensor_model_parallel_region(hp)
-    return hp, w, bb, x
-
-
 # ------------------------------------------------------------------ gloo worlds
 class Cases:
     def __init__(self, module_name: str, timeout_s: float, setup=contextlib.nullcontext):
@@ -461,57 +361,3 @@ def _run_world(module_name, world, timeout_s):
             with open(os.path.join(tmp, f"rank{r}.json")) as f:
                 per_rank.append(json.load(f))
     return per_rank
-
-
-# ------------------------------------------------------------------ the GKD ops from logits (test_distill_*logits)
-GKD_LOSS_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-6, torch.float64: 1e-12}
-
-
-def gkd_logits_case(kind, n, v, dtype, beta, seed):
-    """(student [2, n/2, V] of dtype, teacher (fp32; bf16 for a bf16 student), labels [2, n/2])."""
-    gen = torch.Generator().manual_seed(seed)
-    s = torch.randn(n, v, generator=gen, dtype=torch.float64) * 3
-    t = torch.randn(n, v, generator=gen, dtype=torch.float64) * 3
-    if kind == "peaked":  # both peaked on the same token, gaps of about 40
-        top = torch.randint(0, v, (n,), generator=gen)
-        s[torch.arange(n), top] += 40.0
-        t[torch.arange(n), top] += 40.0
-    if kind == "close":  # the teacher is the student plus noise of 1e-3
-        s = s.to(dtype).double()
-        t = s + 1e-3 * torch.randn(n, v, generator=gen, dtype=torch.float64)
-    t_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-    s, t = s.to(dtype), t.to(t_dtype)
-    if kind == "masked":  # a padded vocab: the last third masked in both, at the dtypes' finfo.min
-        s[:, -v // 3:] = torch.finfo(torch.float32 if dtype == torch.float64 else dtype).min
-        t[:, -v // 3:] = torch.finfo(t_dtype).min
-    if kind == "teacher_neg_inf":  # a fifth of the teacher's logits -inf (at beta = 1: where the student's are
-        cols = torch.rand(n, v, generator=gen) < 0.2  # finfo.min too, else KL(S || T) is +inf)
-        cols[:, 0] = False
-        t[cols] = float("-inf")
-        if beta == 1.0:
-            s[cols] = torch.finfo(torch.float32 if dtype == torch.float64 else dtype).min
-    labels = torch.randint(0, v, (n,), generator=gen)
-    labels[torch.rand(n, generator=gen) < 0.3] = -100
-    lead = (2, n // 2)
-    return s.view(*lead, v), t.view(*lead, v), labels.view(lead)
-
-
-def assert_gkd_loss_close(got, ref, dtype, what):
-    tol = GKD_LOSS_TOL[dtype]
-    got = got.double()
-    assert torch.equal(torch.isinf(got), torch.isinf(ref)) and not torch.isnan(got).any(), f"{what}: {got} vs {ref}"
-    fin = torch.isfinite(ref)
-    ratio = ((got[fin] - ref[fin]).abs() / (tol + tol * ref[fin].abs())).max().item()
-    assert ratio <= 1.0, f"{what}: error {ratio:.3g} x the bound"
-
-
-def gkd_topk_teacher(teacher, k, pad_rows=2):
-    """A vLLM-style top-k teacher from full logits [B, L, V]: the k largest ids and their log-probs (fp32), the
-    first ``pad_rows`` rows of each sequence padded as the recipe does, and a repeated id in every other row."""
-    t = teacher.double()
-    ids = t.topk(k, dim=-1).indices
-    lp = t.log_softmax(-1).gather(-1, ids).float()
-    ids[:, :pad_rows], lp[:, :pad_rows] = 0, 0.0
-    if k > 1:
-        ids[:, pad_rows::2, 1] = ids[:, pad_rows::2, 0]
-    return ids, lp

@@ -11,7 +11,7 @@ import torch
 
 import npu_emulation
 from numerics import Impl
-from twinkle_mem import composite
+from twinkle_mem.op import composite
 
 ops = torch.ops.twinkle_mem
 

@@ -181,7 +181,7 @@ def backward(g_logp, g_entropy, logits, labels, shift, log_sum, entropy, inv_tem
             return logits
         return op.selective_log_softmax_bwd(g_logp, g_entropy, logits, labels, shift, log_sum, entropy,
                                             inv_temperature, ignore_index, vocab_start)
-    from twinkle_mem._contract import new_grad_like
+    from twinkle_mem.op.contract import new_grad_like
 
     lead = logits.dim() - 1
     grad = logits if inplace else new_grad_like(logits)

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
+from twinkle_mem.op.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
 
 NO_IGNORE = -(2**63)
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float64: 52}
@@ -109,7 +109,7 @@ def grad_conditioning(logits, labels, g_logp, g_entropy, temperature, ignore_ind
       u formed in fp32 from x - shift                      2 eps |u| b p |G + g_H (w + 1)|
       each part rounded                                    2 eps b (|h (1 - p)| + p |G - h| + p |g_H w|)
     summed (each a worst case; ``check_outputs`` adds the sum to the bound)."""
-    from twinkle_mem.reference import _label_layout, log_probs_ref
+    from twinkle_mem.op.reference import _label_layout, log_probs_ref
     log_p, entropy, _ = log_probs_ref(logits.detach(), temperature)
     multi, ignored, safe, skipped = _label_layout(logits, labels, ignore_index)
     g = g_logp.double()

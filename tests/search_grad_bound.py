@@ -15,7 +15,7 @@ import torch
 
 from impls import IMPLS
 from numerics import NO_IGNORE, SUBNORMAL_STEP, grad_conditioning, torch_fp32, ulp
-from twinkle_mem.reference import selective_log_softmax_grad_ref
+from twinkle_mem.op.reference import selective_log_softmax_grad_ref
 
 
 def excess(grad, ref, t_grad, dtype, cond):

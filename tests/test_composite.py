@@ -21,8 +21,8 @@ import twinkle_mem
 from helpers import (assert_stats_close, check_against_reference, check_inplace_backward_matches, make_case,
                      opcheck_op_schemas, saved_for_backward)
 from numerics import check_outputs
-from twinkle_mem import composite
-from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
+from twinkle_mem.op import composite
+from twinkle_mem.op.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 ops = torch.ops.twinkle_mem
@@ -247,7 +247,7 @@ def test_saves_only_the_logits_reference_and_row_stats(forced):
 # each call, after resetting it (clear_refs 5), net of the call's own outputs.
 PEAK_SCRIPT = textwrap.dedent("""
     import json, sys, torch, twinkle_mem
-    from twinkle_mem import composite
+    from twinkle_mem.op import composite
     from twinkle_mem.measure import peak_rss
     torch.set_num_threads(1)
     n, v, budget = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

@@ -1,8 +1,8 @@
-"""The Python side of the op contract (python/twinkle_mem/_contract.py) against the native kernels."""
+"""The Python side of the op contract (python/twinkle_mem/op/contract.py) against the native kernels."""
 import pytest
 import torch
 
-from twinkle_mem import _contract as contract
+from twinkle_mem.op import contract
 
 
 def _views():

@@ -12,7 +12,7 @@ import torch
 
 import cuda_emulation as emu
 from numerics import NO_IGNORE, Case, check_case
-from twinkle_mem.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
+from twinkle_mem.op.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="no C++ compiler for the CUDA emulation")
 

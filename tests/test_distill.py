@@ -2,7 +2,7 @@
 
 The reference is twinkle's GKDLoss (top-k teacher mode) on the full float64 logits
 ``hidden @ weight.T + bias`` and its autograd: loss and the gradients of hidden, weight and bias.
-The LM heads are helpers.make_head's (dyadic values: the logits are exact in fp32 and bf16 sums), so
+The LM heads are head_helpers.make_head's (dyadic values: the logits are exact in fp32 and bf16 sums), so
 the comparison measures the op, not the matmul's rounding. Inputs: the teacher's top-k of a random
 teacher, peaked rows, a teacher close to the student, finfo.min-masked student logits (bias), teacher
 log-probs of -inf, the recipe's padding rows (ids 0, log-probs 0.0), repeated ids, ignored rows; beta
@@ -14,7 +14,7 @@ value plus the fp32 rounding carried through the sums (each entry's dL/dx rounde
 multiplied by the upstream gradient, then summed over the m terms of that element in fp32:
 (m + 4) 2^-24 sum |terms|, a term's size taken as |dL/dx| + the row's largest |dL/dx| (the op's bound has
 2^-22 of the row's largest gradient for the same reason: dL/dx is a difference); 1e-12 instead of 2^-24
-for fp64, see EPS), which is helpers.through_matmul's bound with the op's
+for fp64, see EPS), which is head_helpers.through_matmul's bound with the op's
 per-entry rounding. Where twinkle's code gives NaN from 0 x inf (a teacher log-prob of -inf at beta < 1),
 the reference is twinkle's code with that log-prob at -1e300: exp(-1e300) = 0 in float64, the limit
 0 log 0 = 0 the op computes.
@@ -27,9 +27,12 @@ import pytest
 import torch
 
 import twinkle_mem
-from helpers import gkd_grad_bounds, json_child, make_head, saved_for_backward, twinkle_per_token
+from distill_helpers import gkd_grad_bounds, twinkle_per_token
+from head_helpers import make_head
+from helpers import json_child, saved_for_backward
 from numerics import ulp
-from twinkle_mem import distill, gkd_math
+from twinkle_mem.distill import divergence
+from twinkle_mem.heads import gkd_topk
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
 
@@ -243,7 +246,7 @@ def test_ignored_rows_and_no_labels():
 def test_ignored_rows_cost_no_gather(monkeypatch):
     # The rows whose label is ignore_index never reach a gather or a matmul: one row kept of 64, tiles of 4
     # rows: one tile in the forward and one in the backward.
-    monkeypatch.setattr(distill, "MAX_TILE_ROWS", 4)
+    monkeypatch.setattr(gkd_topk, "MAX_TILE_ROWS", 4)
     hidden, weight, bias, ids, lp, labels = make_case("teacher_topk", 64, 16, 100, 8, torch.float32, 0.5, 8)
     labels.fill_(-100)
     labels[1, 3] = 5
@@ -310,12 +313,12 @@ def test_opcheck():
     hidden, weight, bias, ids, lp, labels = make_case("teacher_neg_inf", 10, 8, 200, 4, torch.float32, 0.5, 16)
     h2, i2, l2, y2 = hidden.reshape(10, 8), ids.reshape(10, 4), lp.reshape(10, 4), labels.reshape(10)
     h, w, b = (t.clone().requires_grad_() for t in (h2, weight, bias))
-    torch.library.opcheck(distill.gkd_fwd, (h, w, b, i2, l2, y2, 0.5, 0.7, 0.9, -100, 0, 200, ""))
-    torch.library.opcheck(distill.gkd_fwd, (h, w, None, i2, l2, None, 0.0, 1.0, 1.0, -100, 0, 200, ""))
-    _loss, coef = distill.gkd_fwd(h2, weight, bias, i2, l2, y2, 0.5, 0.7, 0.7, -100, 0, 200, "")
-    torch.library.opcheck(distill.gkd_bwd, (torch.randn(10), coef, h2, weight, bias, i2, y2, -100, 0, True, True,
+    torch.library.opcheck(gkd_topk.gkd_fwd, (h, w, b, i2, l2, y2, 0.5, 0.7, 0.9, -100, 0, 200, ""))
+    torch.library.opcheck(gkd_topk.gkd_fwd, (h, w, None, i2, l2, None, 0.0, 1.0, 1.0, -100, 0, 200, ""))
+    _loss, coef = gkd_topk.gkd_fwd(h2, weight, bias, i2, l2, y2, 0.5, 0.7, 0.7, -100, 0, 200, "")
+    torch.library.opcheck(gkd_topk.gkd_bwd, (torch.randn(10), coef, h2, weight, bias, i2, y2, -100, 0, True, True,
                                             True))
-    torch.library.opcheck(distill.gkd_bwd, (torch.randn(10), coef, h2, weight, None, i2, y2, -100, 0, True, False,
+    torch.library.opcheck(gkd_topk.gkd_bwd, (torch.randn(10), coef, h2, weight, None, i2, y2, -100, 0, True, False,
                                             False))
 
 
@@ -324,7 +327,7 @@ def test_opcheck():
 def test_rows_bitwise_the_same_whatever_the_batch(dtype, monkeypatch):
     # Random (not dyadic) heads: the matmul's rounding shows. Row tiles of 8 rows, so the batches below put
     # a row in different tiles and positions; the results of a row are those of the row alone.
-    monkeypatch.setattr(distill, "MAX_TILE_ROWS", 8)
+    monkeypatch.setattr(gkd_topk, "MAX_TILE_ROWS", 8)
     gen = torch.Generator().manual_seed(11)
     n, h, v, k = 45, 48, 500, 16
     hidden = torch.randn(n, h, generator=gen).to(dtype)
@@ -378,7 +381,7 @@ def test_no_tensor_with_the_vocab_as_a_dim_beyond_the_weight():
     shapes = [s for e in prof.events() for s in e.input_shapes if s]
     big = [s for s in shapes if math.prod(s) >= n * v and tuple(s) != (v, h)]
     assert not big, f"tensors of N V elements or more went through ops: {big[:4]}"
-    rows = distill.tile_rows(k, h)
+    rows = gkd_topk.tile_rows(k, h)
     gathers = [s for s in shapes if len(s) == 3 and s[1:] == [k, h]]
     assert gathers and all(s[0] <= rows for s in gathers), gathers[:4]
 
@@ -386,9 +389,9 @@ def test_no_tensor_with_the_vocab_as_a_dim_beyond_the_weight():
 def measure(n, h, v, k, dtype="float32", path="op", ignore_frac=0.0, gather_bytes=None):
     """Runs in this process: one forward + backward (gradients of hidden and weight); the peak RSS rise,
     what the call holds at the end (per-token loss, the two gradients) and what it may use beyond.
-    gather_bytes: distill.GATHER_BYTES instead of the default."""
+    gather_bytes: gkd_topk.GATHER_BYTES instead of the default."""
     from twinkle_mem.measure import peak_rss
-    distill.GATHER_BYTES = gather_bytes or distill.GATHER_BYTES
+    gkd_topk.GATHER_BYTES = gather_bytes or gkd_topk.GATHER_BYTES
     assert twinkle_mem.backends()["cpu"] == "loaded", twinkle_mem.backends()
     dt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
@@ -405,7 +408,7 @@ def measure(n, h, v, k, dtype="float32", path="op", ignore_frac=0.0, gather_byte
             per = twinkle_mem.linear_gkd_topk(hd, w, ids, lp, labels)
         else:  # the student's logits, then the gather (twinkle's GKDLoss path): the control
             x = (hd @ w.t()).gather(-1, ids)
-            per = gkd_math.gkd_rows(x.float(), lp, 0.5, 1.0)[0].float() * (labels != -100)
+            per = divergence.gkd_rows(x.float(), lp, 0.5, 1.0)[0].float() * (labels != -100)
         return (per, *torch.autograd.grad(per.sum(), (hd, w)))
 
     call()  # warm-up
@@ -417,7 +420,7 @@ def measure(n, h, v, k, dtype="float32", path="op", ignore_frac=0.0, gather_byte
     # Beyond inputs and results: the gathers of one tile or entry chunk (GATHER_BYTES in fp32, their copies
     # in the input dtype and one product: 3x), the k-wide float64 math (about 16 [N, k] float64 tensors),
     # the kept rows of hidden and a grad_hidden of kept rows (O(N H)), a vocab block's fp32 accumulator.
-    bound = (3 * distill.GATHER_BYTES + 16 * n * k * 8 + kept * h * (item + 4) + 4 * 8192 * h + (3 << 20))
+    bound = (3 * gkd_topk.GATHER_BYTES + 16 * n * k * 8 + kept * h * (item + 4) + 4 * 8192 * h + (3 << 20))
     return {"n": n, "h": h, "v": v, "k": k, "dtype": dtype, "path": path, "peak_rise": m.bytes, "held": held,
             "inputs": inputs, "beyond": m.bytes - held - inputs, "bound": bound, "logits_bytes": n * v * item}
 

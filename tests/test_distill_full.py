@@ -1,13 +1,13 @@
 """linear_gkd_full against twinkle-kit's own GKDLoss (teacher_logits=, the whole vocab) in float64.
 
 The reference is twinkle's GKDLoss on the full float64 logits ``hidden @ weight.T + bias`` and its
-autograd. LM heads with dyadic values (helpers.make_head: the logits exact in fp32), small blocks and
+autograd. LM heads with dyadic values (head_helpers.make_head: the logits exact in fp32), small blocks and
 row tiles (several of each, the last partial). Inputs: random teacher logits, peaked rows, a teacher
 close to the student, finfo.min masks in both (a padded vocab), -inf teacher logits, ignored rows;
 beta 0, 0.3, 0.5, 1; T 0.7, 1; fp32, bf16, fp64.
 
 Bounds: tests/test_distill.py's. Loss within 1e-6 absolute + 1e-6 relative (1e-12 fp64); gradients
-within 1 ulp + helpers.gkd_grad_bounds, the terms being every vocab entry (twinkle's logits gradient is
+within 1 ulp + distill_helpers.gkd_grad_bounds, the terms being every vocab entry (twinkle's logits gradient is
 dL/dx itself here) with the row's largest and the float64 floor 16 2^-53 / (T kept) added to their sizes.
 Where twinkle's code gives NaN from 0 x inf (a -inf teacher logit), its reference has that logit at -1e300.
 """
@@ -17,9 +17,11 @@ import pytest
 import torch
 
 import twinkle_mem
-from helpers import VocabTensors, gkd_grad_bounds, make_head, saved_for_backward, twinkle_per_token
+from distill_helpers import gkd_grad_bounds, twinkle_per_token
+from head_helpers import make_head
+from helpers import VocabTensors, saved_for_backward
 from numerics import ulp
-from twinkle_mem import distill_full, engine
+from twinkle_mem.heads import engine, gkd_full
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
 
@@ -31,7 +33,7 @@ LOSS_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-6, torch.float64: 1e-12}
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(distill_full, "FULL_BLOCK", 64)  # 300 columns: 4 blocks and a ragged one
+    monkeypatch.setattr(gkd_full, "FULL_BLOCK", 64)  # 300 columns: 4 blocks and a ragged one
     monkeypatch.setattr(engine, "ROW_TILE", 8)  # 24 rows, some ignored: tiles of 8, the last partial
 
 
@@ -176,7 +178,7 @@ def test_no_tensor_of_the_logits_size_beyond_the_teacher(small_blocks):
     hidden, weight, bias, teacher, labels = make_case("random", n, h, v, torch.bfloat16, 0.5, 4)
     hw, ww, bw = (x.clone().requires_grad_() for x in (hidden, weight, bias))
     mode = VocabTensors((), n * v)
-    ops = (distill_full.gkd_full_fwd, distill_full.gkd_full_bwd)
+    ops = (gkd_full.gkd_full_fwd, gkd_full.gkd_full_bwd)
     mode.python_ops.update({op._opoverload: op._init_fn for op in ops})
     with mode:
         per = twinkle_mem.linear_gkd_full(hw, ww, teacher, labels, bias=bw)
@@ -187,7 +189,7 @@ def test_no_tensor_of_the_logits_size_beyond_the_teacher(small_blocks):
         per = twinkle_mem.linear_gkd_full(hw, ww, teacher, labels, bias=bw)
         torch.autograd.grad(per.sum(), (hw, ww, bw))
     blocks = [s for e in prof.events() if e.name == "aten::exp" for s in e.input_shapes if s]
-    assert blocks and max(math.prod(s) for s in blocks) <= engine.ROW_TILE * distill_full.FULL_BLOCK, blocks[:4]
+    assert blocks and max(math.prod(s) for s in blocks) <= engine.ROW_TILE * gkd_full.FULL_BLOCK, blocks[:4]
 
 
 def test_ignored_rows_and_bad_arguments():
@@ -213,8 +215,8 @@ def test_opcheck_and_gradcheck(small_blocks):
     hidden, weight, bias, teacher, labels = make_case("random", 10, 8, 100, torch.float64, 0.5, 6)
     h2, t2, y2 = hidden.reshape(10, 8), teacher.reshape(10, 100).double(), labels.reshape(10)
     h, w, b = (x.clone().requires_grad_() for x in (h2, weight, bias))
-    torch.library.opcheck(distill_full.gkd_full_fwd, (h, w, b, t2, y2, 0.3, 0.7, 0.9, -100))
-    torch.library.opcheck(distill_full.gkd_full_fwd, (h, w, None, t2, None, 1.0, 1.0, 1.0, -100))
+    torch.library.opcheck(gkd_full.gkd_full_fwd, (h, w, b, t2, y2, 0.3, 0.7, 0.9, -100))
+    torch.library.opcheck(gkd_full.gkd_full_fwd, (h, w, None, t2, None, 1.0, 1.0, 1.0, -100))
     for beta in BETAS:
         assert torch.autograd.gradcheck(
             lambda h, w, b: twinkle_mem.linear_gkd_full(h, w, t2, y2, bias=b, beta=beta, temperature=0.7), (h, w, b))

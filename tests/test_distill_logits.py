@@ -21,9 +21,10 @@ import pytest
 import torch
 
 import twinkle_mem
-from helpers import assert_gkd_loss_close, gkd_logits_case, json_child, saved_for_backward, twinkle_per_token
+from distill_helpers import assert_gkd_loss_close, gkd_logits_case, twinkle_per_token
+from helpers import json_child, saved_for_backward
 from numerics import ulp
-from twinkle_mem import distill_logits
+from twinkle_mem.distill import local_teacher
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
 
@@ -75,13 +76,13 @@ def test_against_twinkle_float64(kind, topk, dtype):
         for temperature in (0.7, 1.0):
             # chunks of 2 rows (several chunks, the last partial), or the default (one chunk)
             check_case(kind, topk, dtype, beta, temperature, seed=KINDS.index(kind) * 10 + (topk or 0),
-                       chunk_bytes=2 * distill_logits.TEMPORARIES * 8 * 300 if beta in (0.3, 1.0) else None)
+                       chunk_bytes=2 * local_teacher.TEMPORARIES * 8 * 300 if beta in (0.3, 1.0) else None)
 
 
 def test_local_topk_teacher_from_hidden_states():
     # twinkle's teacher_logits= with topk=k is its remote top-k mode with the teacher's k largest logits as the
     # log-probs (the renormalization over the k removes the difference): linear_gkd_topk takes them as they are.
-    from helpers import make_head
+    from head_helpers import make_head
     hidden, weight, bias, labels = make_head(24, 32, 300, torch.float32, seed=11, lead=(2, 12))
     teacher = torch.randn(2, 12, 300, generator=torch.Generator().manual_seed(12)) * 3
     labels[:, ::5] = -100
@@ -118,7 +119,7 @@ def test_rows_bitwise_the_same_whatever_the_batch_and_chunk(dtype):
             (g,) = torch.autograd.grad((per * g_out[rows]).sum(), s)
             return per.detach(), g
         full = run(torch.arange(n), None)
-        chunk_3 = 3 * distill_logits.TEMPORARIES * 8 * v  # chunks of 3 rows
+        chunk_3 = 3 * local_teacher.TEMPORARIES * 8 * v  # chunks of 3 rows
         for rows, chunk in ((torch.arange(n).flip(0), 1), (torch.arange(5, 23), chunk_3), (torch.tensor([7]), 1)):
             got = run(rows, chunk)
             assert torch.equal(got[0], full[0][rows]) and torch.equal(got[1], full[1][rows]), (topk, rows)
@@ -140,7 +141,7 @@ def test_chunks_bound_the_working_tensors():
     # The profiler's view of every op: no float64 tensor beyond one chunk of rows (the whole vocab's math).
     n, v = 64, 1000
     student, teacher, labels = gkd_logits_case("random", n, v, torch.float32, 0.5, 7)
-    chunk = 4 * distill_logits.TEMPORARIES * 8 * v  # 4 rows
+    chunk = 4 * local_teacher.TEMPORARIES * 8 * v  # 4 rows
     s = student.clone().requires_grad_()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         per = twinkle_mem.gkd_from_logits(s, teacher, labels, chunk_bytes=chunk)
@@ -184,8 +185,8 @@ def test_opcheck_and_compile():
     s2, t2, y2 = student.reshape(10, 40), teacher.reshape(10, 40), labels.reshape(10)
     s = s2.clone().requires_grad_()
     for topk in (0, 8):
-        torch.library.opcheck(distill_logits.gkd_logits_fwd, (s, t2, y2, 0.3, 0.7, -100, topk, 1))
-    torch.library.opcheck(distill_logits.gkd_logits_fwd, (s, t2, None, 1.0, 1.0, -100, 0, 1 << 20))
+        torch.library.opcheck(local_teacher.gkd_logits_fwd, (s, t2, y2, 0.3, 0.7, -100, topk, 1))
+    torch.library.opcheck(local_teacher.gkd_logits_fwd, (s, t2, None, 1.0, 1.0, -100, 0, 1 << 20))
 
     def model(x):
         return twinkle_mem.gkd_from_logits(x, teacher, labels, topk=8, beta=0.3, temperature=0.9, chunk_bytes=1)

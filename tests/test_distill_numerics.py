@@ -10,7 +10,7 @@ fp32 (also at the offsets: 2^18 + multiples of 2^-5 fit in 24 bits), so the comp
 
 Bounds (fp32, bf16 and fp64 inputs):
 - the suite's (tests/test_distill.py): loss within 1e-6 absolute + 1e-6 relative of float64 (1e-12 for
-  fp64); gradients within 1 ulp + helpers.gkd_grad_bounds ((m + 4) eps sum of the terms' sizes, eps 2^-24,
+  fp64); gradients within 1 ulp + distill_helpers.gkd_grad_bounds ((m + 4) eps sum of the terms' sizes, eps 2^-24,
   1e-12 for fp64, each size the entry's |dL/dx| + the row's largest + a float64 floor / eps);
   gkd_from_logits's within 2 ulp + the floor (tests/test_distill_logits.py). The floor, per row, is
   16 2^-53 (1 + Lam) / (T kept) (float64_floor): the suite's 16 2^-53 / (T kept) is the case of log-probs
@@ -37,9 +37,10 @@ import pytest
 import torch
 
 import twinkle_mem
-from helpers import gkd_grad_bounds, make_head
+from distill_helpers import gkd_grad_bounds
+from head_helpers import make_head
 from numerics import ulp
-from twinkle_mem import distill, distill_full, engine
+from twinkle_mem.heads import engine, gkd_full, gkd_topk
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
 
@@ -293,9 +294,9 @@ def check(op, cls, dtype, beta, temperature, seed):
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(distill_full, "FULL_BLOCK", 64)  # 300 columns: 4 blocks and a ragged one
+    monkeypatch.setattr(gkd_full, "FULL_BLOCK", 64)  # 300 columns: 4 blocks and a ragged one
     monkeypatch.setattr(engine, "ROW_TILE", 8)  # 16 rows: 2 tiles
-    monkeypatch.setattr(distill, "MAX_TILE_ROWS", 8)
+    monkeypatch.setattr(gkd_topk, "MAX_TILE_ROWS", 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)

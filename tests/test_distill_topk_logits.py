@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import twinkle_mem
-from helpers import (assert_gkd_loss_close, gkd_logits_case, gkd_topk_teacher, make_head, saved_for_backward,
-                     twinkle_per_token)
+from distill_helpers import assert_gkd_loss_close, gkd_logits_case, gkd_topk_teacher, twinkle_per_token
+from head_helpers import make_head
+from helpers import saved_for_backward
 from numerics import ulp
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
@@ -77,7 +78,7 @@ def test_repeated_ids_are_rounded_once():
     _avg, _per, grad = run_op(student, ids, lp, labels, 0.5, 0.7)
     at = (torch.arange(2).view(2, 1), torch.arange(12).view(1, 12), ids[:, :, 0])
     # The k entries' gradients cancel (their sum is exactly 0); rounded each to fp32 first, their sum is ~1e-10
-    from twinkle_mem.gkd_math import gkd_rows
+    from twinkle_mem.distill.divergence import gkd_rows
     _loss, d = gkd_rows(student.double().gather(-1, ids), lp, 0.5, 0.7)
     scale = d.abs().amax() / int((labels != -100).sum())  # an entry's gradient
     assert scale > 1e-4 and grad[at].double().abs().max() <= 1e-12 * scale and grad_ref[at].abs().max() <= 1e-12 * scale
@@ -147,12 +148,12 @@ def test_bad_input():
 
 
 def test_opcheck():
-    from twinkle_mem import distill_logits
+    from twinkle_mem.distill import topk_teacher
     student, teacher, labels = gkd_logits_case("random", 10, 200, torch.float32, 0.5, seed=13)
     ids, lp = gkd_topk_teacher(teacher, 4)
     s, i2, l2, y2 = student.reshape(10, 200).requires_grad_(), ids.reshape(10, 4), lp.reshape(10, 4), labels.reshape(10)
-    torch.library.opcheck(distill_logits.gkd_topk_logits_fwd, (s, i2, l2, y2, 0.5, 0.7, -100, 0, 200, ""))
-    torch.library.opcheck(distill_logits.gkd_topk_logits_fwd, (s, i2, l2, None, 0.0, 1.0, -100, 0, 200, ""))
+    torch.library.opcheck(topk_teacher.gkd_topk_logits_fwd, (s, i2, l2, y2, 0.5, 0.7, -100, 0, 200, ""))
+    torch.library.opcheck(topk_teacher.gkd_topk_logits_fwd, (s, i2, l2, None, 0.0, 1.0, -100, 0, 200, ""))
     coef = torch.randn(10, 4, dtype=torch.float64)
-    torch.library.opcheck(distill_logits.gkd_topk_logits_bwd,
+    torch.library.opcheck(topk_teacher.gkd_topk_logits_bwd,
                           (torch.randn(10), coef, i2, y2, -100, 0, 200, torch.bfloat16))

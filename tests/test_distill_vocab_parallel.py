@@ -19,8 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import (Cases, gkd_grad_bounds, gkd_logits_case, gkd_topk_teacher, make_head, tp_head_leaves,
-                     vocab_shard)
+from distill_helpers import gkd_grad_bounds, gkd_logits_case, gkd_topk_teacher
+from head_helpers import make_head, tp_head_leaves, vocab_shard
+from helpers import Cases
 from numerics import ulp
 
 cases = Cases(__name__, timeout_s=180)
@@ -46,10 +47,10 @@ def make_inputs(n, h, v, k, dtype, bias, seed, neg_inf=False):
 
 
 def bounds(hidden, weight, bias, ids, lp, labels, g_out, beta, temperature):
-    """Per element of (grad_hidden, grad_weight, grad_bias): helpers.gkd_grad_bounds, the terms' sizes from
+    """Per element of (grad_hidden, grad_weight, grad_bias): distill_helpers.gkd_grad_bounds, the terms' sizes from
     the exact logits (dyadic heads) and the op's float64 math, plus the row's largest (see test_distill);
     grad_hidden also one rounding of a rank's partial (up to the sum of its terms' sizes)."""
-    from twinkle_mem.gkd_math import gkd_rows
+    from twinkle_mem.distill.divergence import gkd_rows
     x = (hidden.double() @ weight.double().t() + (0 if bias is None else bias.double())).gather(-1, ids)
     _loss, d = gkd_rows(x, lp, beta, temperature)
     d = (d.abs() + d.abs().amax(-1, keepdim=True)) * (g_out.abs() * (labels != -100)).double().unsqueeze(1)

@@ -39,9 +39,9 @@ TOPK_TEMPORARIES = 16  # float64 [N, k] tensors of the k-wide math (docs/distill
 
 
 def _small_blocks(row_tile, vocab_block, full_block, gather_bytes):
-    from twinkle_mem import distill, distill_full, engine
+    from twinkle_mem.heads import engine, gkd_full, gkd_topk
     engine.ROW_TILE, engine.VOCAB_BLOCK = row_tile, vocab_block
-    distill_full.FULL_BLOCK, distill.GATHER_BYTES = full_block, gather_bytes
+    gkd_full.FULL_BLOCK, gkd_topk.GATHER_BYTES = full_block, gather_bytes
 
 
 def _inputs(head, dtype, n, h, v, k, requires=("hidden", "weight"), ignore_every=4):
@@ -133,16 +133,17 @@ class NewTensors(TorchDispatchMode):
 @pytest.mark.parametrize("requires", ["hidden", "weight"])
 @pytest.mark.parametrize("head", HEADS)
 def test_gradients_not_asked_for_are_not_built(head, requires):
-    from twinkle_mem import distill, distill_full, linear
+    from twinkle_mem.heads import gkd_full, gkd_topk, logprobs
     # n not a multiple of the row tile, no row ignored (no kept-row copy of hidden), V above one vocab block
     n, h, v, k = 300, 32, 20000, 8
     hidden, weight, labels, teacher = _inputs(head, torch.bfloat16, n, h, v, k, requires=(requires,), ignore_every=0)
     other = weight if requires == "hidden" else hidden
-    with NewTensors((linear.linear_fwd, linear.linear_bwd, distill.gkd_fwd, distill.gkd_bwd, distill_full.gkd_full_fwd,
-                     distill_full.gkd_full_bwd)) as mode:
+    ops = (logprobs.linear_fwd, logprobs.linear_bwd, gkd_topk.gkd_fwd, gkd_topk.gkd_bwd, gkd_full.gkd_full_fwd,
+           gkd_full.gkd_full_bwd)
+    with NewTensors(ops) as mode:
         _run(head, hidden, weight, labels, teacher, None)
     assert (n, 1) in mode.shapes or (n,) in mode.shapes, "the mode saw no output of the head"
-    assert tuple(other.shape) not in mode.shapes, f"{requires} alone requires grad, yet a tensor of the other's size was made"
+    assert tuple(other.shape) not in mode.shapes, f"{requires} alone requires grad, yet one of the other's size was made"
 
 
 if __name__ == "__main__":

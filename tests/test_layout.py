@@ -1,10 +1,17 @@
-"""Where code lives (issue 18): package modules stay small, bench/ imports nothing from tests/, no test
-module imports another (what they share is in tests/helpers.py and conftest.py). That the wheel holds
-only the package (no stand-in, no cpu_harness/): tests/test_packaging.py."""
+"""Where code lives (issues 18, 33): package modules stay small, the package's folders are layers that import
+only the layers below them, no module imports another's private name, bench/ imports nothing from tests/, no
+test module imports another (what they share is in tests/helpers.py, head_helpers.py, distill_helpers.py and
+conftest.py). That the wheel holds only the package (no stand-in, no cpu_harness/): tests/test_packaging.py."""
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "python" / "twinkle_mem"
+# The package's layers (docs/architecture.md), each importing only those of a lower or equal rank: the op's
+# Python side; distillation math; the fused heads; the public API (__init__.py); the integrations; the
+# command line. A module at the package's root other than these two is standalone (processor.py,
+# megatron.py, measure.py): rank 0, it imports no layer.
+LAYER_RANK = {"op": 0, "distill": 1, "heads": 2, "__init__": 3, "integrations": 4, "__main__": 5}
 
 
 def _imported_modules(path):
@@ -34,6 +41,55 @@ def test_package_modules_stay_small():
     assert sizes and max(sizes.values()) <= 400, {k: v for k, v in sizes.items() if v > 400}
 
 
+def _layer(parts) -> str:
+    """The layer of a module given by its path under the package (("heads", "engine"), ("processor",), ())."""
+    if len(parts) > 1 or (parts and parts[0] in LAYER_RANK):
+        return parts[0]
+    return "__init__" if not parts or parts == ("__init__",) else "standalone"
+
+
+def _package_imports(path):
+    """(imported module's path under the package, imported name) for every import of the package in ``path``."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    here = parts[:-1]  # the package a relative import starts from
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[:len(here) - (node.level - 1)] + (tuple(node.module.split(".")) if node.module else ())
+            elif node.module and node.module.split(".")[0] == "twinkle_mem":
+                base = tuple(node.module.split(".")[1:])
+            else:
+                continue
+            for alias in node.names:
+                yield base, alias.name
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "twinkle_mem":
+                    yield tuple(alias.name.split(".")[1:]), None
+
+
+def test_layers_import_only_layers_below():
+    """Issue 33: op/ imports no other layer, distill/ only op/, heads/ op/ and distill/, the public API those;
+    the integrations anything; standalone root modules nothing of the package's layers."""
+    rank = dict(LAYER_RANK, standalone=0)
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = _layer(path.relative_to(PACKAGE).with_suffix("").parts)
+        for module, name in _package_imports(path):
+            target = module + ((name,) if not module and name else ())  # `from .. import x`: x is the module
+            layer = _layer(target)
+            if layer != source and rank[layer] > rank[source]:
+                bad.append(f"{path.relative_to(PACKAGE)} ({source}) imports {'.'.join(module) or name} ({layer})")
+    assert not bad, bad
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """Issue 33: what a module shares is public; a leading underscore means "this module's own"."""
+    bad = [f"{path.relative_to(PACKAGE)}: {'.'.join(module)} {name}" for path in sorted(PACKAGE.rglob("*.py"))
+           for module, name in _package_imports(path) if name and name.startswith("_") and not name.startswith("__")]
+    assert not bad, bad
+
+
 def test_bench_imports_nothing_from_tests():
     tests = _test_modules()
     for script in sorted((ROOT / "bench").glob("*.py")):
@@ -46,4 +102,4 @@ def test_no_test_module_imports_another():
     tests = {name for name in _test_modules() if name.startswith("test_")}
     for module in sorted((ROOT / "tests").glob("*.py")):
         names, _ = _imported_modules(module)
-        assert not names & tests, f"{module.name} imports {sorted(names & tests)}: shared code goes to helpers.py"
+        assert not names & tests, f"{module.name} imports {sorted(names & tests)}: shared code goes to a *helpers.py"

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import twinkle_mem
-from twinkle_mem import composite
-from twinkle_mem.engine import ROW_TILE, block_width, tile_bytes
+from twinkle_mem.op import composite
+from twinkle_mem.heads.engine import ROW_TILE, block_width, tile_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "check_linear_invariance.py")
@@ -86,7 +86,7 @@ def test_chunk_budget_invariance(dtype):
 def test_fold_in_tiles_is_the_per_tile_combine():
     # combine_shard_stats_in_tiles = combine_shard_stats of each tile, concatenated (so a row's merged
     # statistics come from calls of one shape, whatever N).
-    from twinkle_mem.row_stats import combine_shard_stats, combine_shard_stats_in_tiles
+    from twinkle_mem.op.row_stats import combine_shard_stats, combine_shard_stats_in_tiles
     gen = torch.Generator().manual_seed(5)
     r, n, k = 3, 4 * ROW_TILE, 2
     shift = torch.randn(r, n, generator=gen, dtype=torch.float64) * 10

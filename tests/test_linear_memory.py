@@ -3,7 +3,7 @@
 The rise of the resident-set high-water mark over one call (twinkle_mem.measure.peak_rss),
 minus the bytes of the outputs and of the gradients of hidden and weight, must be at most
 chunk_bytes plus O(N): nothing [N, V], no weight-sized fp32 buffer. The O(N H) working tensors
-that linear.py documents (the kept-row copy of hidden when rows are dropped; the fp32
+that heads/logprobs.py and heads/engine.py document (the kept-row copy of hidden when rows are dropped; the fp32
 grad_hidden accumulator for bf16/fp16 or dropped rows) are allowed on top, by their size.
 Controls: the same measurement sees the [N, V] logits of the unfused path, and of the fused path
 given a chunk_bytes that holds all of them.
@@ -31,7 +31,7 @@ def measure(n, h, v, dtype="float32", chunk_bytes=64 << 20, ignore_frac=0.0, pat
     import torch
 
     import twinkle_mem
-    from twinkle_mem import engine
+    from twinkle_mem.heads import engine
     from twinkle_mem.measure import peak_rss
     engine.VOCAB_BLOCK = vocab_block or engine.VOCAB_BLOCK
     engine.ROW_TILE = row_tile or engine.ROW_TILE

@@ -1,4 +1,4 @@
-"""twinkle_mem.linear_selective_log_softmax: the fused LM-head path (python/twinkle_mem/linear.py).
+"""twinkle_mem.linear_selective_log_softmax: the fused LM-head path (python/twinkle_mem/heads/logprobs.py).
 
 - The op's own accuracy suite (tests/numerics.py) run through the fused path:
   with hidden = I and weight = X.T the logits hidden @ weight.T are X exactly,
@@ -21,10 +21,13 @@ import pytest
 import torch
 
 import twinkle_mem
-from helpers import assert_stats_close, blocks, make_head, op_bound, reference, through_matmul
+from head_helpers import make_head, op_bound, reference, through_matmul
+from helpers import assert_stats_close, blocks
 from numerics import Impl, check_case, make_cases, ulp
-from twinkle_mem import composite, engine, functional, linear
-from twinkle_mem.linear import block_width, linear_bwd, linear_fwd, tile_bytes, tiles_in_flight
+from twinkle_mem.heads import engine, logprobs
+from twinkle_mem.heads.engine import block_width, tile_bytes, tiles_in_flight
+from twinkle_mem.heads.logprobs import linear_bwd, linear_fwd
+from twinkle_mem.op import composite
 
 lsls = twinkle_mem.linear_selective_log_softmax
 NO_IGNORE = -(2**63)
@@ -343,8 +346,7 @@ def test_default_chunk_bytes_holds_one_tile(monkeypatch):
     hidden.requires_grad_()
     with blocks(64, 16):
         smallest = smallest_chunk(300, 16, torch.bfloat16)
-        for module in (linear, functional):
-            monkeypatch.setattr(module, "DEFAULT_CHUNK_BYTES", smallest - 1)
+        monkeypatch.setattr(logprobs, "DEFAULT_CHUNK_BYTES", smallest - 1)
         got = lsls(hidden, weight, labels, True, bias=bias)
         (grad,) = torch.autograd.grad(got[0].sum() + got[1].sum(), hidden)
         want = lsls(hidden, weight, labels, True, bias=bias, chunk_bytes=smallest)
@@ -354,7 +356,7 @@ def test_default_chunk_bytes_holds_one_tile(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip((*got, grad), (*want, want_grad)))
     monkeypatch.undo()
     for h in (2560, 4096, 5120, 8192):  # Qwen3 4B, 8B, 14B, 32B+: the real default at V = 151936
-        tiles_in_flight(block_width(151936), h, torch.bfloat16, linear.default_chunk_bytes(8192, h, torch.bfloat16),
+        tiles_in_flight(block_width(151936), h, torch.bfloat16, logprobs.default_chunk_bytes(8192, h, torch.bfloat16),
                         backward=True)
 
 

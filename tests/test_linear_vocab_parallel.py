@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import (Cases, assert_stats_close, blocks, make_head, op_bound, reference, through_matmul, tp_head_leaves,
-                     vocab_shard)
+from head_helpers import make_head, op_bound, reference, through_matmul, tp_head_leaves, vocab_shard
+from helpers import Cases, assert_stats_close, blocks
 from numerics import ulp
 
 cases = Cases(__name__, timeout_s=180)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import twinkle_mem
-from twinkle_mem import _native
+from twinkle_mem.op import native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.dirname(os.path.abspath(twinkle_mem.__file__))  # the package under test: installed in CI
@@ -74,7 +74,7 @@ CORRUPT = b"\x7fELF" + b"\x00" * 60 + b"not a shared library" * 10
 def test_corrupt_cpu_library_falls_back_to_the_composite(tmp_path):
     out = _probe(_package_copy(tmp_path, {"_C_cpu.so": CORRUPT}))
     assert out["backends"]["cpu"].startswith("failed to load (_C_cpu.so: "), out
-    assert _native.FALLBACK in out["backends"]["cpu"]
+    assert native.FALLBACK in out["backends"]["cpu"]
     assert not out["native_cpu_kernel"] and out["ok"], out
 
 
@@ -97,15 +97,15 @@ def test_cli_says_why(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "twinkle_mem"], capture_output=True, text=True, env=env,
                           cwd=str(path))
     assert proc.returncode == 0, proc.stderr
-    assert "cpu   failed to load (_C_cpu.so:" in proc.stdout and _native.FALLBACK in proc.stdout, proc.stdout
+    assert "cpu   failed to load (_C_cpu.so:" in proc.stdout and native.FALLBACK in proc.stdout, proc.stdout
 
 
 def test_schemas_are_written_once():
-    """The schemas the native library registers are the text _native reads from schemas.def."""
+    """The schemas the native library registers are the text op/native.py reads from schemas.def."""
     if twinkle_mem.backends()["cpu"] != "loaded":
         pytest.skip("_C_cpu is not loaded")
-    registered = {str(getattr(torch.ops.twinkle_mem, s.split("(")[0]).default._schema) for s in _native.schemas()}
-    parsed = {f"twinkle_mem::{s}" for s in _native.schemas()}
+    registered = {str(getattr(torch.ops.twinkle_mem, s.split("(")[0]).default._schema) for s in native.schemas()}
+    parsed = {f"twinkle_mem::{s}" for s in native.schemas()}
     assert len(parsed) == 3 and registered == parsed
 
 

@@ -49,7 +49,7 @@ NPU = Impl("npu", _forward, _backward)
 @pytest.fixture(autouse=True, scope="module")
 def _composite_if_asked():
     if os.environ.get("TWINKLE_MEM_NPU_COMPOSITE"):
-        from twinkle_mem import composite
+        from twinkle_mem.op import composite
 
         with composite.forced(("npu",)):
             yield

@@ -6,7 +6,7 @@ import torch
 from impls import IMPLS
 from numerics import Case, check_case, check_outputs, make_cases, run_impl, upstream
 
-from twinkle_mem.reference import log_probs_ref, selective_log_softmax_grad_ref
+from twinkle_mem.op.reference import log_probs_ref, selective_log_softmax_grad_ref
 
 SHAPES = [(3, 4099), (17, 257)]  # odd V: SIMD tails; N below and above the thread count
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import twinkle_mem
-from twinkle_mem import composite
+from twinkle_mem.op import composite
 from helpers import (assert_stats_close, check_against_reference, check_inplace_backward_matches, make_case,
                      opcheck_op_schemas, saved_for_backward)
-from twinkle_mem.reference import selective_log_softmax_ref
+from twinkle_mem.op.reference import selective_log_softmax_ref
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 ops = torch.ops.twinkle_mem

@@ -89,7 +89,7 @@ def run_and_check(rank, world, *, shard=301, n=48, dtype=torch.float32, temperat
                   entropy if g_entropy is not None else None, grad, vocab_slice=slice(rank * s_, (rank + 1) * s_))
     if with_entropy and g_entropy is None:  # entropy returned but not in the loss: still checked
         from helpers import assert_stats_close
-        from twinkle_mem.reference import selective_log_softmax_ref
+        from twinkle_mem.op.reference import selective_log_softmax_ref
         assert_stats_close(entropy, selective_log_softmax_ref(full, labels, temperature, ignore_index)[1], "entropy")
     if inplace:
         assert grad.data_ptr() == x.data_ptr() and x._version > version, "in-place gradient not in the shard"

@@ -2,7 +2,7 @@
 // host checks (op_checks.h: the CPU loop, the NPU glue) throw it and the CUDA
 // kernel asserts with it on the device, where there is no std::string and a
 // local buffer would give the kernel a stack frame; hence a writer over any
-// char buffer and no library call. python/twinkle_mem/_contract.py mirrors the
+// char buffer and no library call. python/twinkle_mem/op/contract.py mirrors the
 // text for the composite and the fused head.
 //
 // Plain C++ (no torch header): the CUDA kernels' CPU emulation includes it too.
@@ -19,7 +19,7 @@
 
 namespace twinkle_mem {
 
-// The op's ignore_index when the caller ignores nothing (_contract.NO_IGNORE_INDEX):
+// The op's ignore_index when the caller ignores nothing (op/contract.NO_IGNORE_INDEX):
 // no label can take it, and a message must not show it.
 constexpr int64_t kNoIgnoreIndex = std::numeric_limits<int64_t>::min();
 

@@ -57,7 +57,7 @@ inline LabelIndex label_index(int64_t lead_dims, int64_t labels_dim, const int64
 // a padded vocab (x[:, :V] of [N, Vp]) or a sliced sequence (x[:, :-1] of
 // [B, S, V]) then keeps each row's alignment, so a kernel's vector loads and
 // stores line up. Otherwise the gradient is contiguous. The Python fake kernel
-// (ops.py) applies the same rule.
+// (op/ops.py) applies the same rule.
 //
 // Writes the sizes to allocate (then narrowed to `sizes`) into alloc and
 // returns true, or returns false for "contiguous".

@@ -1,12 +1,15 @@
 """twinkle-mem: memory-lean selective log-softmax / entropy kernels (CPU, CUDA,
 Ascend NPU) and memory fixes for RL training of large-vocabulary LMs."""
-from . import ops  # noqa: F401  (loads the native libraries, registers fake + autograd)
-from . import composite  # noqa: F401  (the composite kernel for devices without a native one)
-from ._native import status as _backend_status
-from .functional import entropy_from_logits, linear_selective_log_softmax, selective_log_softmax
-from .distill import gkd_average, linear_gkd_topk
-from .distill_full import linear_gkd_full
-from .distill_logits import gkd_from_logits, gkd_topk_from_logits
+from .op import ops  # noqa: F401  (loads the native libraries, registers fake + autograd)
+from .op import composite  # noqa: F401  (the composite kernel for devices without a native one)
+from .op.functional import entropy_from_logits, selective_log_softmax
+from .op.native import status as _backend_status
+from .distill.divergence import gkd_average
+from .distill.local_teacher import gkd_from_logits
+from .distill.topk_teacher import gkd_topk_from_logits
+from .heads.gkd_full import linear_gkd_full
+from .heads.gkd_topk import linear_gkd_topk
+from .heads.logprobs import linear_selective_log_softmax
 
 __version__ = "0.1.0"
 
@@ -21,13 +24,15 @@ def backends() -> dict[str, str]:
 
 # Reached as attributes after a plain `import twinkle_mem` (twinkle_mem.integrations.twinkle.install(),
 # twinkle_mem.processor, ...), imported on first use: integrations.twinkle loads twinkle-kit's glue only then.
-_SUBMODULES = ("integrations", "processor", "megatron", "reference", "vocab_parallel")
+# Each name -> its module (reference and vocab_parallel are the op's: op/).
+_SUBMODULES = {"integrations": "integrations", "processor": "processor", "megatron": "megatron",
+               "reference": "op.reference", "vocab_parallel": "op.vocab_parallel"}
 
 
 def __getattr__(name):
     if name in _SUBMODULES:
         import importlib
-        return importlib.import_module(f"{__name__}.{name}")
+        return importlib.import_module(f"{__name__}.{_SUBMODULES[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

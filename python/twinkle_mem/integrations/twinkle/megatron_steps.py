@@ -103,7 +103,7 @@ def _check_chunk_bytes(model, layers, chunk_bytes: int) -> None:
     and value (one small collective)."""
     if getattr(model, "_twinkle_mem_chunk_bytes_fit", None) == chunk_bytes:
         return
-    from twinkle_mem.linear import block_width, tiles_in_flight
+    from twinkle_mem.heads.engine import block_width, tiles_in_flight
     error = None
     for weight in fused_eligibility.megatron_output_weights(model.model) if layers else []:
         try:

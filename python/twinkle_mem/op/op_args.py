@@ -2,8 +2,9 @@
 
 A schema lists an op's scalar arguments one by one (schemas.def for the native op; the signature of each
 Python custom op: the fused heads', the GKD ops'). Past the schema a family's scalars travel as one value, a
-NamedTuple whose fields are named like the schema's arguments (``_contract.OpOptions``,
-``linear.LogprobOptions``, ``gkd_math.GkdOptions``, ``vocab_parallel.VocabShard``, ``engine.Needs``):
+NamedTuple whose fields are named like the schema's arguments (``contract.OpOptions``,
+``heads.logprobs.LogprobOptions``, ``distill.arguments.GkdOptions``, ``vocab_parallel.VocabShard``,
+``heads.engine.Needs``):
 ``call`` fills an op's arguments from such values by name, ``pick`` reads one back from an op's inputs (in
 setup_context), and ``register_autograd`` takes a backward that returns its gradients by input name and gives
 autograd the tuple it wants, one entry per input of the schema (None for every other), so that no backward

@@ -1,4 +1,4 @@
-"""Public functions: selective_log_softmax, entropy_from_logits and linear_selective_log_softmax.
+"""The op's public functions: selective_log_softmax and entropy_from_logits.
 
 A thin layer over torch.ops.twinkle_mem.selective_log_softmax_fwd: checks the
 arguments (ValueError naming the argument), brings the tensors to the op's
@@ -7,18 +7,14 @@ shapes on the outputs.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from . import ops
-from ._contract import check_float_tensor, check_index_and_options, check_logits_args, ignore_value
-from .engine import check_head_args
-from .linear import DEFAULT_CHUNK_BYTES, LogprobOptions, block_width, default_chunk_bytes, linear_fwd, tiles_in_flight
-from .op_args import call
-from .vocab_parallel import VocabShard, vocab_parallel_selective_log_softmax
+from .contract import check_logits_args, ignore_value
 from .rows import to_op_rows
+from .vocab_parallel import vocab_parallel_selective_log_softmax
+
 
 def selective_log_softmax(logits, index, return_entropy=False, *, temperature=1.0, ignore_index=None,
                           inplace_backward=False, process_group=None):
@@ -76,50 +72,3 @@ def entropy_from_logits(logits, chunk_size=None, *, temperature=1.0, inplace_bac
     _logp, entropy = selective_log_softmax(logits, no_labels, True, temperature=temperature,
                                            inplace_backward=inplace_backward)
     return entropy
-
-
-def _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_bytes) -> bool:
-    """Raises ValueError naming the bad argument; returns whether ``index`` is ``[..., k]``."""
-    check_head_args(hidden, weight, bias)
-    multi = check_index_and_options(index, hidden, "hidden", temperature, ignore_index)
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
-    return multi
-
-
-def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *, bias=None, temperature=1.0,
-                                 ignore_index=None, chunk_bytes=None, process_group=None):
-    """``selective_log_softmax(hidden @ weight.T + bias, index, ...)`` without the [N, V] logits.
-
-    hidden: [..., H] bf16/fp16/fp32 (fp64 for gradcheck); weight: [V, H] of hidden's dtype (under
-    ``process_group``, this rank's vocab shard, Megatron's split); bias: [V] or None; index: [...]
-    or [..., k] int64/int32 global token ids. Returns fp32 ``logp`` of the index's shape (fp64 for
-    fp64 hidden), or ``(logp, entropy)`` with entropy [...] when ``return_entropy``; ``temperature``
-    divides the logits. An index equal to ``ignore_index`` gives logp 0 and no gradient; a row
-    whose indices are all ignored gives entropy 0 and costs no matmul. Gradients flow to hidden,
-    weight and bias from logp and entropy. ``chunk_bytes`` (default 256 MiB, or one row tile of a
-    vocab block where that is more) bounds the block working memory of both passes. Under ``process_group`` (world size > 1) the outputs are the
-    full-vocab ones on every rank and the hidden gradient is this rank's partial sum (all-reduce it,
-    as Megatron's copy_to_tensor_model_parallel_region does). Details: module docstring,
-    docs/linear.md. Labels outside [0, V) (other than ignore_index) raise RuntimeError.
-    """
-    multi = _check_args(hidden, weight, bias, index, temperature, ignore_index,
-                        DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
-    h_size = hidden.shape[-1]
-    n = math.prod(hidden.shape[:-1])
-    cols = block_width(weight.shape[0])
-    if chunk_bytes is None:
-        chunk_bytes = default_chunk_bytes(cols, h_size, hidden.dtype)
-    # Refuse, before any work, a chunk_bytes below one row tile of a vocab block (the backward's need,
-    # the larger): it depends on V, H and the dtype only.
-    tiles_in_flight(cols, h_size, hidden.dtype, chunk_bytes, backward=True)
-    rows = hidden.reshape(n, h_size)  # a view unless the leading dims cannot be merged
-    labels = index.reshape(n, index.shape[-1] if multi else 1)
-    opts = LogprobOptions(ops.inv_temperature_tensor(temperature), ignore_value(ignore_index), bool(return_entropy),
-                          int(chunk_bytes))
-    shard = VocabShard.of(process_group, weight.shape[0], "weight")
-    logp, entropy, _shift, _log_sum = call(linear_fwd, rows, weight, bias, labels, opts, shard)
-    logp = logp.view(index.shape)
-    if return_entropy:
-        return logp, entropy.view(hidden.shape[:-1])
-    return logp

@@ -34,9 +34,9 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from . import _contract as contract
+from . import contract
 from . import ops  # noqa: F401  (loads the schemas)
-from ._contract import new_grad_like, stats_dtype
+from .contract import new_grad_like, stats_dtype
 from .row_stats import label_matrix, output_shift
 
 DEFAULT_BUDGET_BYTES = 64 << 20

@@ -14,11 +14,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _native
-from ._contract import OpOptions, new_grad_like, stats_dtype
+from . import native
+from .contract import OpOptions, new_grad_like, stats_dtype
 from .op_args import register_autograd
 
-_native.load()
+native.load()
 
 fwd = torch.ops.twinkle_mem.selective_log_softmax_fwd.default
 bwd = torch.ops.twinkle_mem.selective_log_softmax_bwd.default

@@ -2,30 +2,18 @@
 
 ``linear_gkd_topk(hidden, weight, teacher_ids, teacher_logprobs, labels)`` returns, per token, the loss
 twinkle-kit's ``GKDLoss(beta, temperature)`` sums for that token in its top-k mode (twinkle/loss/gkd.py,
-``teacher_topk_logprobs`` / ``teacher_topk_indices``), and ``gkd_average`` its average over the kept
-tokens. The student's logits are needed only at the teacher's k ids, so only those are computed:
+``teacher_topk_logprobs`` / ``teacher_topk_indices``), and ``gkd_average`` (distill/divergence.py) its
+average over the kept tokens. The student's logits are needed only at the teacher's k ids, so only those
+are computed:
 
     x[n, j] = hidden[n] . weight[ids[n, j]] + bias[ids[n, j]]          (fp32 sums; fp64 for fp64 inputs)
-    s = x / T,  t = teacher_logprobs / T        (both sides, as twinkle does; each shifted by its row max first)
-    ls = log_softmax_k(s),  lt = log_softmax_k(t),  p = exp(ls),  q = exp(lt)   (renormalized over the k)
-    beta = 0:  L = sum_j q (lt - ls)                         = KL(teacher || student)
-    beta = 1:  L = sum_j p (ls - lt)                         = KL(student || teacher)
-    else:      lm = log((1 - beta) p + beta q)
-               L = beta sum_j q (lt - lm) + (1 - beta) sum_j p (ls - lm)
 
-and its gradient, in closed form (derived in docs/distillation.md):
+then the loss and dL/dx of twinkle's generalized JSD over the k entries of each row (distill/divergence.py:
+the formulas, float64, the loss rounded once; distill/topk_teacher.topk_rows, shared with
+gkd_topk_from_logits). Repeated ids (the recipe's padding rows: k ids 0 with log-probs 0.0) are k separate
+entries, as in twinkle.
 
-    dL/dx_j = (p_j - q_j) / T                                 beta = 0
-            = p_j (ls_j - lt_j - L) / T                       beta = 1
-            = (1 - beta) p_j (ls_j - lm_j - K) / T            else, K = sum_j p_j (ls_j - lm_j)
-
-A term whose weight (q or p) is exactly 0 counts 0 (the limit 0 log 0 = 0): twinkle's code, through
-``F.kl_div(..., log_target=True)`` = exp(target) (target - input), makes it NaN where a teacher
-log-prob is -inf (and at beta = 1 where the student's is); everywhere else the values are twinkle's.
-The k-wide math runs in float64 (O(N k)) and the loss is rounded once. Repeated ids (the recipe's
-padding rows: k ids 0 with log-probs 0.0) are k separate entries, as in twinkle.
-
-It runs on the blockwise engine (engine.py) in its other block shape: per row tile of ``tile_rows(k, H)``
+It runs on the blockwise engine (heads/engine.py) in its other block shape: per row tile of ``tile_rows(k, H)``
 rows (fixed by k and H: a row's results do not depend on the batch; the last tile zero-padded), the tile's
 k weight rows gathered ([R, k, H], fp32) and one batched matmul with the hidden rows
 (engine.gathered_logits). Rows whose label is ``ignore_index`` are dropped before any of it. Saved for
@@ -51,11 +39,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._contract import check_float_tensor, stats_dtype
+from ..distill.arguments import GkdOptions, check_topk_teacher, checked_gkd
+from ..distill.topk_teacher import topk_rows, topk_upstream
+from ..op.contract import stats_dtype
+from ..op.op_args import call, named_inputs, pick, register_autograd
+from ..op.vocab_parallel import VocabShard
 from .engine import Needs, Rows, check_head_args, gathered_backward, gathered_logits
-from .gkd_math import GkdOptions, gkd_rows
-from .op_args import call, named_inputs, pick, register_autograd
-from .vocab_parallel import VocabShard
 
 # The gathered weight rows of one row tile, in fp32: R k H 4 bytes at most this (and R <= MAX_TILE_ROWS).
 # With the tile's copy in the input dtype and the hidden tile, a pass holds about twice this at once.
@@ -66,53 +55,6 @@ MAX_TILE_ROWS = 512
 def tile_rows(k: int, hidden_size: int) -> int:
     """Rows per tile: from k and H alone (never N), so that a row's matmuls have one shape whatever the batch."""
     return max(1, min(MAX_TILE_ROWS, GATHER_BYTES // max(1, 4 * k * hidden_size)))
-
-
-def _select(t: Optional[Tensor], kept: Optional[Tensor]) -> Optional[Tensor]:
-    return t if t is None or kept is None else t.index_select(0, kept)
-
-
-def check_teacher_ids(ids: Tensor, vocab_size: int) -> None:
-    """Every kept teacher id in [0, vocab_size); checked before any collective (every rank holds the same ids
-    and raises alike)."""
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():
-        i, k = int(bad.flatten().nonzero()[0]), ids.shape[1]
-        raise RuntimeError(f"twinkle_mem: teacher id out of range: {int(ids.flatten()[i])} is not in "
-                           f"[0, {vocab_size}) (at kept row {i // k}, entry {i % k})")
-
-
-def topk_rows(student_x, teacher_ids: Tensor, teacher_logprobs: Tensor, kept: Optional[Tensor], gkd: GkdOptions,
-              shard: VocabShard, width: int, acc: torch.dtype) -> tuple[Tensor, Tensor]:
-    """A top-k teacher's (loss [N] in acc, dL/dx [N, k] float64; 0 on the rows not ``kept``), the student's logits
-    at the kept rows' ids read by ``student_x(local)`` ([m, k] in acc) for the ids this shard (``width``
-    columns) holds and summed over its group. Shared by linear_gkd_topk (x from the hidden states) and
-    gkd_topk_from_logits (x read from the logits). dL/dx stays float64 (O(N k)): a row's repeated ids, whose
-    terms can cancel, are summed before one rounding."""
-    n, k = teacher_ids.shape
-    loss = teacher_logprobs.new_zeros((n,), dtype=acc)
-    coef = teacher_logprobs.new_zeros((n, k), dtype=torch.float64)
-    ids = _select(teacher_ids, kept).long()
-    if ids.numel() == 0:  # (the same on every rank: the labels are)
-        return loss, coef
-    check_teacher_ids(ids, shard.vocab_size)
-    local, own = shard.local_ids(ids, width)
-    x = shard.sum(torch.where(own, student_x(local), 0.0))  # each id held by one rank: the others add 0
-    rows_loss, rows_coef = gkd_rows(x, _select(teacher_logprobs, kept), gkd.beta, gkd.temperature, gkd.teacher_temp())
-    if kept is None:
-        return rows_loss.to(acc), rows_coef
-    return loss.index_copy_(0, kept, rows_loss.to(acc)), coef.index_copy_(0, kept, rows_coef)
-
-
-def topk_upstream(grad_loss: Tensor, coef: Tensor, teacher_ids: Tensor, kept: Optional[Tensor], shard: VocabShard,
-                  width: int, acc: torch.dtype):
-    """(the kept rows' local ids [m, k], whether this shard holds each, g = grad_loss dL/dx [m, k] in acc, 0 at ids
-    this shard does not hold), or None where no row is kept: what both top-k backwards start from."""
-    ids = _select(teacher_ids, kept).long()
-    if ids.numel() == 0:
-        return None
-    local, own = shard.local_ids(ids, width)
-    return local, own, torch.where(own, _select(grad_loss, kept).to(acc).unsqueeze(1) * _select(coef, kept).to(acc), 0.0)
 
 
 # ------------------------------------------------------------------ forward op
@@ -177,47 +119,6 @@ register_autograd(gkd_fwd, _backward, _setup_context)
 
 
 # ------------------------------------------------------------------ public functions
-def check_topk_teacher(teacher_ids, teacher_logprobs, rows: Tensor, rows_name: str) -> None:
-    """A top-k teacher's checks: int ids and float log-probs of one shape [..., k], [...] the rows' leading
-    shape, on the rows' device."""
-    lead = tuple(rows.shape[:-1])
-    if not isinstance(teacher_ids, Tensor) or teacher_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"teacher_ids must be an int64 or int32 tensor, got {getattr(teacher_ids, 'dtype', None)}")
-    if teacher_ids.dim() != rows.dim() or tuple(teacher_ids.shape[:-1]) != lead:
-        raise ValueError(f"teacher_ids must be [..., k] with [...] = {rows_name}.shape[:-1] = {lead}, got "
-                         f"{tuple(teacher_ids.shape)}")
-    check_float_tensor("teacher_logprobs", teacher_logprobs)
-    if teacher_logprobs.shape != teacher_ids.shape:
-        raise ValueError(f"teacher_logprobs shape {tuple(teacher_logprobs.shape)} differs from teacher_ids shape "
-                         f"{tuple(teacher_ids.shape)}")
-    for name, t in (("teacher_ids", teacher_ids), ("teacher_logprobs", teacher_logprobs)):
-        if t.device != rows.device:
-            raise ValueError(f"{name} is on {t.device} but {rows_name} is on {rows.device}")
-
-
-def checked_gkd(labels, rows: Tensor, rows_name: str, gkd: GkdOptions) -> GkdOptions:
-    """The checks every GKD function shares (ValueError naming the argument): labels None or of the rows'
-    leading shape on their device, beta in [0, 1], temperature, ignore_index, teacher_temperature (None or
-    finite > 0). Returns ``gkd`` as the ops take it: floats, the teacher's temperature given."""
-    lead = tuple(rows.shape[:-1])
-    if labels is not None and (not isinstance(labels, Tensor) or labels.dtype not in (torch.int64, torch.int32)
-                               or tuple(labels.shape) != lead or labels.device != rows.device):
-        raise ValueError(f"labels must be None or an int64/int32 tensor of shape {rows_name}.shape[:-1] = {lead} "
-                         f"on {rows.device}, got {getattr(labels, 'dtype', type(labels))} "
-                         f"{tuple(getattr(labels, 'shape', ()))}")
-    beta, temperature, teacher_temperature, ignore_index = gkd
-    if isinstance(beta, Tensor) or not (0.0 <= beta <= 1.0):
-        raise ValueError(f"beta must be a Python number in [0, 1], got {beta!r}")
-    if isinstance(temperature, Tensor) or not (0 < temperature < math.inf):
-        raise ValueError(f"temperature must be a finite Python number > 0, got {temperature!r}")
-    if not isinstance(ignore_index, int):
-        raise ValueError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    if teacher_temperature is not None and (isinstance(teacher_temperature, Tensor)
-                                            or not (0 < teacher_temperature < math.inf)):
-        raise ValueError(f"teacher_temperature must be None or a finite Python number > 0, got {teacher_temperature!r}")
-    return GkdOptions(float(beta), float(temperature), float(gkd.teacher_temp()), int(ignore_index))
-
-
 def linear_gkd_topk(hidden, weight, teacher_ids, teacher_logprobs, labels=None, *, bias=None, beta=0.5,
                     temperature=1.0, ignore_index=-100, process_group=None, teacher_temperature=None):
     """twinkle's GKDLoss per token over a top-k teacher, from the LM head's input; nothing [N, V].
@@ -242,13 +143,3 @@ def linear_gkd_topk(hidden, weight, teacher_ids, teacher_logprobs, labels=None, 
                        teacher_logprobs.reshape(n, k), None if labels is None else labels.reshape(n), gkd,
                        VocabShard.of(process_group, weight.shape[0], "weight"))
     return loss.view(hidden.shape[:-1])
-
-
-def gkd_average(per_token: Tensor, labels: Optional[Tensor] = None, ignore_index: int = -100) -> Tensor:
-    """GKDLoss's scalar from linear_gkd_topk's per-token loss: the sum over the kept tokens divided by
-    their number (0 when none is kept, as GKDLoss returns)."""
-    if labels is None:
-        count = per_token.numel()
-    else:
-        count = int((labels != ignore_index).sum())
-    return per_token.sum() / count if count else per_token.sum() * 0.0

@@ -2,15 +2,31 @@
 
 From the student's logits x and the teacher's logits or log-probs t over the same entries of a row (its
 top k, or the whole vocab in blocks): the normalized log-probs ls, lt of x / T and t / T, the per-entry
-terms of the loss L (and of K = KL(student || mixture) for 0 < beta < 1), and dL/dx in closed form. The
-formulas are derived in docs/distillation.md and listed in distill.py's docstring; callers: distill.py
-(linear_gkd_topk), distill_logits.py (gkd_from_logits, gkd_topk_from_logits), distill_full.py
-(linear_gkd_full, by vocab blocks).
+terms of the loss L (and of K = KL(student || mixture) for 0 < beta < 1), and dL/dx in closed form
+(derived in docs/distillation.md):
+
+    s = x / T,  t = teacher / T      (both sides, as twinkle does; each shifted by its row max first)
+    ls = log_softmax(s),  lt = log_softmax(t),  p = exp(ls),  q = exp(lt)   (over the row's entries)
+    beta = 0:  L = sum_j q (lt - ls)                         = KL(teacher || student)
+    beta = 1:  L = sum_j p (ls - lt)                         = KL(student || teacher)
+    else:      lm = log((1 - beta) p + beta q)
+               L = beta sum_j q (lt - lm) + (1 - beta) sum_j p (ls - lm)
+
+    dL/dx_j = (p_j - q_j) / T                                 beta = 0
+            = p_j (ls_j - lt_j - L) / T                       beta = 1
+            = (1 - beta) p_j (ls_j - lm_j - K) / T            else, K = sum_j p_j (ls_j - lm_j)
+
+A term whose weight (q or p) is exactly 0 counts 0 (the limit 0 log 0 = 0): twinkle's code, through
+``F.kl_div(..., log_target=True)`` = exp(target) (target - input), makes it NaN where a teacher
+log-prob is -inf (and at beta = 1 where the student's is); everywhere else the values are twinkle's.
+Callers: heads/gkd_topk.py and topk_teacher.py (a top-k teacher, the k entries of a row at once),
+local_teacher.py (a local teacher's logits, rows in chunks), heads/gkd_full.py (the whole vocab, by
+vocab blocks: gkd_terms and gkd_grad per block). ``gkd_average``: GKDLoss's scalar from the per-token loss.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -20,19 +36,6 @@ from torch import Tensor
 # unlike the others), so that a row's bits do not depend on the rows around it. What they write in place
 # (out=) are temporaries of their own making, never a caller's tensor.
 LOG_TINY = -746.0  # below log(2^-1074): lm's floor where both parts of the mixture underflow
-
-
-class GkdOptions(NamedTuple):
-    """twinkle's GKDLoss's scalars, one value for every GKD op (their schemas name them alike):
-    ``teacher_temperature`` None is ``temperature`` (twinkle divides both sides by one)."""
-    beta: float
-    temperature: float
-    teacher_temperature: Optional[float] = None
-    ignore_index: int = -100
-
-    def teacher_temp(self) -> float:
-        """The teacher's temperature."""
-        return self.temperature if self.teacher_temperature is None else self.teacher_temperature
 
 
 def _weighted_log_ratio(w: Tensor, a: Tensor, b: Tensor, out: Optional[Tensor] = None) -> Tensor:
@@ -111,3 +114,14 @@ def gkd_rows(x: Tensor, teacher_logprobs: Tensor, beta: float, temperature: floa
     loss = terms.sum(-1)
     k_student = None if k_terms is None else k_terms.sum(-1, keepdim=True)
     return loss, gkd_grad(ls, lt, loss.unsqueeze(-1), k_student, beta, temperature)
+
+
+def gkd_average(per_token: Tensor, labels: Optional[Tensor] = None, ignore_index: int = -100) -> Tensor:
+    """GKDLoss's scalar from a per-token GKD loss (linear_gkd_topk, linear_gkd_full, gkd_from_logits,
+    gkd_topk_from_logits): the sum over the kept tokens divided by their number (0 when none is kept, as
+    GKDLoss returns)."""
+    if labels is None:
+        count = per_token.numel()
+    else:
+        count = int((labels != ignore_index).sum())
+    return per_token.sum() / count if count else per_token.sum() * 0.0

@@ -28,12 +28,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._contract import stats_dtype
-from .distill import checked_gkd
-from .distill_logits import check_teacher_logits, flat_teacher, teacher_rows
+from ..distill.arguments import GkdOptions, check_teacher_logits, checked_gkd, flat_teacher, teacher_rows
+from ..distill.divergence import gkd_grad, gkd_terms, log_add_exp
+from ..op.contract import stats_dtype
+from ..op.op_args import call, named_inputs, pick, register_autograd
 from .engine import Needs, Plan, Rows, acc_dtype, backward_sweep, check_head_args, forward_sweep
-from .gkd_math import GkdOptions, gkd_grad, gkd_terms, log_add_exp
-from .op_args import call, named_inputs, pick, register_autograd
 
 FULL_BLOCK = 2048  # vocab columns per block of the float64 math
 # The rows' statistics, saved for backward: [N, STATS] float64.

@@ -2,15 +2,15 @@
 
 ``linear_selective_log_softmax(hidden, weight, index)`` returns what
 ``selective_log_softmax(hidden @ weight.T + bias, index)`` returns. It runs on the blockwise engine
-(engine.py: kept rows, row tiles, vocab blocks, the chunk budget, fp32 sums, needed gradients) and supplies
+(heads/engine.py: kept rows, row tiles, vocab blocks, the chunk budget, fp32 sums, needed gradients) and supplies
 the per-block math, which is the op's own (csrc/ops.cpp):
 
 Forward, per vocab block ``[v0, v1)`` of this rank's weight and group of row tiles (engine.forward_sweep,
 the logits in the input dtype, as the model's layer would give them): the op's forward with
 vocab_start = shard start + v0 gives the block's (shift, log_sum, logp, entropy), which
-``row_stats.combine_shard_stats_in_tiles`` folds into a float64 state of the rows, in block order, one row
+``op/row_stats.combine_shard_stats_in_tiles`` folds into a float64 state of the rows, in block order, one row
 tile per call (the same merge as across tensor-parallel ranks); under tensor parallelism one all_gather of
-O(N) statistics (``vocab_parallel.gather_shard_stats``) and the same merge combine the ranks.
+O(N) statistics (``op/vocab_parallel.gather_shard_stats``) and the same merge combine the ranks.
 
 Backward, per block and group (engine.backward_sweep): the op's in-place backward with the GLOBAL
 (shift, log_sum, entropy) turns the recomputed logits into their gradient, from which the engine sums
@@ -25,23 +25,24 @@ docs/linear.md.
 
 torch.compile: two custom ops (``twinkle_mem::linear_selective_log_softmax_fwd`` / ``_bwd``) with fake
 kernels and ``register_autograd``; ``fullgraph=True`` traces the call (a process group travels as its name).
-The public function, ``linear_selective_log_softmax``, is in functional.py.
+The public function, ``linear_selective_log_softmax``, is at the end.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import ops
-from ._contract import check_op_label_range, stats_dtype
-from .engine import (Needs, Plan, Rows, backward_sweep, block_width, forward_sweep, tile_bytes,  # noqa: F401
+from ..op import ops
+from ..op.contract import check_index_and_options, check_op_label_range, ignore_value, stats_dtype
+from ..op.op_args import call, named_inputs, pick, register_autograd
+from ..op.row_stats import combine_shard_stats_in_tiles, output_shift
+from ..op.vocab_parallel import VocabShard, gather_shard_stats
+from .engine import (Needs, Plan, Rows, backward_sweep, block_width, check_head_args, forward_sweep, tile_bytes,
                      tiles_in_flight)
-from .op_args import call, named_inputs, pick, register_autograd
-from .row_stats import combine_shard_stats_in_tiles, output_shift
-from .vocab_parallel import VocabShard, gather_shard_stats
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 
@@ -220,3 +221,52 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_shift, _grad_log_sum):
 
 
 register_autograd(linear_fwd, _backward, _setup_context)
+
+
+# ------------------------------------------------------------------ the public function
+def _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_bytes) -> bool:
+    """Raises ValueError naming the bad argument; returns whether ``index`` is ``[..., k]``."""
+    check_head_args(hidden, weight, bias)
+    multi = check_index_and_options(index, hidden, "hidden", temperature, ignore_index)
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
+    return multi
+
+
+def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *, bias=None, temperature=1.0,
+                                 ignore_index=None, chunk_bytes=None, process_group=None):
+    """``selective_log_softmax(hidden @ weight.T + bias, index, ...)`` without the [N, V] logits.
+
+    hidden: [..., H] bf16/fp16/fp32 (fp64 for gradcheck); weight: [V, H] of hidden's dtype (under
+    ``process_group``, this rank's vocab shard, Megatron's split); bias: [V] or None; index: [...]
+    or [..., k] int64/int32 global token ids. Returns fp32 ``logp`` of the index's shape (fp64 for
+    fp64 hidden), or ``(logp, entropy)`` with entropy [...] when ``return_entropy``; ``temperature``
+    divides the logits. An index equal to ``ignore_index`` gives logp 0 and no gradient; a row
+    whose indices are all ignored gives entropy 0 and costs no matmul. Gradients flow to hidden,
+    weight and bias from logp and entropy. ``chunk_bytes`` (default 256 MiB, or one row tile of a
+    vocab block where that is more) bounds the block working memory of both passes. Under
+    ``process_group`` (world size > 1) the outputs are the full-vocab ones on every rank and the hidden
+    gradient is this rank's partial sum (all-reduce it, as Megatron's copy_to_tensor_model_parallel_region
+    does). Details: module docstring,
+    docs/linear.md. Labels outside [0, V) (other than ignore_index) raise RuntimeError.
+    """
+    multi = _check_args(hidden, weight, bias, index, temperature, ignore_index,
+                        DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
+    h_size = hidden.shape[-1]
+    n = math.prod(hidden.shape[:-1])
+    cols = block_width(weight.shape[0])
+    if chunk_bytes is None:
+        chunk_bytes = default_chunk_bytes(cols, h_size, hidden.dtype)
+    # Refuse, before any work, a chunk_bytes below one row tile of a vocab block (the backward's need,
+    # the larger): it depends on V, H and the dtype only.
+    tiles_in_flight(cols, h_size, hidden.dtype, chunk_bytes, backward=True)
+    rows = hidden.reshape(n, h_size)  # a view unless the leading dims cannot be merged
+    labels = index.reshape(n, index.shape[-1] if multi else 1)
+    opts = LogprobOptions(ops.inv_temperature_tensor(temperature), ignore_value(ignore_index), bool(return_entropy),
+                          int(chunk_bytes))
+    shard = VocabShard.of(process_group, weight.shape[0], "weight")
+    logp, entropy, _shift, _log_sum = call(linear_fwd, rows, weight, bias, labels, opts, shard)
+    logp = logp.view(index.shape)
+    if return_entropy:
+        return logp, entropy.view(hidden.shape[:-1])
+    return logp

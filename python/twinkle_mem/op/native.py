@@ -20,8 +20,8 @@ import re
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-SCHEMAS_FILE = os.path.join(_HERE, "schemas.def")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the libraries and schemas.def lie there
+SCHEMAS_FILE = os.path.join(_PACKAGE, "schemas.def")
 FALLBACK = "the composite runs on this device"
 
 # backend -> "loaded" | "not built" | "built, not loaded: <why>" | "failed to load (<file>: <error>); <FALLBACK>"
@@ -30,7 +30,7 @@ _python_schemas = None  # the torch.library.Library holding schemas defined from
 
 
 def _find(name: str) -> str | None:
-    hits = sorted(glob.glob(os.path.join(_HERE, f"{name}*.so")))
+    hits = sorted(glob.glob(os.path.join(_PACKAGE, f"{name}*.so")))
     return hits[0] if hits else None
 
 

@@ -30,10 +30,10 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ._contract import check_float_tensor
-from ._matmul import add_matmul, logits_into, mixed_addmm
-from .op_args import arg_names
-from .rows import kept_rows
+from ..op.contract import check_float_tensor
+from ..op.op_args import arg_names
+from ..op.rows import kept_rows
+from .matmul import add_matmul, logits_into, mixed_addmm
 
 # Every matmul and merge is cut from these constants alone, never from N or chunk_bytes, so that a row's results
 # depend only on its own hidden state and the weight. (Measured on the 2-core build machine, fp32, H = 1024:

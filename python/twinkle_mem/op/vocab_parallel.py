@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import ops
-from ._contract import OpOptions
+from .contract import OpOptions
 from .row_stats import combine_shard_stats, label_matrix
 
 # The all_gather without the FutureWarning of newer torch; the same collective.

@@ -5,7 +5,7 @@ the ignore-index sentinel, the statistics' dtype, the options past the schema bo
 (``OpOptions``), the public functions' argument checks (ValueError naming the argument) and the
 kernel-level checks of the composite kernels (RuntimeError, the same messages as the native
 kernels' csrc/common/op_checks.h, so that a device without a native kernel fails the same way).
-Used by functional.py, linear.py, ops.py and composite.py.
+Used by the op's modules and the heads built on it (heads/).
 """
 from __future__ import annotations
 
