@@ -20,7 +20,9 @@ tests/ray_twinkle_step.py):
 """
 import contextlib
 import os
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 
@@ -113,3 +115,20 @@ def release(model) -> None:
     import ray
     for actor in getattr(model, "_actors", []):
         ray.kill(actor)
+
+
+def run_driver(cmd, env, timeout, stderr=subprocess.STDOUT):
+    """Run a Ray driver ``cmd`` in a process group of its own and end the group when it returns or fails (Ray's
+    GCS, raylet and workers are in it: none outlives the driver); returns (exit status, its stdout)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if proc.poll() is None:
+            proc.communicate()
+    return proc.returncode, output

@@ -27,8 +27,6 @@ from one LoRA adapter whatever the layout (cpu_harness/megatron_lora.layout_inde
 - bf16 (``mixed_precision='bf16'``): each loss no further from its float64 reference than shipped's.
 """
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,23 +64,14 @@ def _checkpoint(path, seed, head_scale=1):
 
 def _drive(out, student, teacher, mode, runs, timeout=1500):
     """One driver in a fresh process (its own process group: Ray's processes end with it, whatever happens)."""
+    from cpu_harness.twinkle_ray import run_driver
     env = {k: v for k, v in os.environ.items() if k != VAR}
     if MODES[mode] is not None:
         env[VAR] = MODES[mode]
     cmd = [sys.executable, "-W", "ignore", str(HERE / "ray_megatron_recipes.py"), str(out), student, teacher, runs]
     started = time.time()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if proc.poll() is None:
-            proc.communicate()
-    assert proc.returncode == 0, output[-8000:]
+    returncode, output = run_driver(cmd, env, timeout)
+    assert returncode == 0, output[-8000:]
     return dict(torch.load(out, weights_only=False), output=output, seconds=time.time() - started)
 
 
