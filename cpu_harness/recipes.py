@@ -4,7 +4,9 @@ tests/ray_megatron_recipes.py and bench/bench_recipe.py. Written here from readi
 follows and does what it does: the model in Ray workers (``remote_group='model'``), a LoRA adapter from
 ``LoraConfig(target_modules='all-linear', ...)``, twinkle's Megatron optimizer and scheduler
 (``set_optimizer('default')``, ``set_lr_scheduler('default')``, ``clip_grad_and_step``), its loss, processor,
-template and metrics, ``calculate_metric``, ``save``.
+template and metrics, ``calculate_metric``, ``save``. And one recipe on twinkle's transformers path
+(``gkd_transformers``: gkd_on_policy.py's ``TransformersModel`` branch, one worker), where twinkle's ``Accuracy`` is
+a default metric.
 
 What a CPU changes (and nothing else):
 
@@ -153,11 +155,12 @@ def _count_calls(actor):
         logits = output[0] if isinstance(output, tuple) else output
         counts["placeholders" if logits.shape[-1] == 0 else "logits"] += 1
 
-    for chunk in actor.model:
+    for chunk in actor.model if isinstance(actor.model, (list, tuple)) else [actor.model]:
         for name, module in chunk.named_modules():
-            if name.endswith("output_layer"):
+            if name.endswith("output_layer") or name.endswith("lm_head"):
                 module.register_forward_hook(output_hook)
-    if "twinkle_mem" in sys.modules:
+    if "twinkle_mem" in sys.modules and not getattr(actor, "_recipe_counted", False):
+        actor._recipe_counted = True  # (once per worker: the ops are the module's)
         import twinkle_mem
         for op in FUSED_OPS:
             def counted(*args, _op=op, _fn=getattr(twinkle_mem, op), **kwargs):
@@ -182,7 +185,7 @@ def _lora_init(actor):
 
 
 def _grad_norm(actor, adapter):
-    return actor.optimizer_group[adapter]._last_grad_norm
+    return float(actor.optimizer_group[adapter]._last_grad_norm)
 
 
 def loss_of(out) -> float:
@@ -394,6 +397,38 @@ def dpo_data(template, step, vocab=512, batch=2):
     return dpo_batch([dict(positive=c, negative=r) for c, r in zip(chosen, rejected)])
 
 
+@_recipe
+def gkd_transformers(holder, path, layout, output_dir, teacher_path, *, steps=3, vocab=512, batch=2, k=64, lr=1e-3):
+    """cookbook/rl/gkd/gkd_on_policy.py, its TransformersModel branch: the student sampler's completions (on-policy),
+    the teacher's top-k prompt log-probs on them, GKDLoss(beta=0.5), AdamW and CosineAnnealingLR; twinkle's
+    ``Accuracy`` is this model's default metric. ``layout``: ``'dp1'``, one worker."""
+    from peft import LoraConfig
+    from twinkle import DeviceMesh
+    from twinkle.loss import GKDLoss
+    from twinkle.model import TransformersModel
+    from twinkle.template import Template
+    tr.new_rendezvous()
+    model = TransformersModel(model_id=path, device_mesh=DeviceMesh.from_sizes(dp_size=1), remote_group="solo",
+                              mixed_precision="no")
+    run = holder["run"] = Run("gkd_transformers", layout, model)
+    model.add_adapter_to_model(ADAPTER, LoraConfig(**LORA), gradient_accumulation_steps=1)
+    tr.on_workers(model, _count_calls)
+    model.set_optimizer("AdamW", lr=lr)
+    model.set_lr_scheduler("CosineAnnealingLR", T_max=steps, eta_min=0)
+    model.set_loss(GKDLoss(beta=0.5, temperature=1.0), adapter_name=ADAPTER)
+    model.set_template("Template", model_id=path, adapter_name=ADAPTER)
+    template = Template(model_id=path)
+    sampler, teacher = Sampler(path, template, seed=1), Teacher(teacher_path, k)
+    for step in range(steps):
+        inputs = [s["new_input_feature"] for s in sampler.sample(prompts(batch, vocab, seed=300 + step))]
+        teacher_output = teacher_tensors(teacher.topk_prompt_logprobs(inputs), k)
+        out = model.forward_backward(inputs=inputs, adapter_name=ADAPTER, **teacher_output)
+        model.clip_grad_and_step(adapter_name=ADAPTER)
+        run.step(out)
+        run.result["metrics"].append(model.calculate_metric(is_training=True, adapter_name=ADAPTER))
+    return run.finish(output_dir, adapter=ADAPTER)
+
+
 def dpo_batch(rows):
     """dpo_lora.py's ``prepare_dpo_batch``: each row's chosen then rejected sample, interleaved."""
     return [sample for row in rows for sample in (row["positive"], row["negative"])]
@@ -433,7 +468,7 @@ def dpo(holder, path, layout, output_dir, *, steps=3, vocab=512, batch=2, accumu
     return run.finish(output_dir)
 
 
-RECIPES = {fn.__name__: fn for fn in (grpo, grpo_multi_lora, gkd, dpo)}
+RECIPES = {fn.__name__: fn for fn in (grpo, grpo_multi_lora, gkd, gkd_transformers, dpo)}
 
 
 def output_dir():

@@ -75,7 +75,7 @@ def setup_worker() -> None:
 @contextlib.contextmanager
 def ray_session(num_cpus: int = 16):
     """A local Ray whose workers can import cpu_harness and run :func:`setup_worker`, and twinkle's Ray mode with
-    one CPU group ``'model'`` of 2 processes; Ray and twinkle's registry are shut down on exit, whatever
+    the CPU groups ``'model'`` (2 processes) and ``'solo'`` (1); Ray and twinkle's registry are shut down on exit, whatever
     happened. Its temporary directory is its own (another Ray on this machine keeps its own)."""
     import ray
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
@@ -87,8 +87,9 @@ def ray_session(num_cpus: int = 16):
     try:
         import twinkle
         from twinkle import DeviceGroup
-        twinkle.initialize(mode="ray", nproc_per_node=1, ncpu_proc_per_node=2, lazy_collect=False,
-                           groups=[DeviceGroup(name="model", ranks=2, device_type="CPU")])
+        twinkle.initialize(mode="ray", nproc_per_node=1, ncpu_proc_per_node=3, lazy_collect=False,
+                           groups=[DeviceGroup(name="model", ranks=2, device_type="CPU"),
+                                   DeviceGroup(name="solo", ranks=1, device_type="CPU")])
         yield
     finally:
         try:

@@ -29,7 +29,7 @@ def main(out, student, teacher, runs):
                 from cpu_harness import recipe_reference
                 result = recipe_reference.bf16_first_steps(student, layout, teacher)
             else:
-                extra = (teacher, ) if name == "gkd" else ()
+                extra = (teacher, ) if name.startswith("gkd") else ()
                 result = recipes.RECIPES[name](student, layout, recipes.output_dir(), *extra)
             results["runs"][run] = result
             print(f"[recipes] {run}: {result.get('error') or 'done'}", file=sys.stderr, flush=True)
