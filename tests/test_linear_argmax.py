@@ -4,7 +4,8 @@ them (``F.linear`` in the inputs' dtype, divided by T in that dtype).
 
 Real-training inputs: several vocab blocks and row tiles, exact ties across blocks and within one (the first index
 wins, as torch.argmax's), all-equal rows, peaked rows, large logits, T = 0.05 and 1e4, bf16 (where rounding makes
-ties common), masked rows (-1), a NaN row; under tensor parallelism (gloo worlds of 2 and 4) each rank its vocab
+ties common), rows of -inf logits (index 0, as torch), float64 maxima closer than float32 resolves, masked
+rows (-1), a NaN row; under tensor parallelism (gloo worlds of 2 and 4) each rank its vocab
 shard, every rank the whole-weight answer.
 """
 import pytest
@@ -83,6 +84,33 @@ def test_nan_row_as_torch(small_blocks):
     assert torch.equal(linear_argmax(hidden, weight), reference(hidden, weight))
 
 
+def minus_inf_rows(v, dtype=torch.float32):
+    """Rows whose logits are all -inf (a -inf hidden value against a positive weight column), with a finite row and
+    a row of logits near finfo.min between them: torch.argmax gives 0 at the first."""
+    weight = torch.rand(v, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64) + 0.5
+    hidden = torch.zeros(3, 4, dtype=torch.float64)
+    hidden[0, 0] = float("-inf")
+    hidden[1] = torch.arange(4)
+    hidden[2, 1] = torch.finfo(dtype).min / 2
+    return hidden.to(dtype), weight.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_minus_inf_as_torch(small_blocks, dtype):
+    hidden, weight = minus_inf_rows(300, dtype)
+    assert F.linear(hidden, weight)[0].isneginf().all()
+    assert torch.equal(linear_argmax(hidden, weight), reference(hidden, weight))
+
+
+def test_float64_maxima_kept_exactly(small_blocks):
+    """float64 logits 1 and 1 + 1e-12 in different blocks (one value in float32): the larger, as torch.argmax."""
+    hidden = torch.ones(1, 1, dtype=torch.float64)
+    weight = torch.zeros(300, 1, dtype=torch.float64)
+    weight[5], weight[200] = 1.0, 1.0 + 1e-12
+    assert reference(hidden, weight).item() == 200
+    assert linear_argmax(hidden, weight).item() == 200
+
+
 def test_default_blocks_one_block():
     """The package's own blocks (one block of 8192 columns and one row tile here)."""
     hidden, weight = head(40, 16, linear.VOCAB_BLOCK + 100, torch.float32)
@@ -98,6 +126,9 @@ def tensor_parallel(rank, world):
         rows = torch.arange(50) % 3 != 0
         got = linear_argmax(hidden, vocab_shard(weight, rank, world), rows, process_group=dist.group.WORLD)
         assert torch.equal(got, torch.where(rows, reference(hidden, weight), -1)), dtype
+        hidden, weight = minus_inf_rows(96 * world, dtype)  # every rank's logits -inf at row 0: global column 0
+        got = linear_argmax(hidden, vocab_shard(weight, rank, world), process_group=dist.group.WORLD)
+        assert torch.equal(got, reference(hidden, weight)), (dtype, got)
 
 
 @pytest.mark.parametrize("world,name", cases.params(), ids=lambda v: f"tp{v}" if isinstance(v, int) else v)

@@ -20,9 +20,10 @@ from .linear import ROW_TILE, block_width
 
 
 def _fold(best: Tensor, index: Tensor, value: Tensor, column: Tensor) -> None:
-    """Keep (value, column) where value is larger than best (or NaN where best is not: torch.argmax's NaN is largest);
-    equal values keep the earlier (best, index)."""
-    better = (value > best) | (value.isnan() & ~best.isnan())
+    """Keep (value, column) where value is larger than best (or NaN where best is not: torch.argmax's NaN is largest),
+    or where nothing is kept yet (index -1: a row of -inf logits has torch.argmax 0); equal values keep the earlier
+    (best, index)."""
+    better = (value > best) | (value.isnan() & ~best.isnan()) | (index < 0)
     best.copy_(torch.where(better, value, best))
     index.copy_(torch.where(better, column, index))
 
@@ -41,7 +42,8 @@ def linear_argmax(hidden: Tensor, weight: Tensor, rows: Optional[Tensor] = None,
     kept = None if rows is None else rows.reshape(-1).nonzero().squeeze(1)
     x = flat if kept is None else flat.index_select(0, kept)
     n, cols = x.shape[0], block_width(weight.shape[0])
-    best = torch.full((n, ), float("-inf"), dtype=torch.float32, device=x.device)
+    dtype = torch.promote_types(x.dtype, torch.float32)  # holds every block's maxima exactly (float64 ones too)
+    best = torch.full((n, ), float("-inf"), dtype=dtype, device=x.device)
     index = torch.full((n, ), -1, dtype=torch.long, device=x.device)
     for r0 in range(0, n, ROW_TILE):
         tile = x[r0:r0 + ROW_TILE]
@@ -50,7 +52,7 @@ def linear_argmax(hidden: Tensor, weight: Tensor, rows: Optional[Tensor] = None,
             if temperature != 1.0:
                 logits.div_(temperature)
             value, column = logits.max(-1)
-            _fold(best[r0:r0 + ROW_TILE], index[r0:r0 + ROW_TILE], value.float(), column + v0)
+            _fold(best[r0:r0 + ROW_TILE], index[r0:r0 + ROW_TILE], value.to(dtype), column + v0)
     if process_group is not None and dist.get_world_size(process_group) > 1:
         world = dist.get_world_size(process_group)
         values, columns = [torch.empty_like(best) for _ in range(world)], [torch.empty_like(index) for _ in range(world)]
