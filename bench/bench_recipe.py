@@ -153,27 +153,27 @@ def main():
         return
     from cpu_harness import mcore_bridge as mb
     from cpu_harness.twinkle_ray import run_driver
-    ckpt = tempfile.mkdtemp(prefix="bench-recipe-qwen3-")
-    mb.save_tiny_qwen3(ckpt, vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2)
-    modes = args.modes.split(",")
-    progress = Progress(len(modes), stream=sys.stderr)
-    results = {}
-    for mode in modes:
-        progress.step(f"{MODES[mode]}: a fresh driver, Ray, 2 workers per recipe")
-        env = {k: v for k, v in os.environ.items() if k != VAR}
-        if mode != "unset":
-            env[VAR] = mode
-        cmd = [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--child", mode, ckpt] + [
-            f"--{name}={getattr(args, name)}" for name in ("vocab", "seq", "prompt", "hidden", "layers", "k", "recipes")]
-        log = args.out + f".{mode}.log"  # the driver's and its workers' messages (Ray forwards them)
-        with open(log, "w") as err:
-            returncode, output = run_driver(cmd, env, 3600, stderr=err)
-        if returncode != 0:
-            raise RuntimeError(f"the {mode} driver failed (exit {returncode}); see {log}")
-        os.remove(log)
-        results[mode] = json.loads(output.strip().splitlines()[-1])
-        progress.done(", ".join(f"{r}: " + (res.get("error") or " / ".join(
-            f"{p / 2**20:,.0f}" for p in res["peak_bytes"]) + " MiB") for r, res in results[mode].items()))
+    with tempfile.TemporaryDirectory(prefix="bench-recipe-qwen3-") as ckpt:  # (removed whatever happens)
+        mb.save_tiny_qwen3(ckpt, vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2)
+        modes = args.modes.split(",")
+        progress = Progress(len(modes), stream=sys.stderr)
+        results = {}
+        for mode in modes:
+            progress.step(f"{MODES[mode]}: a fresh driver, Ray, 2 workers per recipe")
+            env = {k: v for k, v in os.environ.items() if k != VAR}
+            if mode != "unset":
+                env[VAR] = mode
+            cmd = [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--child", mode, ckpt] + [
+                f"--{name}={getattr(args, name)}" for name in ("vocab", "seq", "prompt", "hidden", "layers", "k", "recipes")]
+            log = args.out + f".{mode}.log"  # the driver's and its workers' messages (Ray forwards them)
+            with open(log, "w") as err:
+                returncode, output = run_driver(cmd, env, 3600, stderr=err)
+            if returncode != 0:
+                raise RuntimeError(f"the {mode} driver failed (exit {returncode}); see {log}")
+            os.remove(log)
+            results[mode] = json.loads(output.strip().splitlines()[-1])
+            progress.done(", ".join(f"{r}: " + (res.get("error") or " / ".join(
+                f"{p / 2**20:,.0f}" for p in res["peak_bytes"]) + " MiB") for r, res in results[mode].items()))
     meta = run_metadata(vocab=args.vocab, seq=args.seq, prompt=args.prompt, hidden=args.hidden, layers=args.layers,
                         k=args.k, world=2, tp=2, dtype="float32", threads=1, threads_per_worker=1, lora_r=8,
                         one_micro_batch_logits_shard_mib=args.seq * (args.vocab // 2) * 4 / 2**20)

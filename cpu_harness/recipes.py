@@ -471,5 +471,6 @@ def dpo(holder, path, layout, output_dir, *, steps=3, vocab=512, batch=2, accumu
 RECIPES = {fn.__name__: fn for fn in (grpo, grpo_multi_lora, gkd, gkd_transformers, dpo)}
 
 
-def output_dir():
-    return tempfile.mkdtemp(prefix="recipe-out-")
+def output_dir(parent):
+    """A directory of its own under ``parent`` for a recipe's ``save`` (the caller removes ``parent``)."""
+    return tempfile.mkdtemp(prefix="recipe-out-", dir=parent)

@@ -20,6 +20,7 @@ tests/ray_twinkle_step.py):
 """
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -76,14 +77,19 @@ def setup_worker() -> None:
 def ray_session(num_cpus: int = 16):
     """A local Ray whose workers can import cpu_harness and run :func:`setup_worker`, and twinkle's Ray mode with
     the CPU groups ``'model'`` (2 processes) and ``'solo'`` (1); Ray and twinkle's registry are shut down on exit, whatever
-    happened. Its temporary directory is its own (another Ray on this machine keeps its own)."""
+    happened. Its temporary directory is its own (another Ray on this machine keeps its own), removed on exit (Ray
+    leaves its session's logs and sockets there)."""
     import ray
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, _temp_dir=temp_dir,
-             runtime_env={"worker_process_setup_hook": "cpu_harness.twinkle_ray.setup_worker"})
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, _temp_dir=temp_dir,
+                 runtime_env={"worker_process_setup_hook": "cpu_harness.twinkle_ray.setup_worker"})
+    except BaseException:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
     try:
         import twinkle
         from twinkle import DeviceGroup
@@ -97,7 +103,10 @@ def ray_session(num_cpus: int = 16):
             RayHelper.teardown()
         except Exception:  # noqa: BLE001  (Ray itself is shut down next, whatever happened)
             pass
-        ray.shutdown()
+        try:
+            ray.shutdown()
+        finally:
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def new_rendezvous() -> None:

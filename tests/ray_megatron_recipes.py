@@ -11,6 +11,7 @@ TWINKLE_MEM_INSTALL, and each run's results. The workers' start-up lines reach t
 """
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -21,7 +22,7 @@ def main(out, student, teacher, runs):
     from cpu_harness import recipes
     from cpu_harness import twinkle_ray as tr
     results = dict(driver_pid=os.getpid(), variable=os.environ.get("TWINKLE_MEM_INSTALL"), runs={})
-    with tr.ray_session():
+    with tr.ray_session(), tempfile.TemporaryDirectory(prefix="recipe-saves-") as saves:  # (the adapters: read back)
         for run in runs.split(","):
             name, layout = run.split(":")
             print(f"[recipes] {run}", file=sys.stderr, flush=True)
@@ -30,7 +31,7 @@ def main(out, student, teacher, runs):
                 result = recipe_reference.bf16_first_steps(student, layout, teacher)
             else:
                 extra = (teacher, ) if name.startswith("gkd") else ()
-                result = recipes.RECIPES[name](student, layout, recipes.output_dir(), *extra)
+                result = recipes.RECIPES[name](student, layout, recipes.output_dir(saves), *extra)
             results["runs"][run] = result
             print(f"[recipes] {run}: {result.get('error') or 'done'}", file=sys.stderr, flush=True)
     torch.save(results, out)
