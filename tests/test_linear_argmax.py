@@ -1,4 +1,4 @@
-"""twinkle_mem.linear_argmax.linear_argmax: the argmax over the vocab of an LM head's logits, one vocab block at a
+"""twinkle_mem.heads.argmax.linear_argmax: the argmax over the vocab of an LM head's logits, one vocab block at a
 time (twinkle's Accuracy on the fused path), against ``torch.argmax`` of the whole logits made as the layer makes
 them (``F.linear`` in the inputs' dtype, divided by T in that dtype).
 
@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import Cases, vocab_shard
-from twinkle_mem import linear
-from twinkle_mem.linear_argmax import linear_argmax
+from head_helpers import vocab_shard
+from helpers import Cases
+from twinkle_mem.heads import engine
+from twinkle_mem.heads.argmax import linear_argmax
 
 cases = Cases(__name__, timeout_s=120)
 case = cases.register
@@ -44,9 +45,8 @@ def reference(hidden, weight, temperature=1.0):
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Vocab blocks of 64 columns, row tiles of 16: several of each in a small case."""
-    import twinkle_mem.linear_argmax as module
-    monkeypatch.setattr(module, "ROW_TILE", 16)
-    monkeypatch.setattr(module, "block_width", lambda shard: min(64, shard))
+    monkeypatch.setattr(engine, "ROW_TILE", 16)
+    monkeypatch.setattr(engine, "VOCAB_BLOCK", 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -113,7 +113,7 @@ def test_float64_maxima_kept_exactly(small_blocks):
 
 def test_default_blocks_one_block():
     """The package's own blocks (one block of 8192 columns and one row tile here)."""
-    hidden, weight = head(40, 16, linear.VOCAB_BLOCK + 100, torch.float32)
+    hidden, weight = head(40, 16, engine.VOCAB_BLOCK + 100, torch.float32)
     assert torch.equal(linear_argmax(hidden, weight), reference(hidden, weight))
 
 

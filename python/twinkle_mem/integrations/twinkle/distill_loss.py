@@ -192,7 +192,7 @@ def _count_accuracy(head: fused_head.DeferredHead, inputs, labels) -> None:
     ``completion_mask``, else the labelled rows): no logits-sized memory."""
     if not head.accuracy:
         return
-    from twinkle_mem.linear_argmax import linear_argmax
+    from twinkle_mem.heads.argmax import linear_argmax
     rows = labels != -100
     mask = inputs.get("completion_mask")
     if mask is not None and torch.as_tensor(mask).shape == rows.shape:

@@ -5,7 +5,8 @@ path, where the logits never exist.
 for: each block of logits is computed as the layer computes its logits (``F.linear`` in the inputs' dtype, divided
 by the temperature in that dtype as twinkle's forward divides them), the first maximal column kept, the blocks
 folded in vocab order keeping the earlier block on equal values. So the index is the first among equal maxima,
-as ``torch.argmax``'s. Memory: one [ROW_TILE, VOCAB_BLOCK] block of logits and O(rows) results.
+as ``torch.argmax``'s. Memory: one [ROW_TILE, VOCAB_BLOCK] block of logits and O(rows) results. A head on the
+engine (engine.py): its row tiles, vocab blocks and forward sweep; its per-block math is a max and a fold.
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
-from .linear import ROW_TILE, block_width
+from ..op.vocab_parallel import VocabShard
+from .engine import Plan, RowTiles, block_width, forward_sweep, pad_rows
 
 
 def _fold(best: Tensor, index: Tensor, value: Tensor, column: Tensor) -> None:
@@ -41,23 +42,28 @@ def linear_argmax(hidden: Tensor, weight: Tensor, rows: Optional[Tensor] = None,
     flat = hidden.reshape(-1, hidden.shape[-1])
     kept = None if rows is None else rows.reshape(-1).nonzero().squeeze(1)
     x = flat if kept is None else flat.index_select(0, kept)
-    n, cols = x.shape[0], block_width(weight.shape[0])
+    n = x.shape[0]
     dtype = torch.promote_types(x.dtype, torch.float32)  # holds every block's maxima exactly (float64 ones too)
     best = torch.full((n, ), float("-inf"), dtype=dtype, device=x.device)
     index = torch.full((n, ), -1, dtype=torch.long, device=x.device)
-    for r0 in range(0, n, ROW_TILE):
-        tile = x[r0:r0 + ROW_TILE]
-        for v0 in range(0, weight.shape[0], cols):
-            logits = F.linear(tile, weight[v0:v0 + cols])
+    if n:
+        tiles = RowTiles(x)
+        best, index = pad_rows(best, tiles.padded, float("-inf")), pad_rows(index, tiles.padded, -1)
+
+        def step(v0: int, v1: int, rows: slice, logits: Tensor) -> None:
             if temperature != 1.0:
                 logits.div_(temperature)
             value, column = logits.max(-1)
-            _fold(best[r0:r0 + ROW_TILE], index[r0:r0 + ROW_TILE], value.to(dtype), column + v0)
-    if process_group is not None and dist.get_world_size(process_group) > 1:
+            _fold(best[rows], index[rows], value.to(dtype), column + v0)
+
+        forward_sweep(tiles, weight, None, Plan(block_width(weight.shape[0]), 1, x.dtype), step)
+        best, index = best[:n], index[:n]
+    shard = VocabShard.of(process_group, weight.shape[0], "weight")
+    if shard.group_name:
         world = dist.get_world_size(process_group)
         values, columns = [torch.empty_like(best) for _ in range(world)], [torch.empty_like(index) for _ in range(world)]
         dist.all_gather(values, best, group=process_group)
-        dist.all_gather(columns, index + dist.get_rank(process_group) * weight.shape[0], group=process_group)
+        dist.all_gather(columns, index + shard.vocab_start, group=process_group)
         best, index = values[0].clone(), columns[0].clone()
         for value, column in zip(values[1:], columns[1:]):  # in rank order: the vocab's order
             _fold(best, index, value, column)
