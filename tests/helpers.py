@@ -204,19 +204,16 @@ def scale_output(chunk):  # a post-processing the static checks do not know abou
     chunk.register_forward_hook(lambda module, args, output: output * 1.0)
 
 
-class VocabTensors(TorchDispatchMode):
-    """Every tensor any op returns while active, also inside twinkle-mem's Python custom ops
-    (run with the mode on): those with a last dim in ``vocab_dims``, and those of at least
-    ``numel`` elements."""
+class OpsInside(TorchDispatchMode):
+    """A dispatch mode that also sees the ops inside twinkle-mem's Python custom ops ``python_ops`` (run with the
+    mode on); ``seen(func, args, kwargs, out)`` looks at each op's results."""
 
-    def __init__(self, vocab_dims, numel, exempt=()):
+    def __init__(self, python_ops=()):
         super().__init__()
-        self.vocab_dims, self.numel = tuple(vocab_dims), numel
-        # views of these (a local teacher's logits: an input of the step) are not counted
-        self.exempt = {t.untyped_storage().data_ptr() for t in exempt}
-        self.last_dim, self.large, self.ops = [], [], 0
-        # twinkle-mem's Python custom ops, run under the mode so that the ops inside them are seen too
-        self.python_ops = {linear_fwd._opoverload: linear_fwd._init_fn, linear_bwd._opoverload: linear_bwd._init_fn}
+        self.python_ops = {op._opoverload: op._init_fn for op in python_ops}
+
+    def seen(self, func, args, kwargs, out) -> None:
+        raise NotImplementedError
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -225,6 +222,23 @@ class VocabTensors(TorchDispatchMode):
                 out = self.python_ops[func](*args, **kwargs)
         else:
             out = func(*args, **kwargs)
+        self.seen(func, args, kwargs, out)
+        return out
+
+
+class VocabTensors(OpsInside):
+    """Every tensor any op returns while active, also inside twinkle-mem's Python custom ops
+    (the fused head's; others added to ``python_ops``): those with a last dim in ``vocab_dims``, and those
+    of at least ``numel`` elements."""
+
+    def __init__(self, vocab_dims, numel, exempt=()):
+        super().__init__((linear_fwd, linear_bwd))
+        self.vocab_dims, self.numel = tuple(vocab_dims), numel
+        # views of these (a local teacher's logits: an input of the step) are not counted
+        self.exempt = {t.untyped_storage().data_ptr() for t in exempt}
+        self.last_dim, self.large, self.ops = [], [], 0
+
+    def seen(self, func, args, kwargs, out) -> None:
         self.ops += 1
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.dim() > 0 and t.untyped_storage().data_ptr() not in self.exempt:
@@ -232,7 +246,6 @@ class VocabTensors(TorchDispatchMode):
                     self.last_dim.append((str(func), tuple(t.shape)))
                 if t.numel() >= self.numel:
                     self.large.append((str(func), tuple(t.shape)))
-        return out
 
 
 # ------------------------------------------------------------------ twinkle's GKD (distillation) calls

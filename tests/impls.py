@@ -1,7 +1,7 @@
 """The implementations of the op contract that run here, for tests/numerics.py.
 
 - cpu: the native CPU kernels (torch.ops.twinkle_mem on CPU tensors);
-- composite: python/twinkle_mem/composite.py called directly;
+- composite: python/twinkle_mem/op/composite.py called directly;
 - each CPU emulation of a device kernel adds itself below (npu_emulated: the
   AscendC kernels compiled against the stand-in of the AscendC API, tests/npu_emulation.py).
 """

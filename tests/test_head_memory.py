@@ -21,10 +21,9 @@ import sys
 import pytest
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from helpers import json_child
+from helpers import OpsInside, json_child
 
 HEADS = ("logprobs", "gkd_topk", "gkd_full")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -108,26 +107,18 @@ def test_peak_beyond_outputs_and_gradients_is_one_block(head, dtype):
     assert r["bound"] < r["fp32_weight_bytes"] - SLACK, mib  # the bound sees an fp32 copy of the LM head
 
 
-class NewTensors(TorchDispatchMode):
+class NewTensors(OpsInside):
     """The shapes of the tensors ops allocate while active (outputs that share storage with no input), also
     inside twinkle-mem's Python custom ops ``python_ops`` (run under the mode)."""
 
     def __init__(self, python_ops):
-        super().__init__()
-        self.python_ops = {op._opoverload: op._init_fn for op in python_ops}
+        super().__init__(python_ops)
         self.shapes = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.python_ops:
-            with self:
-                out = self.python_ops[func](*args, **kwargs)
-        else:
-            out = func(*args, **kwargs)
+    def seen(self, func, args, kwargs, out) -> None:
         inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         self.shapes += [tuple(t.shape) for t in tree_leaves(out)
                         if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
-        return out
 
 
 @pytest.mark.parametrize("requires", ["hidden", "weight"])

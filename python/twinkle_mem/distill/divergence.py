@@ -91,7 +91,7 @@ def gkd_terms(ls: Tensor, lt: Tensor, beta: float) -> tuple[Tensor, Optional[Ten
 
 def gkd_grad(ls: Tensor, lt: Tensor, loss: Tensor, k_student: Optional[Tensor], beta: float,
              temperature: float) -> Tensor:
-    """dL/dx per entry (the formulas of distill.py's docstring), given the row's L and K ([.., 1]); ``temperature``
+    """dL/dx per entry (the formulas of this module's docstring), given the row's L and K ([.., 1]); ``temperature``
     the student's."""
     p = ls.exp()
     if beta == 0:

@@ -2,16 +2,16 @@
 (``topk=None``), the student's logits never built whole.
 
 ``linear_gkd_full(hidden, weight, teacher_logits, labels)`` returns per token what
-``gkd_from_logits(hidden @ weight.T + bias, teacher_logits, labels)`` returns (distill.py's formulas with
+``gkd_from_logits(hidden @ weight.T + bias, teacher_logits, labels)`` returns (distill/divergence.py's formulas with
 k = V), with gradients to hidden, weight and bias. It runs on the blockwise engine (engine.py: kept rows,
 row tiles of engine.ROW_TILE rows, vocab blocks of FULL_BLOCK columns, fp32 sums, needed gradients) and
 supplies the per-block math, in float64, on one [ROW_TILE, FULL_BLOCK] block of the student's logits (fp32,
 fp64 for fp64 inputs) at a time:
 
 forward, two sweeps:  1. each row's (max, log-sum-exp) of s = x / T and of t, folded in block order (float64);
-                      2. the blocks' ls = (x - M_s) / T - L_s, lt likewise, gkd_math.gkd_terms, the row's L
+                      2. the blocks' ls = (x - M_s) / T - L_s, lt likewise, divergence.gkd_terms, the row's L
                          and K summed in block order.
-backward, one sweep:  recompute ls, lt; D = g gkd_math.gkd_grad(ls, lt, L, K) (float64, then fp32), from
+backward, one sweep:  recompute ls, lt; D = g divergence.gkd_grad(ls, lt, L, K) (float64, then fp32), from
                       which the engine sums grad_hidden, grad_weight and grad_bias in fp32, each rounded once.
 
 Saved for backward: the inputs (references) and six float64 values per row. Memory beyond inputs and

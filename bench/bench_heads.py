@@ -1,0 +1,129 @@
+"""Every fused head, this tree against another checkout's, side by side in one run: time and peak memory.
+
+    PYTHONPATH=python python bench/bench_heads.py --base-python /path/to/other/checkout/python \\
+        [--n 512] [--h 1024] [--vocab 151936] [--k 64] [--dtypes bfloat16 float32] [--reps 2] [--out DIR]
+
+The heads: ``linear_selective_log_softmax`` (log-probs and entropy), ``linear_gkd_topk`` (a top-k teacher,
+k = --k) and ``linear_gkd_full`` (a whole-vocab teacher), each one forward + backward (gradients of hidden
+and weight; a quarter of the rows ignored, the prompt) in a fresh process, after a small warm-up call there.
+``this tree`` imports python/ of this checkout, ``base`` the --base-python directory (its own native library,
+built in place). The reps alternate base / this tree, so that the machine's load falls on both; the table
+gives the fastest time and the largest peak. Peak: the rise of the resident set's high-water mark over the
+call (glibc's mmap threshold fixed, so that freed buffers go back to the OS); "beyond" subtracts the
+outputs and the gradients: the head's working memory. Writes DIR/heads.{json,md,png} (DIR: --out,
+bench/results/local by default); progress on stderr.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+from bench_common import (MachineLoad, Progress, ROOT, load_warning, markdown_table, peak_and_time_figure,
+                          run_child, run_metadata, write_json)
+
+HEADS = ("logprobs", "gkd_topk", "gkd_full")
+TREES = ("base", "this tree")
+MIB = 1 << 20
+
+
+def child(cfg: dict) -> dict:
+    import torch
+
+    import twinkle_mem
+    from twinkle_mem.measure import peak_rss
+    torch.manual_seed(0)
+    dtype = getattr(torch, cfg["dtype"])
+    n, h, v, k = cfg["n"], cfg["h"], cfg["vocab"], cfg["k"]
+    hidden_all = torch.randn(n, h).to(dtype)
+    weight_all = (torch.randn(v, h) * 0.05).to(dtype)
+    labels_all = torch.randint(0, v, (n,))
+    labels_all[::4] = -100
+    ids_all = torch.randint(0, v, (n, k))
+    logprobs_all = torch.randn(n, k).log_softmax(-1)
+    teacher_all = (torch.randn(n, v) * 2).to(dtype) if cfg["head"] == "gkd_full" else None
+
+    def once(rows, vocab):
+        hidden = hidden_all[:rows].clone().requires_grad_()
+        weight = weight_all[:vocab].clone().requires_grad_()
+        labels = labels_all[:rows] % vocab
+        labels[::4] = -100
+        if cfg["head"] == "logprobs":
+            outs = twinkle_mem.linear_selective_log_softmax(hidden, weight, labels, True, ignore_index=-100)
+        elif cfg["head"] == "gkd_topk":
+            outs = (twinkle_mem.linear_gkd_topk(hidden, weight, ids_all[:rows] % vocab, logprobs_all[:rows], labels),)
+        else:
+            outs = (twinkle_mem.linear_gkd_full(hidden, weight, teacher_all[:rows, :vocab].contiguous(), labels),)
+        grads = torch.autograd.grad(sum(o.float().sum() for o in outs), (hidden, weight))
+        return (*outs, *grads)
+
+    once(16, 1024)  # warm-up: imports, first allocations
+    with peak_rss() as peak:
+        t0 = time.perf_counter()
+        kept = once(n, v)
+        seconds = time.perf_counter() - t0
+    held = sum(t.numel() * t.element_size() for t in kept)
+    return {"seconds": seconds, "peak_mib": peak.bytes / MIB, "beyond_mib": (peak.bytes - held) / MIB,
+            "checksum": float(sum(t.double().sum() for t in kept)), "module": twinkle_mem.__file__}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base-python", help="python/ of the checkout to compare with (required)")
+    ap.add_argument("--n", type=int, default=512)
+    ap.add_argument("--h", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--k", type=int, default=64)
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=HEADS)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "local"))
+    ap.add_argument("--child")
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    if not args.base_python:
+        ap.error("--base-python is required")
+    load = MachineLoad()
+    src = {"base": os.path.abspath(args.base_python), "this tree": os.path.join(ROOT, "python")}
+    env = {t: dict(os.environ, PYTHONPATH=src[t], MALLOC_MMAP_THRESHOLD_="65536") for t in TREES}
+    cases = [(head, dtype) for head in args.heads for dtype in args.dtypes]
+    runs = {f"{head} {dtype}": {t: [] for t in TREES} for head, dtype in cases}
+    progress = Progress(args.reps * len(cases) * len(TREES), stream=sys.stderr)
+    for rep in range(args.reps):
+        for head, dtype in cases:
+            for tree in TREES if rep % 2 == 0 else TREES[::-1]:
+                cfg = dict(head=head, dtype=dtype, n=args.n, h=args.h, vocab=args.vocab, k=args.k)
+                progress.step(f"{head} {dtype} {tree}")
+                r = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env[tree])
+                runs[f"{head} {dtype}"][tree].append(r)
+                progress.done(f"{r['seconds']:.2f} s, peak {r['peak_mib']:.0f} MiB")
+    best = {case: {t: {"seconds": min(r["seconds"] for r in rs), "peak_mib": max(r["peak_mib"] for r in rs),
+                       "beyond_mib": max(r["beyond_mib"] for r in rs), "checksum": rs[0]["checksum"]}
+                   for t, rs in by_tree.items()} for case, by_tree in runs.items()}
+    rows = [[case, f"{b['base']['seconds']:.2f}", f"{b['this tree']['seconds']:.2f}",
+             f"{b['base']['seconds'] / b['this tree']['seconds']:.2f}", f"{b['base']['peak_mib']:.0f}",
+             f"{b['this tree']['peak_mib']:.0f}", f"{b['base']['beyond_mib']:.0f}", f"{b['this tree']['beyond_mib']:.0f}",
+             "yes" if b["base"]["checksum"] == b["this tree"]["checksum"] else "no"] for case, b in best.items()]
+    table = markdown_table(["head dtype", "base s", "this tree s", "base / this", "base peak MiB", "this peak MiB",
+                            "base beyond MiB", "this beyond MiB", "bitwise same sums"], rows, "lrrrrrrrc")
+    record = run_metadata(n=args.n, h=args.h, vocab=args.vocab, k=args.k, reps=args.reps, base=src["base"],
+                          load=load.record())
+    warning = load_warning(record["load"])
+    print(table + (f"\n{warning}\n" if warning else ""))
+    os.makedirs(args.out, exist_ok=True)
+    write_json(os.path.join(args.out, "heads.json"), {"meta": record, "runs": runs, "best": best})
+    with open(os.path.join(args.out, "heads.md"), "w") as f:
+        f.write(table + (f"\n{warning}\n" if warning else ""))
+    series = {t: ([best[c][t]["peak_mib"] for c in best], [best[c][t]["seconds"] for c in best]) for t in TREES}
+    try:
+        peak_and_time_figure(list(best), series, args.n * args.vocab * 4 / MIB, "fused heads: base vs this tree",
+                             os.path.join(args.out, "heads.png"), peak_label="peak RSS rise over the call (MiB)")
+    except ImportError:
+        print("(no matplotlib: no PNG)", file=sys.stderr)
+    print(f"wrote {args.out}/heads.{{json,md,png}}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
