@@ -1,9 +1,12 @@
 // The CPU kernel's row loops, written once over a SIMD type Vec (VecTraits
-// gives its lane type acc_t and width W). Two translation units include it,
+// gives its lane type acc_t and width W). Three translation units include it,
 // each inside its own namespace: selective_log_softmax.cpp (portable, Vec =
-// float or double) and selective_log_softmax_avx2.cpp (Vec = Vec8f).
+// float or double), selective_log_softmax_avx2.cpp (Vec = Vec8f) and
+// selective_log_softmax_avx512.cpp (Vec = Vec16f).
 //
-// The including namespace provides: VecTraits<Vec>, load_vec(const T*) -> Vec,
+// The including namespace provides: RowVec (its fp32 Vec) and the tag types
+// bf16_t, fp16_t of 16-bit logits (for kRowKernels, isa.h's table of entry
+// points, defined at the end), VecTraits<Vec>, load_vec(const T*) -> Vec,
 // store_vec(T*, Vec), store_pair(T*, Vec, Vec) (2 W elements), load_scalar(const T*)
 // -> acc_t, store_scalar(T*, acc_t), hmax(Vec), hsum(Vec), index_of(const acc_t*,
 // n, acc_t) (the first index holding a value, or n), and the exp_/max_/fma_
@@ -24,6 +27,15 @@
 
 constexpr int64_t kBlock = 2048;  // elements per L1-resident block of a row
 constexpr int64_t kSubVectors = 16;  // vectors summed in acc_t before their sum joins a double
+
+// Asks for x[from, to) to be brought into the cache: no fault, no wait. The
+// forward's second sweep computes on an L1 buffer without touching memory; it
+// fetches the next block meanwhile, so that memory and arithmetic overlap.
+template <typename scalar_t>
+inline void prefetch_range(const scalar_t* x, int64_t from, int64_t to) {
+  const char* end = reinterpret_cast<const char*>(x + to);
+  for (const char* p = reinterpret_cast<const char*>(x + from); p < end; p += 64) __builtin_prefetch(p, 0, 3);
+}
 
 // Online softmax state of x[0, n) (see online_softmax.h), in double. Each block
 // of the row is read from memory once: a first sweep converts it to acc_t into
@@ -86,6 +98,7 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
       auto gap = [&](Vec xv) { return kUnit ? xv + v_neg_shift : scaled_gap(xv, v_neg_shift, v_inv_T); };
       for (int64_t i = 0; i < body; i += kSub) {
         const int64_t end = std::min(body, i + kSub);
+        prefetch_range(x_block, kBlock + i, std::min(kBlock + i + kSub, n - start));  // the next block's part
         Vec v_sum(acc_t(0)), v_zsum(acc_t(0));
         if (with_entropy) {
           for (int64_t j = i; j < end; j += W) {
@@ -135,5 +148,30 @@ void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, const RowGrad<typen
   for (; i + W <= n; i += W) store_vec(d + i, grad(load_vec(x + i)));
   for (; i < n; ++i) store_scalar(d + i, grad_off_label(load_scalar(x + i), g));
 }
+
+// This instruction set's entry points (isa.h), from the 16-bit patterns the host passes.
+#define TWINKLE_MEM_STRINGIFY(a) #a
+#define TWINKLE_MEM_NAME(a) TWINKLE_MEM_STRINGIFY(a)
+constexpr RowKernels kRowKernels{
+    TWINKLE_MEM_NAME(TWINKLE_MEM_ROW_KERNELS_ISA),
+    [](const uint16_t* x, int64_t n, float inv_T, bool with_entropy) {
+      return segment_state<RowVec>(reinterpret_cast<const bf16_t*>(x), n, inv_T, with_entropy);
+    },
+    [](const uint16_t* x, int64_t n, float inv_T, bool with_entropy) {
+      return segment_state<RowVec>(reinterpret_cast<const fp16_t*>(x), n, inv_T, with_entropy);
+    },
+    [](const float* x, int64_t n, float inv_T, bool with_entropy) {
+      return segment_state<RowVec>(x, n, inv_T, with_entropy);
+    },
+    [](const uint16_t* x, uint16_t* d, int64_t n, const RowGrad<float>& g) {
+      segment_grad<RowVec>(reinterpret_cast<const bf16_t*>(x), reinterpret_cast<bf16_t*>(d), n, g);
+    },
+    [](const uint16_t* x, uint16_t* d, int64_t n, const RowGrad<float>& g) {
+      segment_grad<RowVec>(reinterpret_cast<const fp16_t*>(x), reinterpret_cast<fp16_t*>(d), n, g);
+    },
+    [](const float* x, float* d, int64_t n, const RowGrad<float>& g) { segment_grad<RowVec>(x, d, n, g); },
+};
+#undef TWINKLE_MEM_NAME
+#undef TWINKLE_MEM_STRINGIFY
 
 #undef TWINKLE_MEM_ROW_KERNELS_ISA
