@@ -8,9 +8,10 @@
 // bf16_t, fp16_t of 16-bit logits (for kRowKernels, isa.h's table of entry
 // points, defined at the end), VecTraits<Vec>, load_vec(const T*) -> Vec,
 // store_vec(T*, Vec), store_pair(T*, Vec, Vec) (2 W elements), load_scalar(const T*)
-// -> acc_t, store_scalar(T*, acc_t), hmax(Vec), hsum(Vec), index_of(const acc_t*,
-// n, acc_t) (the first index holding a value, or n), and the exp_/max_/fma_
-// overloads that online_softmax.h's templates call.
+// -> acc_t, store_scalar(T*, acc_t), hmax(Vec), hsum(Vec), count_of(const acc_t*,
+// n, acc_t) (how many of n elements, n a whole number of vectors, equal a value),
+// add_below(sum, e, x, max) (sum + e in the lanes where x != max: below it, or
+// NaN), and the exp_/max_/fma_ overloads that online_softmax.h's templates call.
 //
 // Deliberately no include guard, and no #include: the file is a body of
 // templates to be compiled once per instruction set, inside the namespace of
@@ -31,6 +32,14 @@ constexpr int64_t kSubVectors = 16;  // vectors summed in acc_t before their sum
 // Asks for x[from, to) to be brought into the cache: no fault, no wait. The
 // forward's second sweep computes on an L1 buffer without touching memory; it
 // fetches the next block meanwhile, so that memory and arithmetic overlap.
+// How many of p[0, n) equal value (the tails of the vector count_of).
+template <typename acc_t>
+inline int64_t count_of_scalar(const acc_t* p, int64_t n, acc_t value) {
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) count += p[i] == value;
+  return count;
+}
+
 template <typename scalar_t>
 inline void prefetch_range(const scalar_t* x, int64_t from, int64_t to) {
   const char* end = reinterpret_cast<const char*>(x + to);
@@ -39,12 +48,17 @@ inline void prefetch_range(const scalar_t* x, int64_t from, int64_t to) {
 
 // Online softmax state of x[0, n) (see online_softmax.h), in double. Each block
 // of the row is read from memory once: a first sweep converts it to acc_t into
-// an L1 buffer and finds its max (and each sub-block's, so that finding the
-// first max element reads one sub-block), a second accumulates exp(t) and the
-// entropy term with t = (x - max) / T over every element but the first max,
-// whose buffer copy is set to -inf in between (its exp is the state's implicit
-// 1). Sums run in acc_t over a sub-block of 16 vectors and then in double: a
-// row's rest and zsum carry ~1e-8 relative error, not the ~1e-6 of 150k fp32 adds.
+// an L1 buffer and finds its max (and each sub-block's), a second accumulates
+// exp(t) and the entropy term with t = (x - max) / T. The state leaves out one
+// element holding the max (its exp is the state's implicit 1): the second sweep
+// sums exp over the elements below the max only, and the k elements equal to it
+// (counted in the sub-blocks whose max it is) add k - 1 exactly, in double. (The
+// first max element's buffer copy was set to -inf before: that store, at an
+// address known only after a search, held up the second sweep's loads, 15% of
+// the AVX-512 forward; and ties added their 1s in fp32 among small terms.) The
+// entropy term of an element at the max is 0 whichever way. Sums run in acc_t
+// over a sub-block of 16 vectors and then in double: a row's rest and zsum carry
+// ~1e-8 relative error, not the ~1e-6 of 150k fp32 adds.
 template <typename Vec, typename scalar_t>
 OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTraits<Vec>::acc_t inv_T,
                                     bool with_entropy) {
@@ -82,49 +96,47 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
     acc_t block_max = tail_max;
     for (int64_t b = 0; b < subs; ++b) block_max = max_(block_max, sub_max[b]);
     const acc_t shift = finite_shift(block_max);
-    if (block_max != kNegInf) {  // leave the first max out (a NaN max is found nowhere: nothing left out)
-      int64_t b = 0;
-      while (b < subs && !(sub_max[b] == block_max)) ++b;
-      const int64_t from = b < subs ? b * kSub : body, count = b < subs ? std::min(kSub, body - from) : len - body;
-      const int64_t at = from + index_of(x_buf + from, count, block_max);
-      if (at < from + count) x_buf[at] = kNegInf;
+    // The elements equal to the max (none for a NaN max; a block of -inf gets the empty state below).
+    int64_t at_max = 0;
+    for (int64_t b = 0; b < subs; ++b) {
+      if (sub_max[b] == block_max) at_max += count_of(x_buf + b * kSub, std::min(kSub, body - b * kSub), block_max);
     }
+    if (tail_max == block_max) at_max += count_of_scalar(x_buf + body, len - body, block_max);
 
     // sweep 2: the sums, t = (x - shift) / T (no product at T = 1: the same bits)
     double sum = 0, zsum = 0;
-    auto sweep = [&](auto unit_temperature) {
-      constexpr bool kUnit = decltype(unit_temperature)::value;
-      const Vec v_neg_shift(-shift);
-      auto gap = [&](Vec xv) { return kUnit ? xv + v_neg_shift : scaled_gap(xv, v_neg_shift, v_inv_T); };
+    auto sweep = [&](auto unit_temperature, auto entropy) {
+      constexpr bool kUnit = decltype(unit_temperature)::value, kEntropy = decltype(entropy)::value;
+      const Vec v_neg_shift(-shift), v_block_max(block_max);
       for (int64_t i = 0; i < body; i += kSub) {
         const int64_t end = std::min(body, i + kSub);
         prefetch_range(x_block, kBlock + i, std::min(kBlock + i + kSub, n - start));  // the next block's part
         Vec v_sum(acc_t(0)), v_zsum(acc_t(0));
-        if (with_entropy) {
-          for (int64_t j = i; j < end; j += W) {
-            const Vec t = gap(load_vec(x_buf + j));
-            const Vec e = exp_(t);
-            v_sum = v_sum + e;
-            v_zsum = add_entropy_term<Vec, acc_t>(v_zsum, t, e);
-          }
-          zsum += hsum(v_zsum);
-        } else {
-          for (int64_t j = i; j < end; j += W) v_sum = v_sum + exp_(gap(load_vec(x_buf + j)));
+        for (int64_t j = i; j < end; j += W) {
+          const Vec xv = load_vec(x_buf + j);
+          const Vec t = kUnit ? xv + v_neg_shift : scaled_gap(xv, v_neg_shift, v_inv_T);
+          const Vec e = exp_(t);
+          v_sum = add_below(v_sum, e, xv, v_block_max);
+          if constexpr (kEntropy) v_zsum = add_entropy_term<Vec, acc_t>(v_zsum, t, e);
         }
+        if constexpr (kEntropy) zsum += hsum(v_zsum);
         sum += hsum(v_sum);
       }
     };
-    if (inv_T == acc_t(1)) {
-      sweep(std::true_type{});
+    const bool unit = inv_T == acc_t(1);
+    if (with_entropy) {
+      unit ? sweep(std::true_type{}, std::true_type{}) : sweep(std::false_type{}, std::true_type{});
     } else {
-      sweep(std::false_type{});
+      unit ? sweep(std::true_type{}, std::false_type{}) : sweep(std::false_type{}, std::false_type{});
     }
     for (int64_t i = body; i < len; ++i) {
+      if (x_buf[i] == block_max) continue;  // counted in at_max
       const acc_t t = scaled_gap(x_buf[i], -shift, inv_T);
       const acc_t e = exp_(t);
       sum += e;
       if (with_entropy) zsum += add_entropy_term<acc_t, acc_t>(acc_t(0), t, e);
     }
+    if (at_max > 1) sum += double(at_max - 1);
     state = merge(state, block_state<double>(block_max, sum, zsum), static_cast<double>(inv_T));
   }
   return state;

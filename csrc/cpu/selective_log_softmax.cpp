@@ -56,7 +56,9 @@ inline V hmax(V v) { return v; }
 template <typename V>
 inline V hsum(V v) { return v; }
 template <typename V>
-inline int64_t index_of(const V* p, int64_t n, V value) { return std::find(p, p + n, value) - p; }
+inline int64_t count_of(const V* p, int64_t n, V value) { return std::count(p, p + n, value); }
+template <typename V>
+inline V add_below(V sum, V e, V x, V max) { return x != max ? sum + e : sum; }
 using RowVec = float;
 using bf16_t = bf16;
 using fp16_t = fp16;

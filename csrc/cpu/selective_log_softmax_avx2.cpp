@@ -135,18 +135,17 @@ inline float hsum(Vec8f v) {
   return _mm_cvtss_f32(s);
 }
 
-// The first i < n with p[i] == value (n if none): 8 comparisons per step.
-inline int64_t index_of(const float* p, int64_t n, float value) {
+// How many of p[0, n) equal value (n a multiple of 8, p 32-byte aligned).
+inline int64_t count_of(const float* p, int64_t n, float value) {
   const __m256 v = _mm256_set1_ps(value);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_load_ps(p + i), v, _CMP_EQ_OQ));
-    if (hits) return i + __builtin_ctz(hits);
-  }
-  for (; i < n; ++i) {
-    if (p[i] == value) return i;
-  }
-  return n;
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; i += 8) count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_load_ps(p + i), v, _CMP_EQ_OQ)));
+  return count;
+}
+
+// sum + e in the lanes where x != max (NaN included).
+inline Vec8f add_below(Vec8f sum, Vec8f e, Vec8f x, Vec8f max) {
+  return _mm256_add_ps(sum.v, _mm256_and_ps(_mm256_cmp_ps(x.v, max.v, _CMP_NEQ_UQ), e.v));
 }
 
 using RowVec = Vec8f;

@@ -137,18 +137,17 @@ inline float hsum(Vec16f v) {
   return _mm_cvtss_f32(s);
 }
 
-// The first i < n with p[i] == value (n if none): 16 comparisons per step.
-inline int64_t index_of(const float* p, int64_t n, float value) {
+// How many of p[0, n) equal value (n a multiple of 16, p 64-byte aligned).
+inline int64_t count_of(const float* p, int64_t n, float value) {
   const __m512 v = _mm512_set1_ps(value);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const unsigned hits = _mm512_cmp_ps_mask(_mm512_load_ps(p + i), v, _CMP_EQ_OQ);
-    if (hits) return i + __builtin_ctz(hits);
-  }
-  for (; i < n; ++i) {
-    if (p[i] == value) return i;
-  }
-  return n;
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; i += 16) count += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_load_ps(p + i), v, _CMP_EQ_OQ));
+  return count;
+}
+
+// sum + e in the lanes where x != max (NaN included): one masked add.
+inline Vec16f add_below(Vec16f sum, Vec16f e, Vec16f x, Vec16f max) {
+  return _mm512_mask_add_ps(sum.v, _mm512_cmp_ps_mask(x.v, max.v, _CMP_NEQ_UQ), sum.v, e.v);
 }
 
 using RowVec = Vec16f;
