@@ -1,7 +1,7 @@
 // The CPU kernel's row loops per instruction set, as the host code sees them:
-// one table of entry points per path (portable, AVX2, AVX-512), each filled by
-// the translation unit compiled for that instruction set (row_kernels.h's
-// kRowKernels). Raw uint16_t pointers carry bf16/fp16 bits across, so that no
+// one table of entry points per path (portable, AVX2, AVX-512, AVX-512 with
+// BF16 conversions), each filled by the translation unit compiled for that
+// instruction set (row_kernels.h's kRowKernels). Raw uint16_t pointers carry bf16/fp16 bits across, so that no
 // c10 inline function is compiled twice with different instruction sets.
 #pragma once
 
@@ -33,6 +33,7 @@ extern const RowKernels portable_row_kernels;
 #define TWINKLE_MEM_CPU_X86 1
 extern const RowKernels avx2_row_kernels;    // AVX2 + FMA + F16C, 8 lanes
 extern const RowKernels avx512_row_kernels;  // AVX-512 F/BW/VL/DQ, 16 lanes
+extern const RowKernels avx512_bf16_row_kernels;  // the same, bf16 gradients stored by AVX-512 BF16
 #endif
 
 }  // namespace cpu

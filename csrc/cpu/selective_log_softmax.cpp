@@ -77,6 +77,8 @@ bool cpu_has(const char* path) {
                            __builtin_cpu_supports("f16c");
   static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  static const bool avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+  if (std::strcmp(path, "avx512_bf16") == 0) return avx512_bf16;
   if (std::strcmp(path, "avx512") == 0) return avx512;
   if (std::strcmp(path, "avx2") == 0) return avx2;
 #endif
@@ -86,7 +88,8 @@ bool cpu_has(const char* path) {
 // The path for a cap (isa.h): the widest the CPU has at or below it; nullptr for an unknown cap.
 const RowKernels* row_kernels_for(const char* cap) {
 #ifdef TWINKLE_MEM_CPU_X86
-  static const RowKernels* const widest_first[] = {&avx512_row_kernels, &avx2_row_kernels, &portable_row_kernels};
+  static const RowKernels* const widest_first[] = {&avx512_bf16_row_kernels, &avx512_row_kernels, &avx2_row_kernels,
+                                                   &portable_row_kernels};
 #else
   static const RowKernels* const widest_first[] = {&portable_row_kernels};
 #endif
@@ -99,14 +102,14 @@ const RowKernels* row_kernels_for(const char* cap) {
 }
 
 // The path an op call runs: the widest the CPU reports (cpuid), capped by the
-// environment variable TWINKLE_MEM_CPU_ISA (avx512, avx2 or portable: the tests
+// environment variable TWINKLE_MEM_CPU_ISA (avx512_bf16, avx512, avx2 or portable: the tests
 // run every path's suite on one machine, a benchmark compares them). Read at
 // each call; an unknown value raises.
 const RowKernels& cpu_row_kernels() {
   const char* cap = std::getenv("TWINKLE_MEM_CPU_ISA");
   const RowKernels* k = row_kernels_for(cap);
-  STD_TORCH_CHECK(k != nullptr, "twinkle_mem: TWINKLE_MEM_CPU_ISA=", cap, " names no CPU kernel path (avx512, avx2 "
-                  "or portable; unset for the widest this CPU has)");
+  STD_TORCH_CHECK(k != nullptr, "twinkle_mem: TWINKLE_MEM_CPU_ISA=", cap, " names no CPU kernel path (avx512_bf16, "
+                  "avx512, avx2 or portable; unset for the widest this CPU has)");
   return *k;
 }
 

@@ -1,7 +1,12 @@
-// The CPU kernel's row loops compiled for AVX-512 F/BW/VL/DQ (16 fp32 lanes).
-// Everything in this file is compiled for that instruction set, so the host
-// code calls it only after the CPU reports it (isa.h); the shared math is
-// instantiated in its own inline namespace (TWINKLE_MEM_ISA).
+// The CPU kernel's row loops compiled for AVX-512 F/BW/VL/DQ (16 fp32 lanes),
+// two paths (isa.h): avx512, and avx512_bf16, the same but for one function,
+// the bf16 gradient's store, which rounds with AVX-512 BF16's VCVTNE2PS2BF16.
+// Everything in this file is compiled for AVX-512 + BF16, so the host code calls
+// a path only after the CPU reports its instruction sets: no BF16 instruction is
+// written outside the avx512_bf16 path's store (the compiler emits none of its
+// own: it has no __bf16 arithmetic here; tests/test_cpu_paths.py checks the
+// library's code). The shared math is instantiated in its own inline namespace
+// (TWINKLE_MEM_ISA).
 //
 // The lane arithmetic is the AVX2 path's, twice as wide: the same exp (the
 // scaling by 2^n is one VSCALEFPS, the same single rounding as AVX2's two
@@ -9,7 +14,7 @@
 // differs (16 lanes per vector), so the two paths' statistics may differ in
 // their last bits (docs/numerics.md).
 #if defined(__x86_64__) && defined(__GNUC__)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 // GCC 12's AVX-512 intrinsics pass _mm512_undefined_*() as the unused merge source
 // of their masked builtins, which -Wmaybe-uninitialized reports at every use (GCC bug
 // 105593, fixed in 13): silenced in this file only.
@@ -115,6 +120,22 @@ inline void store_pair(bf16_bits* p, Vec16f a, Vec16f b) {
   const __m512i packed = _mm512_permutex2var_epi16(bf16_round_high(a.v), odd_words, bf16_round_high(b.v));
   _mm512_storeu_si512(p, packed);
 }
+// The avx512_bf16 path's bf16 logits: loaded as bf16_bits, stored with VCVTNE2PS2BF16 (one instruction for 32
+// elements, rounding to nearest even as bf16_round_high). It treats fp32 subnormals as 0 (whatever MXCSR
+// says); a gradient below fp32's normal range (e^-100 of a peaked row) is one, so pairs holding any take the
+// integer rounding: the same bits as the avx512 path's, but for a NaN's payload.
+struct bf16_native_bits { uint16_t bits; };
+inline Vec16f load_vec(const bf16_native_bits* p) { return load_vec(reinterpret_cast<const bf16_bits*>(p)); }
+inline float load_scalar(const bf16_native_bits* p) { return load_scalar(reinterpret_cast<const bf16_bits*>(p)); }
+inline void store_vec(bf16_native_bits* p, Vec16f v) { store_vec(reinterpret_cast<bf16_bits*>(p), v); }
+inline void store_scalar(bf16_native_bits* p, float v) { store_scalar(reinterpret_cast<bf16_bits*>(p), v); }
+inline void store_pair(bf16_native_bits* p, Vec16f a, Vec16f b) {
+  constexpr int kSubnormal = 0x20;  // VFPCLASSPS category
+  if (__builtin_expect((_mm512_fpclass_ps_mask(a.v, kSubnormal) | _mm512_fpclass_ps_mask(b.v, kSubnormal)) != 0, 0)) {
+    return store_pair(reinterpret_cast<bf16_bits*>(p), a, b);
+  }
+  _mm512_storeu_si512(p, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b.v, a.v)));  // a in the low half
+}
 inline void store_pair(fp16_bits* p, Vec16f a, Vec16f b) {
   const __m256i lo = _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT);
   const __m256i hi = _mm512_cvtps_ph(b.v, _MM_FROUND_TO_NEAREST_INT);
@@ -158,6 +179,18 @@ using fp16_t = fp16_bits;
 }  // namespace avx512
 
 const RowKernels avx512_row_kernels = avx512::kRowKernels;
+
+// The avx512_bf16 path: avx512's entry points, but the bf16 gradient's store.
+constexpr RowKernels avx512_bf16_kernels() {
+  RowKernels k = avx512::kRowKernels;
+  k.name = "avx512_bf16";
+  k.grad_bf16 = [](const uint16_t* x, uint16_t* d, int64_t n, const RowGrad<float>& g) {
+    avx512::segment_grad<avx512::Vec16f>(reinterpret_cast<const avx512::bf16_native_bits*>(x),
+                                         reinterpret_cast<avx512::bf16_native_bits*>(d), n, g);
+  };
+  return k;
+}
+const RowKernels avx512_bf16_row_kernels = avx512_bf16_kernels();
 
 }  // namespace cpu
 }  // namespace twinkle_mem

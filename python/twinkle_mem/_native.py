@@ -12,7 +12,7 @@ for every device without a native kernel), and ``status`` / ``backends()`` /
 does not load, the schemas are defined here from the same text
 (schemas.def, which csrc/ops.cpp includes).
 
-_C_cpu's kernels come in paths (AVX-512, AVX2, portable), picked per call from
+_C_cpu's kernels come in paths (AVX-512 with or without BF16, AVX2, portable), picked per call from
 what the CPU reports; TWINKLE_MEM_CPU_ISA caps the path (cpu_kernel_path).
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ status: dict[str, str] = {}
 _python_schemas = None  # the torch.library.Library holding schemas defined from Python, kept alive
 _cpu_library = None  # the loaded _C_cpu, for cpu_kernel_path
 CPU_ISA_ENV = "TWINKLE_MEM_CPU_ISA"
-CPU_PATHS = ("avx512", "avx2", "portable")  # widest first
+CPU_PATHS = ("avx512_bf16", "avx512", "avx2", "portable")  # widest first
 
 
 def _find(name: str) -> str | None:
@@ -83,7 +83,7 @@ def _load(backend: str, name: str, wanted: bool, why_not: str) -> None:
 
 
 def cpu_kernel_path(cap: str | None = None) -> str | None:
-    """The CPU kernel path an op call runs now: "avx512", "avx2" or "portable", the widest this CPU
+    """The CPU kernel path an op call runs now (one of CPU_PATHS), the widest this CPU
     reports at or below the cap TWINKLE_MEM_CPU_ISA (or ``cap`` when given; "" for none). None when
     _C_cpu is not loaded. A cap that names no path raises ValueError here (and RuntimeError in the op)."""
     if _cpu_library is None:
