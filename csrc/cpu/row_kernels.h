@@ -9,7 +9,7 @@
 // points, defined at the end), VecTraits<Vec>, load_vec(const T*) -> Vec,
 // store_vec(T*, Vec), store_pair(T*, Vec, Vec) (2 W elements), load_scalar(const T*)
 // -> acc_t, store_scalar(T*, acc_t), hmax(Vec), hsum(Vec), count_of(const acc_t*,
-// n, acc_t) (how many of n elements, n a whole number of vectors, equal a value),
+// n, acc_t) (how many of n elements, n a whole number of vectors, equal a value; p unaligned),
 // add_below(sum, e, x, max) (sum + e in the lanes where x != max: below it, or
 // NaN), and the exp_/max_/fma_ overloads that online_softmax.h's templates call.
 //
@@ -48,7 +48,7 @@ inline void prefetch_range(const scalar_t* x, int64_t from, int64_t to) {
 
 // Online softmax state of x[0, n) (see online_softmax.h), in double. Each block
 // of the row is read from memory once: a first sweep converts it to acc_t into
-// an L1 buffer and finds its max (and each sub-block's), a second accumulates
+// an L1 buffer (16-bit logits) and finds its max (and each sub-block's), a second accumulates
 // exp(t) and the entropy term with t = (x - max) / T. The state leaves out one
 // element holding the max (its exp is the state's implicit 1): the second sweep
 // sums exp over the elements below the max only, and the k elements equal to it
@@ -66,7 +66,10 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
   constexpr int64_t W = VecTraits<Vec>::W;
   constexpr int64_t kSub = kSubVectors * W;  // elements per sub-block
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  alignas(64) acc_t x_buf[kBlock];
+  // 16-bit logits are converted once into an L1 buffer that the second sweep reads; logits of the
+  // accumulation type are read there from the block itself (L1-resident after the first sweep).
+  constexpr bool kConverts = !std::is_same_v<scalar_t, acc_t>;
+  alignas(64) acc_t x_buf[kConverts ? kBlock : 1];
   acc_t sub_max[kBlock / kSub + 1];
   const Vec v_inv_T(inv_T);
   OnlineSoftmax<double> state = empty_state<double>();
@@ -74,6 +77,7 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
     const int64_t len = std::min(kBlock, n - start);
     const int64_t body = len - len % W;  // whole vectors
     const scalar_t* x_block = x + start;
+    const acc_t* xs = kConverts ? x_buf : reinterpret_cast<const acc_t*>(x_block);  // the block, as acc_t
 
     // sweep 1: convert, block max, sub-block maxima
     int64_t subs = 0;
@@ -82,16 +86,16 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
       Vec v_max(kNegInf);
       for (int64_t j = i; j < end; j += W) {
         const Vec xv = load_vec(x_block + j);
-        store_vec(x_buf + j, xv);
+        if constexpr (kConverts) store_vec(x_buf + j, xv);
         v_max = max_(v_max, xv);
       }
       sub_max[subs] = hmax(v_max);
     }
     acc_t tail_max = kNegInf;
     for (int64_t i = body; i < len; ++i) {
-      const acc_t xs = load_scalar(x_block + i);
-      x_buf[i] = xs;
-      tail_max = max_(tail_max, xs);
+      const acc_t xi = load_scalar(x_block + i);
+      if constexpr (kConverts) x_buf[i] = xi;
+      tail_max = max_(tail_max, xi);
     }
     acc_t block_max = tail_max;
     for (int64_t b = 0; b < subs; ++b) block_max = max_(block_max, sub_max[b]);
@@ -99,9 +103,9 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
     // The elements equal to the max (none for a NaN max; a block of -inf gets the empty state below).
     int64_t at_max = 0;
     for (int64_t b = 0; b < subs; ++b) {
-      if (sub_max[b] == block_max) at_max += count_of(x_buf + b * kSub, std::min(kSub, body - b * kSub), block_max);
+      if (sub_max[b] == block_max) at_max += count_of(xs + b * kSub, std::min(kSub, body - b * kSub), block_max);
     }
-    if (tail_max == block_max) at_max += count_of_scalar(x_buf + body, len - body, block_max);
+    if (tail_max == block_max) at_max += count_of_scalar(xs + body, len - body, block_max);
 
     // sweep 2: the sums, t = (x - shift) / T (no product at T = 1: the same bits)
     double sum = 0, zsum = 0;
@@ -113,7 +117,7 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
         prefetch_range(x_block, kBlock + i, std::min(kBlock + i + kSub, n - start));  // the next block's part
         Vec v_sum(acc_t(0)), v_zsum(acc_t(0));
         for (int64_t j = i; j < end; j += W) {
-          const Vec xv = load_vec(x_buf + j);
+          const Vec xv = load_vec(xs + j);
           const Vec t = kUnit ? xv + v_neg_shift : scaled_gap(xv, v_neg_shift, v_inv_T);
           const Vec e = exp_(t);
           v_sum = add_below(v_sum, e, xv, v_block_max);
@@ -130,8 +134,8 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
       unit ? sweep(std::true_type{}, std::false_type{}) : sweep(std::false_type{}, std::false_type{});
     }
     for (int64_t i = body; i < len; ++i) {
-      if (x_buf[i] == block_max) continue;  // counted in at_max
-      const acc_t t = scaled_gap(x_buf[i], -shift, inv_T);
+      if (xs[i] == block_max) continue;  // counted in at_max
+      const acc_t t = scaled_gap(xs[i], -shift, inv_T);
       const acc_t e = exp_(t);
       sum += e;
       if (with_entropy) zsum += add_entropy_term<acc_t, acc_t>(acc_t(0), t, e);

@@ -135,11 +135,11 @@ inline float hsum(Vec8f v) {
   return _mm_cvtss_f32(s);
 }
 
-// How many of p[0, n) equal value (n a multiple of 8, p 32-byte aligned).
+// How many of p[0, n) equal value (n a multiple of 8).
 inline int64_t count_of(const float* p, int64_t n, float value) {
   const __m256 v = _mm256_set1_ps(value);
   int64_t count = 0;
-  for (int64_t i = 0; i < n; i += 8) count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_load_ps(p + i), v, _CMP_EQ_OQ)));
+  for (int64_t i = 0; i < n; i += 8) count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), v, _CMP_EQ_OQ)));
   return count;
 }
 

@@ -158,11 +158,11 @@ inline float hsum(Vec16f v) {
   return _mm_cvtss_f32(s);
 }
 
-// How many of p[0, n) equal value (n a multiple of 16, p 64-byte aligned).
+// How many of p[0, n) equal value (n a multiple of 16).
 inline int64_t count_of(const float* p, int64_t n, float value) {
   const __m512 v = _mm512_set1_ps(value);
   int64_t count = 0;
-  for (int64_t i = 0; i < n; i += 16) count += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_load_ps(p + i), v, _CMP_EQ_OQ));
+  for (int64_t i = 0; i < n; i += 16) count += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_loadu_ps(p + i), v, _CMP_EQ_OQ));
   return count;
 }
 
