@@ -112,16 +112,23 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
     auto sweep = [&](auto unit_temperature, auto entropy) {
       constexpr bool kUnit = decltype(unit_temperature)::value, kEntropy = decltype(entropy)::value;
       const Vec v_neg_shift(-shift), v_block_max(block_max);
-      for (int64_t i = 0; i < body; i += kSub) {
+      for (int64_t i = 0, b = 0; i < body; i += kSub, ++b) {
         const int64_t end = std::min(body, i + kSub);
         prefetch_range(x_block, kBlock + i, std::min(kBlock + i + kSub, n - start));  // the next block's part
         Vec v_sum(acc_t(0)), v_zsum(acc_t(0));
-        for (int64_t j = i; j < end; j += W) {
-          const Vec xv = load_vec(xs + j);
-          const Vec t = kUnit ? xv + v_neg_shift : scaled_gap(xv, v_neg_shift, v_inv_T);
-          const Vec e = exp_(t);
-          v_sum = add_below(v_sum, e, xv, v_block_max);
-          if constexpr (kEntropy) v_zsum = add_entropy_term<Vec, acc_t>(v_zsum, t, e);
+        auto run = [&](auto may_hold_max) {  // only a sub-block whose max is the block's pays for the test
+          for (int64_t j = i; j < end; j += W) {
+            const Vec xv = load_vec(xs + j);
+            const Vec t = kUnit ? xv + v_neg_shift : scaled_gap(xv, v_neg_shift, v_inv_T);
+            const Vec e = exp_(t);
+            v_sum = decltype(may_hold_max)::value ? add_below(v_sum, e, xv, v_block_max) : v_sum + e;
+            if constexpr (kEntropy) v_zsum = add_entropy_term<Vec, acc_t>(v_zsum, t, e);
+          }
+        };
+        if (sub_max[b] == block_max) {
+          run(std::true_type{});
+        } else {
+          run(std::false_type{});
         }
         if constexpr (kEntropy) zsum += hsum(v_zsum);
         sum += hsum(v_sum);
