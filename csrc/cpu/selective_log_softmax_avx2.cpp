@@ -20,7 +20,7 @@ namespace cpu {
 namespace avx2 {
 
 #define TWINKLE_MEM_ROW_KERNELS_ISA avx2  // the row loops, once, in this namespace
-#include "x86_scalar.h"
+#include "x86_common.h"
 
 struct Vec8f {
   __m256 v;
@@ -122,18 +122,8 @@ inline void store_pair(fp16_bits* p, Vec8f a, Vec8f b) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_set_m128i(hi, lo));
 }
 
-inline float hmax(Vec8f v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v.v), _mm256_extractf128_ps(v.v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-inline float hsum(Vec8f v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v.v), _mm256_extractf128_ps(v.v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+inline float hmax(Vec8f v) { return fold8<FoldMax>(v.v); }
+inline float hsum(Vec8f v) { return fold8<FoldAdd>(v.v); }
 
 // How many of p[0, n) equal value (n a multiple of 8).
 inline int64_t count_of(const float* p, int64_t n, float value) {

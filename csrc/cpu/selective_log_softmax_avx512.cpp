@@ -34,7 +34,7 @@ namespace cpu {
 namespace avx512 {
 
 #define TWINKLE_MEM_ROW_KERNELS_ISA avx512  // the row loops, once, in this namespace
-#include "x86_scalar.h"
+#include "x86_common.h"
 
 struct Vec16f {
   __m512 v;
@@ -142,20 +142,12 @@ inline void store_pair(fp16_bits* p, Vec16f a, Vec16f b) {
   _mm512_storeu_si512(p, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
 }
 
-// Horizontal max and sum: halves folded, 512 -> 256 -> 128 -> 64 -> 32 bits.
+// Horizontal max and sum: the halves folded to 8 lanes, then as on the AVX2 path.
 inline float hmax(Vec16f v) {
-  const __m256 m8 = _mm256_max_ps(_mm512_castps512_ps256(v.v), _mm512_extractf32x8_ps(v.v, 1));
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
+  return fold8<FoldMax>(_mm256_max_ps(_mm512_castps512_ps256(v.v), _mm512_extractf32x8_ps(v.v, 1)));
 }
 inline float hsum(Vec16f v) {
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v.v), _mm512_extractf32x8_ps(v.v, 1));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  return fold8<FoldAdd>(_mm256_add_ps(_mm512_castps512_ps256(v.v), _mm512_extractf32x8_ps(v.v, 1)));
 }
 
 // How many of p[0, n) equal value (n a multiple of 16).
