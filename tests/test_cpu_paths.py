@@ -169,3 +169,11 @@ def test_no_wider_instruction_outside_its_path():
              if ("evex" in k and "avx512" not in f) or ("vex" in k and "avx512" not in f and "avx2" not in f)
              or ("bf16" in k and "bf16_native" not in f)}
     assert not wrong, wrong
+
+
+def test_a_library_without_the_path_entry_still_imports(monkeypatch):
+    # An older build of _C_cpu (before the paths) has no twinkle_mem_cpu_kernel_path: import goes on.
+    import ctypes.util
+    monkeypatch.setattr(_native, "_cpu_library", None)
+    _native._open_cpu_library(ctypes.util.find_library("m"))
+    assert _native._cpu_library is None and _native.cpu_kernel_path() is None

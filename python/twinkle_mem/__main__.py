@@ -13,6 +13,8 @@ def _cpu_path() -> str:
     """The CPU kernel path in use, and why: the widest this CPU has, or TWINKLE_MEM_CPU_ISA's cap."""
     from twinkle_mem import _native
     widest = _native.cpu_kernel_path("")
+    if widest is None:
+        return "unknown (this library does not say)"
     cap = os.environ.get(_native.CPU_ISA_ENV)
     if not cap:
         return f"{widest} (the widest this CPU has)"

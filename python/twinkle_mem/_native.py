@@ -96,10 +96,15 @@ def cpu_kernel_path(cap: str | None = None) -> str | None:
 
 
 def _open_cpu_library(path: str) -> None:
+    """The loaded _C_cpu for cpu_kernel_path (left None by a library without that entry, a build older
+    than the paths: import goes on, the path shows as unknown)."""
     global _cpu_library
-    lib = ctypes.CDLL(path)  # the library torch just loaded: the same handle
-    lib.twinkle_mem_cpu_kernel_path.argtypes = [ctypes.c_char_p]
-    lib.twinkle_mem_cpu_kernel_path.restype = ctypes.c_char_p
+    try:
+        lib = ctypes.CDLL(path)  # the library torch just loaded: the same handle
+        lib.twinkle_mem_cpu_kernel_path.argtypes = [ctypes.c_char_p]
+        lib.twinkle_mem_cpu_kernel_path.restype = ctypes.c_char_p
+    except (OSError, AttributeError):
+        return
     _cpu_library = lib
 
 
