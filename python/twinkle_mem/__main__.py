@@ -9,12 +9,19 @@ import torch
 import twinkle_mem
 
 
-def _cpu_isa() -> str:
+def _cpu_path() -> str:
+    """The CPU kernel path in use, and why: the widest this CPU has, or TWINKLE_MEM_CPU_ISA's cap."""
+    from twinkle_mem import _native
+    widest = _native.cpu_kernel_path("")
+    if widest is None:
+        return "unknown (this library does not say)"
+    cap = os.environ.get(_native.CPU_ISA_ENV)
+    if not cap:
+        return f"{widest} (the widest this CPU has)"
     try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    return "avx2+fma+f16c" if {"avx2", "fma", "f16c"} <= set(flags) else "portable"
+        return f"{_native.cpu_kernel_path()} ({_native.CPU_ISA_ENV}={cap}; this CPU has {widest})"
+    except ValueError as e:
+        return f"none: {e}"
 
 
 def _gpus() -> str:
@@ -28,7 +35,7 @@ def main() -> int:
     print(f"torch {torch.__version__} (cuda {torch.version.cuda}), python {platform.python_version()}")
     for backend, state in twinkle_mem.backends().items():
         loaded = state == "loaded"
-        extra = f" [cpu kernel path: {_cpu_isa()}, {torch.get_num_threads()} threads]" if backend == "cpu" and loaded else ""
+        extra = f" [cpu kernel path: {_cpu_path()}, {torch.get_num_threads()} threads]" if backend == "cpu" and loaded else ""
         if backend == "cuda":
             state, extra = f"library {state}", f"; GPU: {_gpus()}"
         print(f"  {backend:5s} {state}{extra}")
