@@ -346,8 +346,8 @@ def test_megatron_refusal_raises_after_the_step(monkeypatch):
     from twinkle_mem.integrations.twinkle import megatron_steps
     real_get = megatron_steps.scheduler_with_step_hooks
 
-    def watched(original):
-        hooked = real_get(original)
+    def watched(original, plan):
+        hooked = real_get(original, plan)
 
         def get_forward_backward_func(*args, **kwargs):
             schedule = hooked(*args, **kwargs)
