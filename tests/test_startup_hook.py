@@ -147,6 +147,38 @@ def test_variable_installs_what_install_gives(first_import, value):
     assert startup.install_call(options) in lines[0] and f"{VAR}={value!r}" in lines[0] and "pid " in lines[0]
 
 
+def test_megatron_model_imported_after_a_first_step_gets_what_install_gives():
+    """Each twinkle module is patched when the process imports it: a process that trains a TransformersModel
+    first, with no Megatron anywhere, and imports twinkle's Megatron model only afterwards gets exactly the
+    patches a script's install() at the start gives, and its Megatron step runs through the fused head."""
+    later = run_python(textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT)!r}]
+        import twinkle
+        from cpu_harness import megatron as th
+        import twinkle_mem
+        from helpers import ADVANTAGES, LENGTHS, VOCAB, grpo
+        with th.cpu_platform("cpu"):
+            th.run_step(th.twinkle_transformers_model(VOCAB, loss=grpo(False)), False, ADVANTAGES,
+                        inputs=th.lm_samples(LENGTHS, VOCAB, prompt=4))
+        print("BEFORE", sorted(m for m in ("twinkle.model.megatron.megatron", "megatron.core") if m in sys.modules))
+        calls = []
+        real = twinkle_mem.linear_selective_log_softmax
+        twinkle_mem.linear_selective_log_softmax = lambda *a, **k: calls.append(1) or real(*a, **k)
+        with th.gpt_step_on_cpu():
+            th.run_step(th.twinkle_megatron_model(th.gpt_model(VOCAB), loss=grpo(False)), False, ADVANTAGES,
+                        inputs=th.lm_samples(LENGTHS, VOCAB, prompt=4), micro_batch_size=2)
+        print("FUSED", len(calls))
+    """) + textwrap.dedent(STATE), "fused_lm_head", timeout=300)
+    at_start = run_python(textwrap.dedent("""
+        from twinkle_mem.integrations import twinkle as integration
+        integration.install(fused_lm_head=True)
+    """) + textwrap.dedent(STATE))
+    assert later.returncode == 0, later.stderr[-3000:]
+    assert "BEFORE []" in later.stdout and "FUSED 2" in later.stdout, later.stdout  # 2 micro-batches
+    assert state_of(later) == state_of(at_start)
+
+
 def test_install_in_a_script_before_twinkle_wins_over_the_variable():
     """A script whose install() comes before any twinkle import: the variable's install runs inside that
     call (it imports twinkle), and the call's own settings then replace it, nothing patched twice."""
@@ -244,15 +276,15 @@ def test_a_twinkle_part_not_recognized_fails_the_import_naming_it(tmp_path):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             integration.install(fused_lm_head=True)
-        from twinkle.model.megatron.strategy.megatron import MegatronStrategy
-        from twinkle.model.megatron.megatron import MegatronModel
+        import twinkle.model.megatron.megatron, twinkle.model.megatron.strategy.megatron  # noqa
+        from twinkle_mem.integrations.twinkle import patches
         print(sorted(integration.refused()), [type(w.message).__name__ for w in caught],
-              MegatronStrategy.reduce_loss.__module__, MegatronModel.forward_backward.__module__)
+              sorted(f"{o.__name__}.{n}" for o, n in patches.patched() if o.__name__.startswith("Megatron")))
     """, pythonpath=copy)
     assert explicit.returncode == 0, explicit.stderr[-3000:]
+    # the fused head is patched (forward_backward), the guard is not (reduce_loss as shipped)
     assert explicit.stdout.splitlines()[-1] == ("['megatron_logits_guard'] ['TwinklePartsNotRecognized'] "
-                                               "twinkle.model.megatron.strategy.megatron "
-                                               "twinkle_mem.integrations.twinkle.megatron_steps")
+                                               "['MegatronModel.forward_backward']")
 
 
 def test_import_twinkle_under_the_variable_imports_nothing_more_than_twinkle():
@@ -266,7 +298,8 @@ def test_import_twinkle_under_the_variable_imports_nothing_more_than_twinkle():
         proc = run_python(probe, value)
         assert proc.returncode == 0, proc.stderr[-3000:]
         more = set(json.loads(proc.stdout.splitlines()[-1])) - unset
-        assert {m.split(".")[0] for m in more} - set(sys.stdlib_module_names) == {"twinkle_mem"}, sorted(more)
+        assert {m.split(".")[0] for m in more} - set(sys.stdlib_module_names) == {"twinkle_mem", "twinkle"}, sorted(more)
+        assert {m for m in more if m.split(".")[0] == "twinkle"} == {"twinkle.version"}  # (the log line's version)
         assert not {m for m in more if m.startswith("twinkle_mem.") and not m.startswith(
             "twinkle_mem.integrations")}, sorted(more)  # the package's torch modules stay out
 
