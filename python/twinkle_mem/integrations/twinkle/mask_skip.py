@@ -72,6 +72,14 @@ def _drop_skipped(outputs):
     for feature in outputs if isinstance(outputs, list) else [outputs]:
         if isinstance(feature, dict):
             for key, value in feature.items():
-                if value is _SKIPPED:
+                if _skipped(value):
                     feature[key] = None
     return outputs
+
+
+def _skipped(value) -> bool:
+    """The marker, also as twinkle-kit 0.4.0's ``to_transformers_dict`` hands it on: ``np.array(marker)``."""
+    if value is _SKIPPED:
+        return True
+    import numpy as np
+    return isinstance(value, np.ndarray) and value.dtype == object and value.size == 1 and value.flat[0] is _SKIPPED

@@ -224,7 +224,8 @@ class Found:
     def refusals(self, part: Part) -> Tuple[str, ...]:
         """Why ``part`` cannot be patched here, one reason per name or feature; () where it can."""
         why = [f"{NAMES[k]}: {self.names[k]}" for k in part.names if self.names[k] and not NAMES[k].optional]
-        why += [f"{FEATURES[f][0]}: not recognized" for f, accepted in part.features if self.features[f] not in accepted]
+        why += [f"{FEATURES[f][0]}: not recognized" for f, accepted in part.features
+                if self.features[f] not in accepted]
         return tuple(why)
 
 
