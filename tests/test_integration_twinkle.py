@@ -2,8 +2,11 @@
 these modules against 0.4.0 and 0.5.0 too) and megatron-core 0.16.1 for the model path, on the CPU with
 twinkle's ``Platform`` simulated."""
 import dataclasses
+import importlib
+import inspect
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -76,6 +79,52 @@ def test_a_part_not_recognized_is_refused_by_name_and_runs_as_shipped(twinkle_mo
     shipped = {("MegatronStrategy", "reduce_loss"), ("MegatronModel", "forward_backward")}  # the guard's points
     for key in before:  # those as shipped, everything else replaced
         assert (after[key] is before[key]) == (key in shipped), key
+
+
+def test_this_twinkle_kit_is_recognized_whole():
+    """In every release CI runs these tests against (0.4.0, 0.5.0, 0.5.1), install() recognizes every part."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", integration.TwinklePartsNotRecognized)
+        integration.install(fused_lm_head=True)
+    assert integration.refused() == {}
+
+
+def _signature_text(signature) -> str:
+    """An inspect.Signature written as twinkle_source.signature writes a definition's parameters."""
+    parts, star = [], False
+    for p in signature.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            parts.append("*" + p.name)
+            star = True
+        elif p.kind is p.VAR_KEYWORD:
+            parts.append("**" + p.name)
+        else:
+            if p.kind is p.KEYWORD_ONLY and not star:
+                parts.append("*")
+                star = True
+            parts.append(p.name + ("=" if p.default is not p.empty else ""))
+    return "(" + ", ".join(parts) + ")"
+
+
+def test_what_the_source_says_is_what_python_has(twinkle_modules):
+    """The table's functions as read from twinkle's source (what install() decides by, nothing imported) have
+    the parameters Python gives the imported objects (undecorated), and its bound names are there."""
+    from twinkle_mem.integrations.twinkle import twinkle_names, twinkle_source
+    found, source = twinkle_names.found(), twinkle_source.TwinkleSource(twinkle_names.twinkle_folder())
+    checked = 0
+    for key, name in twinkle_names.NAMES.items():
+        if found.names[key] is not None:
+            assert name.optional, (key, found.names[key])
+            continue
+        module = importlib.import_module(name.module)
+        if name.kind == "bound":
+            assert hasattr(module, name.qualname), key
+        elif name.kind in ("function", "staticmethod"):
+            obj = twinkle_names.twinkle_attribute(name.module, name.qualname)
+            read = twinkle_source.signature(source.function(name.module, name.qualname))
+            assert _signature_text(inspect.signature(inspect.unwrap(obj))) == read, key
+            checked += 1
+    assert checked >= 15
 
 
 def test_install_is_idempotent_and_uninstall_restores_everything(twinkle_modules):

@@ -9,7 +9,9 @@ through. A new twinkle-kit release is this module and its table.
   recognized form, or None (unrecognized).
 - :data:`PARTS`: what install() patches, each with the names and features it needs: a part whose names or
   features are not recognized is refused by name (twinkle runs that part as it ships it).
-- Accessors: twinkle's objects and private attributes, reached only through the functions at the end.
+- Accessors: twinkle's objects (its classes, functions, metric classes) and its private attributes and helpers
+  are reached only through the functions at the end; its public attributes (a loss's ``require_logps``, a
+  status's ``outputs``) are read where they are used, each listed in the table.
 
 All of this reads twinkle's source (``twinkle_source.py``) and imports nothing: install() decides at
 ``import twinkle`` time, before the process has imported twinkle's model modules, torch or megatron-core.
@@ -36,7 +38,7 @@ GROUPS = "twinkle.model.optimizer_group"
 class Name:
     module: str
     qualname: str  # "f", "Class.f", "Class" or "Class.attribute"
-    kind: str  # "function", "staticmethod", "class", "bound" (a name a package binds), "attribute"
+    kind: str  # "function", "staticmethod", "bound" (a name a package binds), "attribute"
     params: Optional[str] = None  # the parameters twinkle-mem calls it with (functions)
     optional: bool = False  # absent in some twinkle-kit: twinkle-mem does without it there
     why: str = ""
@@ -69,6 +71,7 @@ NAMES: Dict[str, Name] = _names(
          why="called before the fused head decides on the model as it will run"),
     Name(MEGATRON, "MegatronModel._get_default_group", "function", "(self)", why="the call's adapter"),
     Name(MEGATRON, "MegatronModel.variable_seq_lengths", "attribute", why="how twinkle returns logps"),
+    Name(MEGATRON, "MegatronModel.model", "attribute", why="the model chunks: their output layers"),
     Name(STRATEGY, "MegatronStrategy.reduce_loss", "function", "(self, local_loss, local_count, logits, logps)",
          why="wrapped: the logits guard's micro-batch reports"),
     Name(STRATEGY, "MegatronStrategy.unwrap_model", "function", "(self, model)", why="the pipeline stage of a chunk"),
@@ -80,6 +83,7 @@ NAMES: Dict[str, Name] = _names(
          why="wrapped: the step's logits dropped once the loss has used them"),
     Name(TRANSFORMERS, "TransformersModel._lazy_wrap_model", "function", "(self)", why="as MegatronModel's"),
     Name(TRANSFORMERS, "TransformersModel._get_default_group", "function", "(self)", why="the call's adapter"),
+    Name(TRANSFORMERS, "TransformersModel.model", "attribute", why="the model: its lm_head"),
     Name(TRANSFORMERS, "TransformersModel._enable_sp", "attribute", optional=True,
          why="Ulysses sequence parallelism (fused distillation)"),
     Name(GROUPS, "BaseOptimizerGroup.loss_instance", "attribute", why="the loss a call computes"),
@@ -88,6 +92,9 @@ NAMES: Dict[str, Name] = _names(
     Name(GROUPS, "BaseOptimizerGroup.eval_status", "attribute", why="as train_status, for forward_only"),
     Name(GROUPS, "TrainStatus.inputs", "attribute"), Name(GROUPS, "TrainStatus.outputs", "attribute"),
     Name(GROUPS, "TrainStatus.metrics", "attribute"),
+    *(Name("twinkle.loss.base", f"Loss.require_{flag}", "attribute", optional=True,
+           why="what a loss needs (read with twinkle's defaults where a release lacks one)")
+      for flag in ("logits", "logps", "entropy", "values")),
     Name("twinkle.utils.nccl_safe", "SafeLossWrapper._loss_instance", "attribute", optional=True,
          why="the loss inside twinkle's wrapper (0.5.0 on)"),
     Name(GKD, "GKDLoss.__call__", "function",
@@ -115,8 +122,6 @@ def _check_name(source: src.TwinkleSource, name: Name) -> Optional[str]:
         return "absent (no such module)"
     if name.kind == "bound":
         return None if source.binds(name.module, last) else "absent"
-    if name.kind == "class":
-        return None if source.has_class(name.module, last) else "absent"
     if name.kind == "attribute":
         return None if source.declares(name.module, owner[0], last) else "absent"
     node = source.function(name.module, name.qualname)
@@ -182,6 +187,7 @@ class Part:
 
 
 _FB, _FWD = f"{MEGATRON}:MegatronModel.forward_backward", f"{TRANSFORMERS}:TransformersModel.forward"
+_MODELS = (f"{MEGATRON}:MegatronModel.model", f"{TRANSFORMERS}:TransformersModel.model")
 _STATUS = (f"{GROUPS}:BaseOptimizerGroup.train_status", f"{GROUPS}:BaseOptimizerGroup.eval_status",
            f"{GROUPS}:TrainStatus.inputs", f"{GROUPS}:TrainStatus.outputs")
 _CALL = (f"{GROUPS}:BaseOptimizerGroup.loss_instance", f"{GROUPS}:BaseOptimizerGroup.processor")
@@ -200,7 +206,7 @@ PARTS: Tuple[Part, ...] = (
          + _CALL, (("megatron_logits", ("every micro-batch", "when asked")), )),
     Part("megatron_fused_lm_head", "Megatron fused LM head", lambda s: s["fused_lm_head"],
          (_FB, f"{MEGATRON}:MegatronModel._lazy_wrap_model", f"{MEGATRON}:MegatronModel._get_default_group",
-          f"{STRATEGY}:MegatronStrategy.unwrap_model") + _CALL, (("megatron_log_probs", (True, )), )),
+          f"{STRATEGY}:MegatronStrategy.unwrap_model", _MODELS[0]) + _CALL, (("megatron_log_probs", (True, )), )),
     Part("transformers_logits_drop", "transformers: the step's logits dropped after the loss",
          lambda s: s["logits_guard"],
          (_FWD, f"{TRANSFORMERS}:TransformersModel.forward_only", f"{TRANSFORMERS}:TransformersModel.calculate_loss",
@@ -208,8 +214,8 @@ PARTS: Tuple[Part, ...] = (
          + tuple(k for k in NAMES if k.startswith("twinkle.metric"))),
     Part("transformers_fused_lm_head", "transformers fused LM head", lambda s: s["fused_lm_head"],
          (_FWD, f"{TRANSFORMERS}:TransformersModel.forward_only", f"{TRANSFORMERS}:TransformersModel._lazy_wrap_model",
-          f"{TRANSFORMERS}:TransformersModel._get_default_group", f"{PROCESSOR}:InputProcessor.padding_free")
-         + _CALL, (("transformers_log_probs", (True, )), )),
+          f"{TRANSFORMERS}:TransformersModel._get_default_group", f"{PROCESSOR}:InputProcessor.padding_free",
+          _MODELS[1]) + _CALL, (("transformers_log_probs", (True, )), )),
 )
 
 

@@ -39,10 +39,6 @@ class TwinkleSource:
             self._functions[key] = self._find_function(module, qualname)
         return self._functions[key]
 
-    def has_class(self, module: str, name: str) -> bool:
-        lines = self._lines(module) or []
-        return any(re.match(rf"class\s+{name}\b", line) for line in lines)
-
     def binds(self, module: str, name: str) -> bool:
         """Whether ``module``'s top level binds ``name`` (a def, a class, an assignment or an import)."""
         lines = self._lines(module)
