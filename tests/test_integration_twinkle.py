@@ -108,7 +108,8 @@ def _signature_text(signature) -> str:
 
 def test_what_the_source_says_is_what_python_has(twinkle_modules):
     """The table's functions as read from twinkle's source (what install() decides by, nothing imported) have
-    the parameters Python gives the imported objects (undecorated), and its bound names are there."""
+    the parameters Python gives the imported objects (undecorated), also when read up to their parameters only,
+    and its bound names are there."""
     from twinkle_mem.integrations.twinkle import twinkle_names, twinkle_source
     found, source = twinkle_names.found(), twinkle_source.TwinkleSource(twinkle_names.twinkle_folder())
     checked = 0
@@ -121,8 +122,12 @@ def test_what_the_source_says_is_what_python_has(twinkle_modules):
             assert hasattr(module, name.qualname), key
         elif name.kind in ("function", "staticmethod"):
             obj = twinkle_names.twinkle_attribute(name.module, name.qualname)
-            read = twinkle_source.signature(source.function(name.module, name.qualname))
+            whole = source.function(name.module, name.qualname)
+            read = twinkle_source.signature(whole)
             assert _signature_text(inspect.signature(inspect.unwrap(obj))) == read, key
+            header = twinkle_source.TwinkleSource(source.folder).function(name.module, name.qualname, body=False)
+            assert twinkle_source.signature(header) == read, key  # (what the table is read from)
+            assert len(header.decorator_list) == len(whole.decorator_list), key
             checked += 1
     assert checked >= 15
 

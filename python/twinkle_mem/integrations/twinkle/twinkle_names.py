@@ -124,7 +124,7 @@ def _check_name(source: src.TwinkleSource, name: Name) -> Optional[str]:
         return None if source.binds(name.module, last) else "absent"
     if name.kind == "attribute":
         return None if source.declares(name.module, owner[0], last) else "absent"
-    node = source.function(name.module, name.qualname)
+    node = source.function(name.module, name.qualname, body=False)
     if node is None:
         return "absent"
     if (name.kind == "staticmethod") != src.decorated(node, "staticmethod") and owner:

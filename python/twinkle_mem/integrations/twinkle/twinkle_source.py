@@ -7,6 +7,7 @@ functions are read from source: each one's lines are cut out of its file and par
 twinkle's large model modules whole would cost about a tenth of ``import twinkle``).
 """
 import ast
+import functools
 import os
 import re
 import textwrap
@@ -21,7 +22,9 @@ class TwinkleSource:
     def __init__(self, folder: str):
         self.folder = folder
         self._texts: Dict[str, Optional[List[str]]] = {}
-        self._functions: Dict[Tuple[str, str], Optional[ast.FunctionDef]] = {}
+        self._classes: Dict[Tuple[str, str], Optional[List[str]]] = {}
+        self._bodies: Dict[str, Optional[List[ast.stmt]]] = {}
+        self._functions: Dict[Tuple[str, str, bool], Optional[ast.FunctionDef]] = {}
 
     def version(self) -> Optional[str]:
         """What twinkle's ``version.py`` says (a name, not what install() goes by)."""
@@ -32,19 +35,22 @@ class TwinkleSource:
     def has_module(self, module: str) -> bool:
         return self._lines(module) is not None
 
-    def function(self, module: str, qualname: str) -> Optional[ast.FunctionDef]:
-        """The definition of ``qualname`` (``f`` or ``Class.f``) in ``module``, decorators included, or None."""
-        key = (module, qualname)
+    def function(self, module: str, qualname: str, body: bool = True) -> Optional[ast.FunctionDef]:
+        """The definition of ``qualname`` (``f`` or ``Class.f``) in ``module``, decorators included, or None;
+        ``body=False``: its decorators and parameters only (a body of ``...``: cheaper to read)."""
+        if body is False and (module, qualname, True) in self._functions:
+            return self._functions[(module, qualname, True)]
+        key = (module, qualname, body)
         if key not in self._functions:
-            self._functions[key] = self._find_function(module, qualname)
+            self._functions[key] = self._find_function(module, qualname, body)
         return self._functions[key]
 
     def binds(self, module: str, name: str) -> bool:
         """Whether ``module``'s top level binds ``name`` (a def, a class, an assignment or an import)."""
-        lines = self._lines(module)
-        if lines is None:
-            return False
-        for node in ast.parse("\n".join(lines)).body:
+        if module not in self._bodies:
+            lines = self._lines(module)
+            self._bodies[module] = None if lines is None else ast.parse("\n".join(lines)).body
+        for node in self._bodies[module] or ():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
                 return True
             if isinstance(node, (ast.Import, ast.ImportFrom)) and \
@@ -77,16 +83,17 @@ class TwinkleSource:
         return self._texts[module]
 
     def _class_lines(self, module: str, cls: str) -> Optional[List[str]]:
-        lines = self._lines(module)
-        if lines is None:
-            return None
-        start = next((i for i, line in enumerate(lines) if re.match(rf"class\s+{cls}\b", line)), None)
-        if start is None:
-            return None
-        end = next((j for j in range(start + 1, len(lines)) if _top_level(lines[j])), len(lines))
-        return lines[start:end]
+        if (module, cls) not in self._classes:
+            lines, found = self._lines(module), None
+            pattern = re.compile(rf"class\s+{cls}\b")
+            start = next((i for i, line in enumerate(lines or ()) if pattern.match(line)), None)
+            if start is not None:
+                end = next((j for j in range(start + 1, len(lines)) if _top_level(lines[j])), len(lines))
+                found = lines[start:end]
+            self._classes[(module, cls)] = found
+        return self._classes[(module, cls)]
 
-    def _find_function(self, module: str, qualname: str) -> Optional[ast.FunctionDef]:
+    def _find_function(self, module: str, qualname: str, body: bool) -> Optional[ast.FunctionDef]:
         *owner, name = qualname.split(".")
         lines = self._class_lines(module, owner[0]) if owner else self._lines(module)
         if lines is None:
@@ -96,10 +103,17 @@ class TwinkleSource:
         start = next((i for i, line in enumerate(lines) if pattern.match(line)), None)
         if start is None:
             return None
-        end = next((j for j in range(start + 1, len(lines)) if _ends_block(lines[j], len(indent))), len(lines))
+        # (the parameters' closing line may sit at the definition's own indent: the block starts after the header)
+        header_end = next((j for j in range(start, min(start + 60, len(lines)))
+                           if _header(textwrap.dedent("\n".join(lines[start:j + 1]))) is not None), start)
+        end = next((j for j in range(header_end + 1, len(lines)) if _ends_block(lines[j], len(indent))), len(lines))
         first = _first_decorator(lines, start, len(indent))
+        text = textwrap.dedent("\n".join(lines[first:end]))
+        if not body:  # the lines up to the colon that ends the parameters, then a body of `...`
+            header = _header(text)
+            text = header + " ..." if header is not None else text
         try:
-            tree = ast.parse(textwrap.dedent("\n".join(lines[first:end])))
+            tree = ast.parse(text)
         except SyntaxError:  # a line at a smaller indent inside the function (a string): read the whole file
             tree = ast.parse("\n".join(self._lines(module)))
             for part in owner:
@@ -108,6 +122,30 @@ class TwinkleSource:
                     return None
         return next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
                      and n.name == name), None)
+
+
+def _header(text: str) -> Optional[str]:
+    """``text`` (a definition) up to the colon after its parameters, or None where that is not plain to see (then
+    the whole definition is read). Strings (one-line ones, as annotations and defaults are) and comments are
+    stepped over."""
+    depth, i = 0, text.find("def ")
+    while 0 <= i < len(text):
+        char = text[i]
+        if char in "\"'":
+            if text.startswith(char * 3, i):
+                return None
+            end = text.find(char, i + 1)
+            if end < 0 or "\\" in text[i:end] or "\n" in text[i:end]:
+                return None
+            i = end
+        elif char == "#":
+            i = text.find("\n", i)
+            continue
+        depth += (char in "([{") - (char in ")]}")
+        if char == ":" and depth == 0:
+            return text[:i + 1]
+        i += 1
+    return None
 
 
 def _top_level(line: str) -> bool:
@@ -170,30 +208,39 @@ def decorated(node: ast.FunctionDef, name: str) -> bool:
     return any(isinstance(d, ast.Name) and d.id == name for d in node.decorator_list)
 
 
+@functools.lru_cache(maxsize=None)
+def _index(node: ast.AST):
+    """One walk of ``node``: its calls by the name called, its string constants, each child's parent."""
+    by_name: Dict[str, List[ast.Call]] = {}
+    found_strings, parents = set(), {}
+    for n in ast.walk(node):
+        for child in ast.iter_child_nodes(n):
+            parents[child] = n
+        if isinstance(n, ast.Call):
+            func = n.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+            by_name.setdefault(name, []).append(n)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            found_strings.add(n.value)
+    return by_name, found_strings, parents
+
+
 def calls(node: ast.AST, name: str) -> List[ast.Call]:
     """The calls in ``node`` of ``name``: a plain name (``f(...)``) or an attribute (``x.f(...)``)."""
-    found = []
-    for call in ast.walk(node):
-        if isinstance(call, ast.Call):
-            func = call.func
-            if (isinstance(func, ast.Name) and func.id == name) or (isinstance(func, ast.Attribute)
-                                                                   and func.attr == name):
-                found.append(call)
-    return found
+    return _index(node)[0].get(name, [])
 
 
 def strings(node: ast.AST) -> set:
-    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    return _index(node)[1]
 
 
 def enclosing_function(tree: ast.AST, target: ast.AST) -> Optional[ast.FunctionDef]:
     """The innermost function definition in ``tree`` that contains ``target``."""
-    best = None
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(n is target for n in ast.walk(node)):
-            if best is None or any(n is node for n in ast.walk(best)):
-                best = node
-    return best
+    parents = _index(tree)[2]
+    node = parents.get(target)
+    while node is not None and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        node = parents.get(node)
+    return node
 
 
 # --- features: what a function does, for twinkle_names.FEATURES ---------------------------------------------------
