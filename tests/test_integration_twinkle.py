@@ -67,7 +67,7 @@ def test_a_part_not_recognized_is_refused_by_name_and_runs_as_shipped(twinkle_mo
 
     def changed_reduce_loss(folder):
         found = real(folder)
-        return dataclasses.replace(found, names={**found.names, reduce_loss: "unexpected signature (self, x)"})
+        return found._replace(names={**found.names, reduce_loss: "unexpected signature (self, x)"})
 
     monkeypatch.setattr(twinkle_names, "recognize", changed_reduce_loss)
     before = patch_points(twinkle_modules)

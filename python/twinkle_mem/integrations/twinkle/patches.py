@@ -10,19 +10,17 @@ twinkle-mem's op at its first call.
 """
 import importlib
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
 
 from . import twinkle_names as names
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """install()'s settings and what it patches on the twinkle-kit it found."""
     settings: Dict[str, Any]
     accepted: FrozenSet[str]  # the parts of twinkle_names.PARTS patched
     refused: Dict[str, Tuple[str, ...]]  # the parts asked for but not recognized: why, one reason per name
-    features: Dict[str, Any] = field(default_factory=dict)
+    features: Dict[str, Any]
 
     @classmethod
     def for_settings(cls, settings: Dict[str, Any], found: names.Found) -> "Plan":
@@ -91,8 +89,7 @@ class Plan:
         return lines
 
 
-@dataclass(frozen=True)
-class Point:
+class Point(NamedTuple):
     module: str
     owner: Optional[str]  # a class of the module, or None: a module attribute
     attribute: str

@@ -21,8 +21,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 from . import twinkle_source as src
 
@@ -34,8 +33,7 @@ GKD = "twinkle.loss.gkd"
 GROUPS = "twinkle.model.optimizer_group"
 
 
-@dataclass(frozen=True)
-class Name:
+class Name(NamedTuple):  # (named tuples: cheaper to define than dataclasses, at `import twinkle`)
     module: str
     qualname: str  # "f", "Class.f", "Class" or "Class.attribute"
     kind: str  # "function", "staticmethod", "bound" (a name a package binds), "attribute"
@@ -177,8 +175,7 @@ FEATURES: Dict[str, Tuple[str, Callable[[src.TwinkleSource], object]]] = {
 
 # --- parts: what install() patches, and what each needs ------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Part:
+class Part(NamedTuple):
     key: str
     what: str
     asked: Callable[[dict], bool]  # whether install()'s settings ask for it
@@ -219,8 +216,7 @@ PARTS: Tuple[Part, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class Found:
+class Found(NamedTuple):
     """A twinkle-kit as install() sees it: each name's problem (None: as expected), each feature's form."""
     folder: str
     version: Optional[str]

@@ -14,6 +14,9 @@ import textwrap
 from typing import Dict, List, Optional, Tuple
 
 _DEF = r"(?:async\s+)?def\s+{}\s*\("
+_ASSIGNED = r"\s*(?::|=(?!=))"  # `name: ...` or `name = ...`, not `name == ...`
+_CLASS_BODY_NAME = re.compile(rf"^    (\w+){_ASSIGNED}", re.MULTILINE)
+_SELF_ATTRIBUTE = re.compile(rf"\bself\.(\w+){_ASSIGNED}")
 
 
 class TwinkleSource:
@@ -24,6 +27,7 @@ class TwinkleSource:
         self._texts: Dict[str, Optional[List[str]]] = {}
         self._classes: Dict[Tuple[str, str], Optional[List[str]]] = {}
         self._bodies: Dict[str, Optional[List[ast.stmt]]] = {}
+        self._declared: Dict[Tuple[str, str], set] = {}
         self._functions: Dict[Tuple[str, str, bool], Optional[ast.FunctionDef]] = {}
 
     def version(self) -> Optional[str]:
@@ -63,9 +67,10 @@ class TwinkleSource:
     def declares(self, module: str, cls: str, attribute: str) -> bool:
         """Whether ``cls`` in ``module`` declares ``attribute``: in its body (a dataclass field, a class attribute)
         or as ``self.<attribute> = ...`` in a method (read from the class's text)."""
-        lines = self._class_lines(module, cls)
-        return lines is not None and any(re.match(rf"    {attribute}\s*(?::|=(?!=))", line)
-                                         or re.search(rf"\bself\.{attribute}\s*(?::|=(?!=))", line) for line in lines)
+        if (module, cls) not in self._declared:
+            text = "\n".join(self._class_lines(module, cls) or ())
+            self._declared[(module, cls)] = set(_CLASS_BODY_NAME.findall(text)) | set(_SELF_ATTRIBUTE.findall(text))
+        return attribute in self._declared[(module, cls)]
 
     # --- reading ---------------------------------------------------------------------------------
 
@@ -105,7 +110,7 @@ class TwinkleSource:
             return None
         # (the parameters' closing line may sit at the definition's own indent: the block starts after the header)
         header_end = next((j for j in range(start, min(start + 60, len(lines)))
-                           if _header(textwrap.dedent("\n".join(lines[start:j + 1]))) is not None), start)
+                           if lines[j].rstrip().endswith(":") and _header("\n".join(lines[start:j + 1]))), start)
         end = next((j for j in range(header_end + 1, len(lines)) if _ends_block(lines[j], len(indent))), len(lines))
         first = _first_decorator(lines, start, len(indent))
         text = textwrap.dedent("\n".join(lines[first:end]))
@@ -210,19 +215,19 @@ def decorated(node: ast.FunctionDef, name: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _index(node: ast.AST):
-    """One walk of ``node``: its calls by the name called, its string constants, each child's parent."""
+    """One walk of ``node``: its calls by the name called, its string constants, the definitions inside it."""
     by_name: Dict[str, List[ast.Call]] = {}
-    found_strings, parents = set(), {}
+    found_strings, definitions = set(), []
     for n in ast.walk(node):
-        for child in ast.iter_child_nodes(n):
-            parents[child] = n
-        if isinstance(n, ast.Call):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            definitions.append(n)
+        elif isinstance(n, ast.Call):
             func = n.func
             name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
             by_name.setdefault(name, []).append(n)
         elif isinstance(n, ast.Constant) and isinstance(n.value, str):
             found_strings.add(n.value)
-    return by_name, found_strings, parents
+    return by_name, found_strings, definitions
 
 
 def calls(node: ast.AST, name: str) -> List[ast.Call]:
@@ -235,12 +240,10 @@ def strings(node: ast.AST) -> set:
 
 
 def enclosing_function(tree: ast.AST, target: ast.AST) -> Optional[ast.FunctionDef]:
-    """The innermost function definition in ``tree`` that contains ``target``."""
-    parents = _index(tree)[2]
-    node = parents.get(target)
-    while node is not None and not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        node = parents.get(node)
-    return node
+    """The innermost function definition in ``tree`` that contains the call ``target`` (the walk meets outer
+    definitions before inner ones)."""
+    name = target.func.id if isinstance(target.func, ast.Name) else target.func.attr
+    return next((d for d in reversed(_index(tree)[2]) if any(c is target for c in calls(d, name))), None)
 
 
 # --- features: what a function does, for twinkle_names.FEATURES ---------------------------------------------------
