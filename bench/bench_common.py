@@ -202,6 +202,29 @@ def new_figure(figsize: tuple[float, float]):
     return Figure(figsize=figsize)
 
 
+def peak_and_time_figure(labels: list[str], series: dict, line_mib: float, title: str, path: str,
+                         peak_label: str = "peak RSS rise over the step (MiB)") -> str:
+    """Two panels of grouped bars, each series a bar at each label: its peak memory (MiB; a dashed line at
+    ``line_mib``, one micro-batch's logits) and its step time (s). ``series``: name -> (peaks, seconds), one value
+    per label. Written to ``path`` as PNG."""
+    fig = new_figure((11, 4.2))
+    axes = fig.subplots(1, 2)
+    width = 0.8 / len(series)
+    for i, (name, (peaks, seconds)) in enumerate(series.items()):
+        xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
+        axes[0].bar(xs, peaks, width, label=name)
+        axes[1].bar(xs, seconds, width, label=name)
+    for ax, unit in ((axes[0], peak_label), (axes[1], "step time (s)")):
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_ylabel(unit)
+    axes[0].axhline(line_mib, color="k", ls="--", lw=1, label="one micro-batch's logits shard")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return save_png(fig, path)
+
+
 def save_png(fig, path: str, dpi: int = 110) -> str:
     """Write ``fig`` (laid out by the caller) to ``path`` as PNG, its folder created if missing."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

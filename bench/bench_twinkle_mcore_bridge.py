@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import time
 
-from bench_common import HERE, Progress, markdown_table, new_figure, read_json, run_metadata, save_png, write_json
+from bench_common import HERE, Progress, markdown_table, peak_and_time_figure, read_json, run_metadata, write_json
 
 CASES = {"shipped": ("twinkle-kit 0.5.1", None), "install": ("install()", dict()),
          "fused": ("install(fused_lm_head=True)", dict(fused_lm_head=True))}
@@ -148,27 +148,13 @@ def _write(meta, results, stem):
     with open(stem + ".md", "w") as f:
         f.write(table)
     print(table, end="")
-    fig = new_figure((11, 4.2))
-    axes = fig.subplots(1, 2)
-    width = 0.8 / len(results)
-    for i, (case, res) in enumerate(results.items()):
-        ranks = res["ranks"]
-        xs = [r + (i - (len(results) - 1) / 2) * width for r in range(len(ranks))]
-        axes[0].bar(xs, [rr["peak_bytes"] / 2**20 for rr in ranks], width, label=CASES[case][0])
-        axes[1].bar(xs, [rr["time_s"] for rr in ranks], width, label=CASES[case][0])
     first = next(iter(results.values()))["ranks"]  # every case ran the same world
     labels = [f"rank {r}\n(pp {rr['pp_rank']}, tp {rr['tp_rank']})" for r, rr in enumerate(first)]
-    for ax, unit in ((axes[0], "peak RSS rise over the step (MiB)"), (axes[1], "step time (s)")):
-        ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, fontsize=8)
-        ax.set_ylabel(unit)
-    axes[0].axhline(meta["one_micro_batch_logits_shard_mib"], color="k", ls="--", lw=1,
-                    label="one micro-batch's logits shard")
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"twinkle-kit Megatron step, mcore_bridge Qwen3, TP = 2 x PP = 2, V = {meta['vocab']}, "
-                 f"S = {meta['seq']}, fp32, CPU", fontsize=10)
-    fig.tight_layout()
-    save_png(fig, stem + ".png")
+    series = {CASES[case][0]: ([rr["peak_bytes"] / 2**20 for rr in res["ranks"]], [rr["time_s"] for rr in res["ranks"]])
+              for case, res in results.items()}
+    peak_and_time_figure(labels, series, meta["one_micro_batch_logits_shard_mib"],
+                         f"twinkle-kit Megatron step, mcore_bridge Qwen3, TP = 2 x PP = 2, V = {meta['vocab']}, "
+                         f"S = {meta['seq']}, fp32, CPU", stem + ".png")
 
 
 if __name__ == "__main__":

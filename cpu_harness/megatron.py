@@ -34,8 +34,8 @@ def free_port() -> int:
 
 
 class _CpuTorch:
-    """``torch`` as a megatron module sees it on the CPU: ``zeros(device="cuda")`` allocates on the CPU
-    (the schedules' one CUDA allocation), ``torch.cuda.current_device()`` answers "cpu" (p2p receive
+    """``torch`` as a megatron module sees it on the CPU: ``zeros`` / ``tensor(device="cuda")`` ``empty`` allocate
+    on the CPU (the schedules' one CUDA allocation, the optimizer's scalars, mcore_bridge's export buffers), ``torch.cuda.current_device()`` answers "cpu" (p2p receive
     buffers and shape tensors, RoPE's frequencies, the SP and DDP buffers) and
     ``torch.cuda.synchronize()`` does nothing."""
 
@@ -61,10 +61,18 @@ class _CpuTorch:
     def __getattr__(self, name):
         return getattr(self._real, name)
 
+    @staticmethod
+    def _cpu(device):
+        return "cpu" if device is not None and torch.device(device).type == "cuda" else device
+
     def zeros(self, *args, device=None, **kwargs):
-        if device is not None and torch.device(device).type == "cuda":
-            device = "cpu"
-        return self._real.zeros(*args, device=device, **kwargs)
+        return self._real.zeros(*args, device=self._cpu(device), **kwargs)
+
+    def tensor(self, *args, device=None, **kwargs):  # (megatron's optimizer: its scalars)
+        return self._real.tensor(*args, device=self._cpu(device), **kwargs)
+
+    def empty(self, *args, device=None, **kwargs):
+        return self._real.empty(*args, device=self._cpu(device), **kwargs)
 
 
 @contextlib.contextmanager

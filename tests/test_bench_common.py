@@ -91,14 +91,15 @@ def test_recorded_vocab_parallel_table_renders_unchanged():
 
 @pytest.mark.parametrize("script,stem", [("bench_linear_selective_log_softmax", "linear_selective_log_softmax"),
                                          ("bench_twinkle_fused", "twinkle_fused"),
-                                         ("bench_twinkle_mcore_bridge", "twinkle_mcore_bridge")])
+                                         ("bench_twinkle_mcore_bridge", "twinkle_mcore_bridge"),
+                                         ("bench_recipe", "recipe")])
 def test_recorded_tables_render_unchanged(script, stem):
     # These benchmarks write their .md through markdown_table; --replot redraws it from the recorded JSON.
     import importlib
 
     module = importlib.import_module(script)
     recorded = bench_common.read_json(str(BENCH / "results" / f"{stem}.json"))
-    if script == "bench_twinkle_mcore_bridge":
+    if script in ("bench_twinkle_mcore_bridge", "bench_recipe"):
         table = module._table(recorded["meta"], recorded["results"])
     else:
         table = module._table(recorded["rows"], recorded["meta"])

@@ -145,8 +145,10 @@ def gkd_call(original, plan):
         head: Optional[fused_head.DeferredHead] = fused_head.deferred_head(logits) if fused else None
         if head is not None:
             result = _fused_gkd(self, labels, head, teacher)
-            # The placeholder has served: twinkle keeps the step's outputs for its metrics (Accuracy takes the
-            # argmax of outputs['logits'] at the next step), which must see no logits, not a zero-width tensor.
+            # The placeholder has served: twinkle keeps the step's outputs for its metrics, which must see no logits,
+            # not a zero-width tensor. Its Accuracy, which takes the argmax of outputs['logits'] at the next step,
+            # counts the step now from their argmax over vocab blocks (install()'s logits drop also counts it then).
+            _count_accuracy(head, inputs, labels)
             outputs["logits"] = None
             return result
         if fused and logits is not None and logits.shape[-1] == 0:  # a placeholder twinkle copied on its way
@@ -164,6 +166,36 @@ def gkd_call(original, plan):
 
     __call__.__wrapped__ = original
     return __call__
+
+
+class _ArgmaxOnly:
+    """A step's logits as twinkle's ``Accuracy`` reads them, ``logits.argmax(dim=-1)``, where the fused head never
+    made them: their argmax at the rows Accuracy counts (-1 elsewhere)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    def argmax(self, dim=-1):
+        if dim != -1:
+            raise RuntimeError("twinkle-mem fused LM head: only the argmax over the vocab of the step's logits exists")
+        return self.ids
+
+
+def _count_accuracy(head: fused_head.DeferredHead, inputs, labels) -> None:
+    """Give each of the step's Accuracy metrics its count, from ``linear_argmax`` at the rows it counts (its
+    ``completion_mask``, else the labelled rows): no logits-sized memory."""
+    if not head.accuracy:
+        return
+    from twinkle_mem.linear_argmax import linear_argmax
+    rows = labels != -100
+    mask = inputs.get("completion_mask")
+    if mask is not None and torch.as_tensor(mask).shape == rows.shape:
+        rows = rows | torch.as_tensor(mask, device=rows.device).bool()
+    hidden = head.hidden.transpose(0, 1) if head.seq_first else head.hidden
+    ids = linear_argmax(hidden.detach(), head.weight.detach(), rows, temperature=head.temperature,
+                        process_group=head.process_group)
+    for metric in head.accuracy:
+        metric.accumulate(inputs, dict(logits=_ArgmaxOnly(ids)))
 
 
 def _gkd_from_logits(loss, labels, logits, teacher_kwargs):

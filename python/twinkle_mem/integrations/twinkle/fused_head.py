@@ -63,11 +63,12 @@ class FusedCall:
     result waiting for twinkle's ``selective_log_softmax``."""
 
     def __init__(self, temperature: float, with_entropy: bool, chunk_bytes: Optional[int],
-                 labels_from_processor: bool = False, distill: bool = False):
+                 labels_from_processor: bool = False, distill: bool = False, accuracy: tuple = ()):
         self.temperature = temperature
         # A distillation call (distill_loss.py): the deferred head keeps its input and weight for the loss,
         # which computes from them; no log-probs are computed or handed to twinkle.
         self.distill = distill
+        self.accuracy = accuracy  # a distillation call's Accuracy metrics, counted by its loss (distill_loss.py)
         self.with_entropy = with_entropy
         self.chunk_bytes = chunk_bytes
         self.labels_from_processor = labels_from_processor  # else set per micro-batch by the step hooks
@@ -99,10 +100,10 @@ class FusedCall:
 
     @classmethod
     def for_call(cls, kwargs, loss, chunk_bytes: Optional[int], labels_from_processor: bool = False,
-                 distill: bool = False) -> "FusedCall":
+                 distill: bool = False, accuracy: tuple = ()) -> "FusedCall":
         """The call state for a twinkle call's kwargs (its temperature) and loss (its require_entropy)."""
         return cls(float(kwargs.get("temperature", 1.0)), bool(getattr(loss, "require_entropy", False)), chunk_bytes,
-                   labels_from_processor=labels_from_processor, distill=distill)
+                   labels_from_processor=labels_from_processor, distill=distill, accuracy=accuracy)
 
     def compute(self, hidden, weight, labels, process_group=None):
         from twinkle_mem import linear_selective_log_softmax
@@ -127,7 +128,8 @@ class FusedCall:
         """A distillation call: the placeholder standing for the logits, carrying what defines them (the
         layer's input and weight, the TP group, the call's temperature) for the loss (distill_loss.py)."""
         placeholder = _placeholder(hidden)
-        placeholder._twinkle_mem_head = DeferredHead(hidden, weight, process_group, seq_first, self.temperature)
+        placeholder._twinkle_mem_head = DeferredHead(hidden, weight, process_group, seq_first, self.temperature,
+                                                     self.accuracy)
         return placeholder
 
     def refuse(self, message: str) -> RuntimeError:
@@ -169,12 +171,14 @@ class DeferredHead:
     """What a distillation call's deferred output layer leaves on its placeholder: the logits are
     ``(hidden @ weight.T) / temperature`` (the layer has no bias; ``temperature`` is twinkle's call's,
     which its forward step would have divided the logits by), ``hidden`` [s, b, H] when ``seq_first``
-    (Megatron) else [b, s, H]; ``weight`` this rank's vocab shard under ``process_group``."""
+    (Megatron) else [b, s, H]; ``weight`` this rank's vocab shard under ``process_group``. ``accuracy``: twinkle's
+    ``Accuracy`` metrics of the step's status, which would have read the argmax of these logits."""
     hidden: torch.Tensor
     weight: torch.Tensor
     process_group: Optional[object]
     seq_first: bool
     temperature: float
+    accuracy: tuple = ()
 
 
 def deferred_head(logits) -> Optional[DeferredHead]:

@@ -76,10 +76,19 @@ def _fused_transformers(model, kwargs, plan):
         logger.debug("twinkle-mem fused LM head not used: %s", reason)
         yield None
         return
-    call = fused_head.FusedCall.for_call(kwargs, loss, plan.chunk_bytes, labels_from_processor=True, distill=distill)
+    # twinkle's Accuracy (the model's default metric) reads the step's logits: a distillation call's loss counts
+    # it from their argmax over vocab blocks instead (distill_loss.py)
+    accuracy = _accuracy_metrics(twinkle_names.status(model, kwargs, forward_only=False)) if distill else ()
+    call = fused_head.FusedCall.for_call(kwargs, loss, plan.chunk_bytes, labels_from_processor=True, distill=distill,
+                                         accuracy=accuracy)
     with fused_head.deferred([head], fused_head.transformers_forward, call), \
             distill_loss.without_log_probs(loss) if distill else contextlib.nullcontext():
         yield call
+
+
+def _accuracy_metrics(status) -> tuple:
+    accuracy = twinkle_names.accuracy_class()
+    return tuple(m for m in getattr(status, "metrics", ()) if type(m) is accuracy)
 
 
 # --- the step's logits, dropped once its loss has used them --------------------------------------------------

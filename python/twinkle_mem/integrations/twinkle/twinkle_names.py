@@ -104,7 +104,8 @@ NAMES: Dict[str, Name] = _names(
     Name(GKD, "GKDLoss.beta", "attribute"), Name(GKD, "GKDLoss.temperature", "attribute"),
     Name(GKD, "GKDLoss.ignore_index", "attribute"),
     Name("twinkle.data_format", "LossOutput", "bound", why="what a loss returns"),
-    Name("twinkle.metric", "Accuracy", "bound", why="counts the step when the logits are dropped"),
+    Name("twinkle.metric", "Accuracy", "bound",
+         why="counts the step when the logits are dropped, and a fused distillation step from linear_argmax"),
     Name("twinkle.metric.accuracy", "Accuracy.accumulate", "function", "(self, inputs, outputs, **kwargs)"),
     Name("twinkle.metric.accuracy", "Accuracy.total_correct", "attribute"),
     Name("twinkle.metric.accuracy", "Accuracy.total_count", "attribute"),
@@ -212,7 +213,9 @@ PARTS: Tuple[Part, ...] = (
     Part("transformers_fused_lm_head", "transformers fused LM head", lambda s: s["fused_lm_head"],
          (_FWD, f"{TRANSFORMERS}:TransformersModel.forward_only", f"{TRANSFORMERS}:TransformersModel._lazy_wrap_model",
           f"{TRANSFORMERS}:TransformersModel._get_default_group", f"{PROCESSOR}:InputProcessor.padding_free",
-          _MODELS[1]) + _CALL, (("transformers_log_probs", (True, )), )),
+          _MODELS[1], f"{GROUPS}:BaseOptimizerGroup.train_status", f"{GROUPS}:TrainStatus.metrics",
+          "twinkle.metric:Accuracy", "twinkle.metric.accuracy:Accuracy.accumulate") + _CALL,
+         (("transformers_log_probs", (True, )), )),
 )
 
 
