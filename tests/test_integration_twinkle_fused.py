@@ -512,4 +512,27 @@ def test_install_argument_errors():
         integration.install(fused_lm_head=True, log_softmax=False)
     with pytest.raises(ValueError, match="fused_chunk_bytes"):
         integration.install(fused_lm_head=True, fused_chunk_bytes=0)
+    # issue 31: refused by install() as by TWINKLE_MEM_INSTALL's check, before anything is patched
+    with pytest.raises(ValueError, match="fused_chunk_bytes sets the fused LM head's block memory: it needs "
+                                         "fused_lm_head=True"):
+        integration.install(fused_chunk_bytes=1 << 20)
+    smallest = integration.SMALLEST_CHUNK_BYTES
+    with pytest.raises(ValueError, match=f"fused_chunk_bytes={smallest - 1} is below one row tile of the narrowest "
+                                         f"vocab block the fused LM head ever uses \\({smallest} bytes"):
+        integration.install(fused_lm_head=True, fused_chunk_bytes=smallest - 1)
     assert not integration.is_installed()
+    integration.install(fused_lm_head=True, fused_chunk_bytes=smallest)  # the smallest accepted
+    assert integration.is_installed()
+    integration.uninstall()
+
+
+def test_smallest_chunk_bytes_is_one_row_tile_of_the_narrowest_block():
+    # The number install() and the variable's check hold fused_chunk_bytes to (no torch at import twinkle), and
+    # the op: the smallest chunk_bytes its narrowest block (one column, bf16 and fp16, forward) runs with.
+    from twinkle_mem.linear import block_width, tile_bytes, tiles_in_flight
+    smallest = integration.SMALLEST_CHUNK_BYTES
+    assert smallest == min(sum(tile_bytes(block_width(1), 1, dtype, backward=False))
+                           for dtype in (torch.bfloat16, torch.float16, torch.float32))
+    assert tiles_in_flight(block_width(1), 1, torch.bfloat16, smallest, backward=False) == 1
+    with pytest.raises(ValueError, match="below one row tile"):
+        tiles_in_flight(block_width(1), 1, torch.bfloat16, smallest - 1, backward=False)

@@ -298,7 +298,7 @@ def test_import_twinkle_under_the_variable_imports_nothing_more_than_twinkle():
     costs is measured by bench/bench_startup.py."""
     probe = "import json, sys, twinkle; print(json.dumps(sorted(sys.modules)))"
     unset = set(json.loads(run_python(probe).stdout.splitlines()[-1]))
-    for value in ("1", "fused_lm_head"):
+    for value in ("1", "fused_lm_head", "fused_lm_head,fused_chunk_bytes=128M"):  # (the size's check: no torch)
         proc = run_python(probe, value)
         assert proc.returncode == 0, proc.stderr[-3000:]
         more = set(json.loads(proc.stdout.splitlines()[-1])) - unset

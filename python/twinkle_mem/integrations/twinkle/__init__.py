@@ -142,19 +142,16 @@ def check_settings(settings: Dict[str, Any]) -> None:
         raise ValueError(f"fused_chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
     if not settings.get("fused_lm_head", False):
         raise ValueError("fused_chunk_bytes sets the fused LM head's block memory: it needs fused_lm_head=True")
-    smallest = smallest_chunk_bytes()
-    if chunk_bytes < smallest:
+    if chunk_bytes < SMALLEST_CHUNK_BYTES:
         raise ValueError(f"fused_chunk_bytes={chunk_bytes} is below one row tile of the narrowest vocab block the "
-                         f"fused LM head ever uses ({smallest} bytes: no model fits); whether a value fits a model is "
-                         "judged at its first fused step; None is the default (256 MiB)")
+                         f"fused LM head ever uses ({SMALLEST_CHUNK_BYTES} bytes: no model fits); whether a value "
+                         "fits a model is judged at its first fused step; None is the default (256 MiB)")
 
 
-def smallest_chunk_bytes() -> int:
-    """The fused head's smallest block working memory: one row tile of a one-column vocab block, bf16, forward."""
-    import torch
-
-    from twinkle_mem.linear import block_width, tile_bytes
-    return sum(tile_bytes(block_width(1), 1, torch.bfloat16, backward=False))
+# The fused head's smallest block working memory: one row tile (512 rows) of a one-column vocab block, bf16,
+# forward (twinkle_mem.linear.tile_bytes; a test holds the two equal). A number here, not computed: the variable's
+# check runs at `import twinkle`, which must not import torch for it.
+SMALLEST_CHUNK_BYTES = 1024
 
 
 def uninstall() -> None:
