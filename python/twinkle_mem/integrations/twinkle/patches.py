@@ -42,22 +42,12 @@ class Plan(NamedTuple):
         """twinkle-mem's logits guard on the Megatron path (not where twinkle guards its logits itself)."""
         return "megatron_logits_guard" in self.accepted and self.features["megatron_logits"] == "every micro-batch"
 
-    @property
-    def megatron_failures(self) -> bool:
-        """Failed micro-batches reported (NaN rows, a warning): with logits_guard, whoever guards the logits."""
-        return "megatron_logits_guard" in self.accepted
-
-    @property
-    def megatron_fused(self) -> bool:
-        return "megatron_fused_lm_head" in self.accepted
-
-    @property
-    def transformers_drop(self) -> bool:
-        return "transformers_logits_drop" in self.accepted
-
-    @property
-    def transformers_fused(self) -> bool:
-        return "transformers_fused_lm_head" in self.accepted
+    # Whether a part is patched. megatron_failures: failed micro-batches reported (NaN rows, a warning) with
+    # logits_guard, whoever guards the logits.
+    megatron_failures = property(lambda self: "megatron_logits_guard" in self.accepted)
+    megatron_fused = property(lambda self: "megatron_fused_lm_head" in self.accepted)
+    transformers_drop = property(lambda self: "transformers_logits_drop" in self.accepted)
+    transformers_fused = property(lambda self: "transformers_fused_lm_head" in self.accepted)
 
     def fused_distillation(self, path: str) -> Optional[str]:
         """Why a fused GKD call on ``path`` ("megatron" / "transformers") is left to the unfused loss, or None."""
