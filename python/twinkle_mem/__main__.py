@@ -1,5 +1,6 @@
 """`python -m twinkle_mem`: version, torch, which backends are built and loaded, whether a GPU is visible,
-and whether the start-up hook is installed and what TWINKLE_MEM_INSTALL, as set now, would do."""
+the twinkle-kit found and what install() would patch there, whether install() ran in this process, and
+whether the start-up hook is installed and what TWINKLE_MEM_INSTALL, as set now, would do."""
 import os
 import platform
 import sys
@@ -39,9 +40,26 @@ def main() -> int:
         if backend == "cuda":
             state, extra = f"library {state}", f"; GPU: {_gpus()}"
         print(f"  {backend:5s} {state}{extra}")
+    from twinkle_mem.integrations import twinkle as integration
     from twinkle_mem.integrations.twinkle import startup
-    print(f"start-up hook: {startup.hook_status()}")
     value = os.environ.get(startup.ENV_VAR)
+    try:
+        options = startup.parse(value)
+    except ValueError:
+        options = None
+    try:
+        shown = options if options is not None else {"fused_lm_head": True}  # (unset: every part)
+        found, *parts = integration.describe(**shown)
+    except ImportError as error:
+        print(f"twinkle-kit: {error}")
+    else:
+        asked = startup.install_call(shown)
+        print(f"{found}; {asked} patches there (each part recognized by twinkle's code):")
+        for line in parts:
+            print(f"  {line}")
+    print(f"install() in this process: {'yes' if integration.is_installed() else 'no'} "
+          "(twinkle_mem.integrations.twinkle.is_installed() tells, in any process)")
+    print(f"start-up hook: {startup.hook_status()}")
     print(f"  {startup.describe(value)}")
     try:
         startup.parse(value)
