@@ -99,7 +99,7 @@ def check_installed() -> None:
     # Load in a fresh interpreter, outside the source tree.
     probe = (
         "import json, torch, twinkle_mem\n"
-        "from twinkle_mem import _native\n"
+        "from twinkle_mem.op import native as _native\n"
         "has = {op: torch._C._dispatch_has_kernel_for_dispatch_key('twinkle_mem::' + op, 'CUDA') for op in %r}\n"
         "print(json.dumps({'cuda': torch.version.cuda, 'status': _native.status, 'has': has}))\n" % (OPS,)
     )

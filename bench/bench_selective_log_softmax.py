@@ -7,16 +7,26 @@ Each (peer, N) runs in a fresh process so that its peak RSS is its own:
   chunked_fp32   a chunked fp32 recompute autograd.Function in PyTorch (the fix proposed
                  for twinkle-kit)
   compiled       torch.compile of naive
-  twinkle_mem    this package; twinkle_mem_inplace: with inplace_backward=True
+  twinkle_mem    this package; twinkle_mem_inplace: with inplace_backward=True; each once per CPU
+                 kernel path (--paths; default every path this CPU runs: twinkle_mem@avx2, ...)
 Reported at every N: forward+backward time (median of --reps calls after a warm-up call, and
-their spread), peak RSS beyond logits and grad, bytes saved for backward (beyond the logits
-reference), max error of logp and entropy against float64 (first 64 rows). Also recorded: where
-twinkle_loop came from, and how loaded the machine was (load average, other processes' CPU; a
-warning when it was loaded). Prints a table, writes JSON and a PNG: one figure, fwd+bwd time and
-peak memory against N, every peer (--replot redraws it from the JSON without measuring). A run
-writes to bench/results/local/ (not tracked); --record writes the committed bench/results/ files.
+their spread), its ratio to the floor (below), peak RSS beyond logits and grad, bytes saved for
+backward (beyond the logits reference), max error of logp and entropy against float64 (first 64
+rows). Also recorded: where twinkle_loop came from, and how loaded the machine was (load average,
+other processes' CPU; a warning when it was loaded). Prints a table, writes JSON and a PNG: one
+figure, fwd+bwd time and peak memory against N, every peer (--replot redraws it from the JSON
+without measuring). A run writes to bench/results/local/ (not tracked); --record writes the
+committed bench/results/ files.
+
+The floors, measured in each peer's process, alternating with its calls: one streaming read of the
+logits (torch.max over their int16 view) and one in-place read + write (bitwise_xor_(0) on it);
+each call's time is divided by the floor measured just before it, and the median of those ratios is
+reported with their quartiles. twinkle_mem_inplace@<path> also times the op itself against them
+(--op-reps alternating calls each, the ratios of issue 34): forward without entropy / read, forward
+with entropy / read, forward with entropy + in-place backward / (read + read-write).
 
   python bench/bench_selective_log_softmax.py                      # N=512,1024,2048, V=151936
+  python bench/bench_selective_log_softmax.py --sizes 2048 --peers twinkle_mem_inplace --op-reps 31
   python bench/bench_selective_log_softmax.py --sizes 16384 --peers twinkle_mem_inplace --reps 1
   python bench/bench_selective_log_softmax.py --replot --record       # the committed PNG from its JSON
 """
@@ -34,6 +44,9 @@ from bench_common import (ChildFailed, MachineLoad, Progress, load_warning, new_
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = ["naive", "twinkle_loop", "chunked_fp32", "compiled", "twinkle_mem", "twinkle_mem_inplace"]
+PATH_PEERS = ("twinkle_mem", "twinkle_mem_inplace")  # run once per CPU kernel path, as peer@path
+CPU_ISA_ENV = "TWINKLE_MEM_CPU_ISA"  # the cap of the CPU kernel path (twinkle_mem.op.native)
+OP_TARGETS = {"fwd": 1.6, "fwd_entropy": 2.0, "fwd_entropy_bwd_inplace": 2.0}  # issue 34, N=2048, 2 threads
 NAME = "selective_log_softmax"
 RECORDED = os.path.join(HERE, "results", NAME)  # the committed results: --record
 LOCAL = os.path.join(HERE, "results", "local", NAME)  # a user's run (bench/results/local/ is not tracked)
@@ -130,7 +143,66 @@ def peer_functions(torch):
     }
 
 
-def child(peer, n, v, reps):
+def floor_functions(logits):
+    """The floors: one streaming read of the logits, one in-place read + write (their values unchanged)."""
+    import torch
+    bits = logits.detach().view(torch.int16)
+    return (lambda: bits.max()), (lambda: bits.bitwise_xor_(0))
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def op_ratios(base_logits, labels, reps):
+    """The op itself against its floors, alternating (issue 34's three ratios): per call, the ratio to
+    the floor timed just before it; their median and quartiles, and the floors' median times."""
+    import torch
+    ops = torch.ops.twinkle_mem
+    n, v = base_logits.shape
+    x = base_logits.clone()
+    read, read_write = floor_functions(x)
+    g_logp, g_entropy = torch.randn(n), torch.randn(n) * 0.01
+    no_ignore = -(2**63)
+
+    def forward(with_entropy):
+        return ops.selective_log_softmax_fwd(x, labels, 1.0, no_ignore, 0, v, with_entropy)
+
+    def forward_backward_inplace():
+        _, entropy, shift, log_sum = forward(True)
+        ops.selective_log_softmax_bwd_(g_logp, g_entropy, x, labels, shift, log_sum, entropy, 1.0, no_ignore, 0)
+
+    ratios = {name: [] for name in OP_TARGETS}
+    floors = {"read_s": [], "read_write_s": []}
+    for fn in (read, read_write, lambda: forward(True)):  # warm-up
+        fn()
+    for _ in range(reps):
+        for name, fn in (("fwd", lambda: forward(False)), ("fwd_entropy", lambda: forward(True))):
+            t_read = timed(read)
+            ratios[name].append(timed(fn) / t_read)
+            floors["read_s"].append(t_read)
+        x.copy_(base_logits)  # the in-place backward wrote gradients over them
+        t_floor = timed(read) + timed(read_write)
+        ratios["fwd_entropy_bwd_inplace"].append(timed(forward_backward_inplace) / t_floor)
+        floors["read_write_s"].append(t_floor - floors["read_s"][-1])
+    return {**{name: ratio_summary(r) for name, r in ratios.items()},
+            **{name: ratio_summary(t)["median"] for name, t in floors.items()}}
+
+
+def ratio_summary(values) -> dict:
+    """Median and quartiles of ``values`` (the spread of alternating measurements)."""
+    values = sorted(values)
+
+    def at(q):
+        pos = q * (len(values) - 1)
+        lo = int(pos)
+        return values[lo] + (values[min(lo + 1, len(values) - 1)] - values[lo]) * (pos - lo)
+    return {"median": at(0.5), "q1": at(0.25), "q3": at(0.75), "n": len(values)}
+
+
+def child(peer, n, v, reps, op_reps=0):
     import torch
 
     from twinkle_mem.measure import peak_rss
@@ -140,22 +212,25 @@ def child(peer, n, v, reps):
     base_logits = (torch.randn(n, v) * 2).bfloat16()
     labels = torch.randint(0, v, (n,))
     logits_bytes = base_logits.numel() * base_logits.element_size()
+    read, read_write = floor_functions(base_logits)
 
     def run_once():
         logits = base_logits.clone().requires_grad_() if peer == "twinkle_mem_inplace" else base_logits.requires_grad_()
+        floor = timed(read) + timed(read_write)
         with peak_rss() as peak:
             t0 = time.perf_counter()
             logp, entropy = fn(logits, labels)
             (grad,) = torch.autograd.grad(logp.sum() + 0.01 * entropy.sum(), logits)
             elapsed = time.perf_counter() - t0
         grad_bytes = 0 if grad.data_ptr() == logits.data_ptr() else logits_bytes
-        return elapsed, peak.bytes - grad_bytes, logp.detach(), entropy.detach()
+        return elapsed, floor, peak.bytes - grad_bytes, logp.detach(), entropy.detach()
 
     run_once()  # warm-up (and compile)
-    times, extra_peak = [], None
+    times, floor_ratios, extra_peak = [], [], None
     for r in range(reps):
-        elapsed, extra, logp, entropy = run_once()
+        elapsed, floor, extra, logp, entropy = run_once()
         times.append(elapsed)
+        floor_ratios.append(elapsed / floor)
         extra_peak = extra if extra_peak is None else min(extra_peak, extra)
 
     # Saved for backward, beyond the logits reference.
@@ -173,11 +248,16 @@ def child(peer, n, v, reps):
     ref_entropy = ref_lse - (torch.softmax(z, -1) * z).sum(-1)
     err_logp = (logp[rows].double() - ref_logp).abs().max().item()
     err_entropy = (entropy[rows].double() - ref_entropy).abs().max().item()
-    out = {"peer": peer, "n": n, "v": v, **time_summary(times), "extra_peak_bytes": extra_peak,
-           "logits_bytes": logits_bytes, "saved_bytes": saved_bytes, "err_logp": err_logp,
-           "err_entropy": err_entropy, "logp_dtype": str(logp.dtype)}
+    out = {"peer": peer, "n": n, "v": v, **time_summary(times), "vs_floor": ratio_summary(floor_ratios),
+           "extra_peak_bytes": extra_peak, "logits_bytes": logits_bytes, "saved_bytes": saved_bytes,
+           "err_logp": err_logp, "err_entropy": err_entropy, "logp_dtype": str(logp.dtype)}
     if peer == "twinkle_loop":
         out["source"] = twinkle_loop_source()
+    if peer in PATH_PEERS:
+        from twinkle_mem.op import native as _native
+        out["cpu_path"] = _native.cpu_kernel_path()
+        if peer == "twinkle_mem_inplace" and op_reps:
+            out["op"] = op_ratios(base_logits, labels, op_reps)
     return out
 
 
@@ -189,15 +269,39 @@ def time_summary(times) -> dict:
 
 
 # ----------------------------------------------------------------- orchestration (parent)
-def run_peer(peer, n, v, reps, timeout):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", peer, "--sizes", str(n), "--vocab", str(v),
-           "--reps", str(reps)]
+def cpu_paths() -> list[str]:
+    """The CPU kernel paths this CPU runs, widest first (none when twinkle_mem's library is not loaded)."""
+    from twinkle_mem.op import native as _native
     try:
-        return run_child(cmd, timeout)
+        return [p for p in _native.CPU_PATHS if _native.cpu_kernel_path(p) == p]
+    except ValueError:
+        return []
+
+
+def peer_runs(peers, paths):
+    """(label, peer, path) of each process to run: PATH_PEERS once per path (label peer@path)."""
+    runs = []
+    for peer in peers:
+        if peer in PATH_PEERS and paths:
+            runs += [(f"{peer}@{path}", peer, path) for path in paths]
+        else:
+            runs.append((peer, peer, None))
+    return runs
+
+
+def run_peer(peer, n, v, reps, timeout, path=None, op_reps=0):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", peer, "--sizes", str(n), "--vocab", str(v),
+           "--reps", str(reps), "--op-reps", str(op_reps)]
+    env = dict(os.environ)
+    if path is not None:
+        env[CPU_ISA_ENV] = path
+    label = peer if path is None else f"{peer}@{path}"
+    try:
+        return {**run_child(cmd, timeout, env), "peer": label}
     except subprocess.TimeoutExpired:
-        return {"peer": peer, "n": n, "v": v, "error": f"timed out after {timeout}s"}
+        return {"peer": label, "n": n, "v": v, "error": f"timed out after {timeout}s"}
     except ChildFailed as e:
-        return {"peer": peer, "n": n, "v": v, "error": e.last_line[:200]}
+        return {"peer": label, "n": n, "v": v, "error": e.last_line[:200]}
 
 
 def parse_args(argv=None):
@@ -205,7 +309,10 @@ def parse_args(argv=None):
     ap.add_argument("--sizes", default="512,1024,2048", help="token counts N")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--paths", help="CPU kernel paths for twinkle_mem's peers (default: every path this CPU runs)")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per (peer, N), after a warm-up call")
+    ap.add_argument("--op-reps", type=int, default=15,
+                    help="alternating calls of each op variant against its floor (twinkle_mem_inplace@path)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per (peer, N) process")
     ap.add_argument("--out", help=f"results path without extension (default {os.path.relpath(LOCAL)}; "
                                   f"with --record {os.path.relpath(RECORDED)}, the committed results)")
@@ -225,22 +332,28 @@ def main(argv=None):
         return
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.child:
-        print(json.dumps(child(args.child, sizes[0], args.vocab, args.reps)))
+        print(json.dumps(child(args.child, sizes[0], args.vocab, args.reps, args.op_reps)))
         return
 
-    peers = args.peers.split(",")
+    paths = args.paths.split(",") if args.paths else cpu_paths()
+    runs = peer_runs(args.peers.split(","), paths)
     results = []
-    progress = Progress(len(peers) * len(sizes))
+    progress = Progress(len(runs) * len(sizes), stream=sys.stderr)
     load = MachineLoad()
-    for n, peer in ((n, p) for n in sizes for p in peers):
-        progress.step(f"{peer:20s} N={n:6d} V={args.vocab}")
-        r = run_peer(peer, n, args.vocab, args.reps, args.timeout)
+    for n, (label, peer, path) in ((n, r) for n in sizes for r in runs):
+        progress.step(f"{label:32s} N={n:6d} V={args.vocab}")
+        r = run_peer(peer, n, args.vocab, args.reps, args.timeout, path, args.op_reps)
         results.append(r)
-        progress.done(r.get("error") or f"{r['time_s']:.3f} s (spread {r['spread']:.0%}), extra peak "
+        progress.done(r.get("error") or f"{r['time_s']:.3f} s (spread {r['spread']:.0%}), "
+                                        f"{r['vs_floor']['median']:.1f}x the floor, extra peak "
                                         f"{r['extra_peak_bytes'] / 2**20:.0f} MiB")
-    meta = run_metadata(vocab=args.vocab, reps=args.reps, load=load.record())
+    meta = run_metadata(vocab=args.vocab, reps=args.reps, op_reps=args.op_reps, load=load.record())
     print()
     print(render_table(results, meta))
+    ops_table = render_op_table(results, meta)
+    if ops_table:
+        print()
+        print(ops_table)
     warning = load_warning(meta["load"])
     if warning:
         print(warning)
@@ -251,11 +364,11 @@ def main(argv=None):
 
 def render_table(results, meta) -> str:
     """The console table: every N, each peer's median time, the spread of its calls, the ratio against
-    torch.compile at the same N, memory, saved bytes and errors; a footnote where twinkle_loop is not
-    twinkle-kit's own."""
+    torch.compile at the same N and against the floor (read + read/write of the logits), memory, saved
+    bytes and errors; a footnote where twinkle_loop is not twinkle-kit's own."""
     lines = [f"selective log-softmax + entropy, fwd+bwd, V={meta['vocab']}, bf16 logits, torch {meta['torch']}, "
              f"{meta['threads']} threads, {meta['cpu']}; median of {meta['reps']} calls"]
-    header = f"{'N':>6s} {'peer':22s} {'fwd+bwd s':>10s} {'spread':>7s} {'vs compiled':>11s} " \
+    header = f"{'N':>6s} {'peer':32s} {'fwd+bwd s':>10s} {'spread':>7s} {'vs compiled':>11s} {'vs floor':>8s} " \
              f"{'peak beyond logits+grad':>24s} {'saved bytes':>12s} {'err logp':>9s} {'err H':>9s}"
     lines += [header, "-" * len(header)]
     copies = False
@@ -267,14 +380,37 @@ def render_table(results, meta) -> str:
             if r.get("source") == TWINKLE_LOOP_COPY:
                 name, copies = name + " *", True
             if "error" in r:
-                lines.append(f"{n:6d} {name:22s} {r['error']}")
+                lines.append(f"{n:6d} {name:32s} {r['error']}")
                 continue
             ratio = f"{ref_time / r['time_s']:.1f}x" if ref_time else "-"
+            floor = f"{r['vs_floor']['median']:.1f}x" if "vs_floor" in r else "-"
             peak = f"{r['extra_peak_bytes'] / 2**20:8.0f} MiB ({r['extra_peak_bytes'] / r['logits_bytes']:5.1%})"
-            lines.append(f"{n:6d} {name:22s} {r['time_s']:10.3f} {r.get('spread', 0):7.0%} {ratio:>11s} "
+            lines.append(f"{n:6d} {name:32s} {r['time_s']:10.3f} {r.get('spread', 0):7.0%} {ratio:>11s} {floor:>8s} "
                          f"{peak:>24s} {r['saved_bytes']:12d} {r['err_logp']:9.1e} {r['err_entropy']:9.1e}")
+    lines.append("vs floor: each call over one read + one in-place read/write of the logits timed just before it "
+                 "(median)")
     if copies:
         lines.append(f"* twinkle_loop: {TWINKLE_LOOP_COPY}; install twinkle-kit (`.[test]`) to time its own function")
+    return "\n".join(lines)
+
+
+def render_op_table(results, meta) -> str:
+    """The op itself against its floors, per CPU kernel path and N (twinkle_mem_inplace@path runs):
+    median ratio of alternating calls [quartiles], the target of issue 34, and the floors' times."""
+    rows = [r for r in results if "op" in r]
+    if not rows:
+        return ""
+    cols = [("fwd", "fwd / read"), ("fwd_entropy", "fwd+H / read"), ("fwd_entropy_bwd_inplace", "fwd+H+bwd_ / (read+rw)")]
+    lines = [f"the op against one pass over the logits (bf16, V={meta['vocab']}, {meta['threads']} threads): median "
+             f"of {meta.get('op_reps')} alternating calls [q1, q3]"]
+    header = f"{'N':>6s} {'path':12s} " + " ".join(f"{title:>22s}" for _, title in cols) + f" {'read ms':>8s} {'rw ms':>8s}"
+    lines += [header, "-" * len(header)]
+    for r in rows:
+        cells = [f"{r['op'][k]['median']:.2f} [{r['op'][k]['q1']:.2f}, {r['op'][k]['q3']:.2f}]" for k, _ in cols]
+        lines.append(f"{r['n']:6d} {r.get('cpu_path', '?'):12s} " + " ".join(f"{c:>22s}" for c in cells) +
+                     f" {r['op']['read_s'] * 1e3:8.1f} {r['op']['read_write_s'] * 1e3:8.1f}")
+    lines.append(f"{'':6s} {'target':12s} " + " ".join(f"{'<= ' + str(OP_TARGETS[k]):>22s}" for k, _ in cols) +
+                 "   (issue 34: N=2048, 2 threads)")
     return "\n".join(lines)
 
 

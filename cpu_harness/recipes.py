@@ -175,7 +175,7 @@ def _worker_report(actor):
     settings = None
     if "twinkle_mem" in sys.modules:
         from twinkle_mem.integrations import twinkle as integration
-        settings = integration._settings
+        settings = integration.installed_settings()
     return dict(pid=os.getpid(), counts=dict(getattr(actor, "_recipe_counts", {})), twinkle_mem=settings)
 
 

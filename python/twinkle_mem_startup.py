@@ -1,55 +1,91 @@
 """twinkle-mem's start-up hook, imported at every interpreter start by ``twinkle_mem_startup.pth``.
 
 When a process imports twinkle-kit (``import twinkle``, or any twinkle module first: Python runs
-twinkle's package before its modules) and ``TWINKLE_MEM_INSTALL`` is set and not ``0``, twinkle-mem
-is installed right after twinkle's package has run, before any twinkle model can exist
+twinkle's package before its modules) and ``TWINKLE_MEM_INSTALL`` is set and not ``0``, twinkle-mem's
+``install(...)`` runs right after twinkle's package has run, before any twinkle model can exist
 (``twinkle_mem.integrations.twinkle.startup``). That reaches the processes a script's own
-``install()`` cannot: ``torchrun`` children and twinkle's Ray workers.
+``install()`` cannot: ``torchrun`` children and twinkle's Ray workers. ``install()`` patches each
+twinkle module when the process first imports it (:func:`after_import`), so a process pays only for
+the twinkle it uses.
 
 At start-up this module only puts a finder on ``sys.meta_path``: it imports nothing (neither torch
 nor twinkle_mem), reads no variable and never raises. The finder answers ``None`` for every import
-but ``twinkle``, and for that one too while the variable is unset or ``0``.
+but ``twinkle`` (and that one too while the variable is unset or ``0``) and the modules
+:func:`after_import` was given.
 """
 import os
 import sys
 
 ENV_VAR = "TWINKLE_MEM_INSTALL"
 
+# Set while the hook imports twinkle_mem.integrations.twinkle, so that twinkle_mem's package leaves torch alone.
+importing_without_torch = False
+
+_after = {}  # module name -> callbacks run, once, right after that module has executed
+
+
+def after_import(name, callback):
+    """Run ``callback(module)`` right after the module ``name`` executes, the next time it is imported (once).
+    For a module not yet in ``sys.modules``; install() patches the others at once."""
+    register()
+    _after.setdefault(name, []).append(callback)
+
+
+def forget(callback):
+    """Drop a callback :func:`after_import` was given, wherever it waits."""
+    for name in list(_after):
+        _after[name] = [c for c in _after[name] if c is not callback]
+        if not _after[name]:
+            del _after[name]
+
 
 def _off(value: str) -> bool:
     return value.strip() in ("", "0")
 
 
-class _InstallAfterTwinkle:
-    """twinkle's own loader, with twinkle-mem's install run right after twinkle's package executes."""
+def _install_from_variable():
+    global importing_without_torch
+    importing_without_torch = True
+    try:
+        from twinkle_mem.integrations.twinkle.startup import install_from_environment
+    except Exception as error:
+        raise ImportError(f"{ENV_VAR}={os.environ.get(ENV_VAR)!r} asks to install twinkle-mem, which does not "
+                          f"import here ({type(error).__name__}: {error}); reinstall twinkle-mem or unset "
+                          f"{ENV_VAR}") from error
+    finally:
+        importing_without_torch = False
+    install_from_environment()  # an error here fails `import twinkle`, and so the job, at its start
 
-    def __init__(self, loader):
-        self.loader = loader
+
+class _RunAfter:
+    """A module's own loader, with what twinkle-mem waits for run right after the module executes."""
+
+    def __init__(self, loader, name, install_from_variable):
+        self.loader, self.name, self.install_from_variable = loader, name, install_from_variable
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        # twinkle's package replaces itself by a lazy module sharing this spec: give both the real loader back.
+        # twinkle's packages replace themselves by a lazy module sharing this spec: give both the real loader back.
         module.__spec__.loader = module.__loader__ = self.loader
-        try:
-            from twinkle_mem.integrations.twinkle.startup import install_from_environment
-        except Exception as error:
-            raise ImportError(f"{ENV_VAR}={os.environ.get(ENV_VAR)!r} asks to install twinkle-mem, which does not "
-                              f"import here ({type(error).__name__}: {error}); reinstall twinkle-mem or unset "
-                              f"{ENV_VAR}") from error
-        install_from_environment()  # an error here fails `import twinkle`, and so the job, at its start
+        if self.install_from_variable:
+            _install_from_variable()
+        for callback in _after.pop(self.name, []):
+            callback(sys.modules.get(self.name, module))
 
     def __getattr__(self, name):  # anything else a caller asks a loader for
         return getattr(self.loader, name)
 
 
 class TwinkleImportHook:
-    """A meta-path finder that wraps the loader of the top-level ``twinkle`` package when the variable asks."""
+    """A meta-path finder that wraps the loaders of the modules twinkle-mem waits for (a spec found but never
+    executed, as importlib.util.find_spec returns, runs nothing)."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != "twinkle" or _off(os.environ.get(ENV_VAR, "")):
+        by_variable = name == "twinkle" and not _off(os.environ.get(ENV_VAR, ""))
+        if not (by_variable or name in _after):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -60,7 +96,7 @@ class TwinkleImportHook:
         else:
             return None
         if hasattr(spec.loader, "exec_module"):
-            spec.loader = _InstallAfterTwinkle(spec.loader)
+            spec.loader = _RunAfter(spec.loader, name, by_variable)
         return spec
 
 

@@ -194,6 +194,21 @@ def grpo(entropy: bool, **attrs):
     return loss
 
 
+def twinkle_wrapped(loss):
+    """``loss`` as twinkle-kit hands it to its forward steps: in its SafeLossWrapper (0.5.0 on), else itself."""
+    try:
+        from twinkle.utils.nccl_safe import SafeLossWrapper
+    except ImportError:  # twinkle-kit 0.4.0: no wrapper
+        return loss
+    return SafeLossWrapper(loss)
+
+
+def twinkle_has(feature: str):
+    """Whether this process's twinkle-kit has a feature install() reads from its code (twinkle_names.FEATURES)."""
+    from twinkle_mem.integrations.twinkle import twinkle_names
+    return twinkle_names.found().features[feature]
+
+
 def assert_close(got, want, dtype, what):
     tol = TOL[dtype]
     scale = want.float().abs().max().item()

@@ -1,17 +1,21 @@
 """The implementations of the op contract that run here, for tests/numerics.py.
 
-- cpu: the native CPU kernels (torch.ops.twinkle_mem on CPU tensors);
+- cpu: the native CPU kernels (torch.ops.twinkle_mem on CPU tensors), on the widest path this CPU
+  has (python -m twinkle_mem names it); cpu_avx2, cpu_portable: the same kernels on each narrower
+  path this CPU can run, forced with TWINKLE_MEM_CPU_ISA (every path's suite runs on one machine);
 - composite: python/twinkle_mem/op/composite.py called directly;
 - each CPU emulation of a device kernel adds itself below (npu_emulated: the
   AscendC kernels compiled against the stand-in of the AscendC API, tests/npu_emulation.py).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 import npu_emulation
 from numerics import Impl
-from twinkle_mem.op import composite
+from twinkle_mem.op import composite, native
 
 ops = torch.ops.twinkle_mem
 
@@ -40,8 +44,32 @@ def _composite_forward(*args):
     return composite.selective_log_softmax_fwd(*args, budget_bytes=16 << 10)  # vocab blocks merged
 
 
+def on_cpu_path(path, fn):
+    """fn run with the CPU kernels capped at ``path`` (TWINKLE_MEM_CPU_ISA, read by each op call)."""
+    def run(*args):
+        old = os.environ.get(native.CPU_ISA_ENV)
+        os.environ[native.CPU_ISA_ENV] = path
+        try:
+            return fn(*args)
+        finally:
+            if old is None:
+                del os.environ[native.CPU_ISA_ENV]
+            else:
+                os.environ[native.CPU_ISA_ENV] = old
+    return run
+
+
+def narrower_cpu_paths() -> list[str]:
+    """The CPU kernel paths below the widest, each one this CPU runs when capped at it."""
+    widest = native.cpu_kernel_path("")
+    below = native.CPU_PATHS[native.CPU_PATHS.index(widest) + 1:]
+    return [p for p in below if native.cpu_kernel_path(p) == p]
+
+
 IMPLS = [
     Impl("cpu", ops.selective_log_softmax_fwd, _native_backward),
+    *[Impl(f"cpu_{path}", on_cpu_path(path, ops.selective_log_softmax_fwd), on_cpu_path(path, _native_backward))
+      for path in narrower_cpu_paths()],
     Impl("composite", _composite_forward, _composite_backward),
     Impl("npu_emulated", npu_emulation.forward, npu_emulation.backward, checks_arguments=False),
 ]

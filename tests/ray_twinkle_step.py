@@ -55,7 +55,7 @@ def report(actor=None):
     if "twinkle_mem" not in _sys.modules:
         return dict(pid=os.getpid(), settings=None, variable=os.environ.get(VAR))
     from twinkle_mem.integrations import twinkle as integration
-    return dict(pid=os.getpid(), settings=integration._settings, variable=os.environ.get(VAR))
+    return dict(pid=os.getpid(), settings=integration.installed_settings(), variable=os.environ.get(VAR))
 
 
 def step(model, ref):

@@ -58,8 +58,11 @@ def test_recorded_results_replot_without_measuring(bench, tmp_path):
     assert (tmp_path / "replotted.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "replotted.json").read_text()) == recorded  # read, not rewritten
     peers = {r["peer"] for r in recorded["results"] if "error" not in r}
+    paths = list(dict.fromkeys(r["cpu_path"] for r in recorded["results"] if "cpu_path" in r))
+    assert paths, "the recorded run names no CPU kernel path"
     for ax in bench.results_figure(recorded).get_axes():
-        assert {line.get_label() for line in ax.get_lines()} == peers == set(bench.PEERS)
+        assert {line.get_label() for line in ax.get_lines()} == peers == {label for label, _, _ in
+                                                                          bench.peer_runs(bench.PEERS, paths)}
 
 
 # ------------------------------------------------------------------ issue 27: what a newcomer's run shows
@@ -72,22 +75,26 @@ class _LoadedMachine:
 def test_every_size_takes_the_median_of_several_calls(bench, monkeypatch, tmp_path, capsys):
     calls = []
 
-    def run_peer(peer, n, v, reps, timeout):
+    def run_peer(peer, n, v, reps, timeout, path=None, op_reps=0):
         calls.append((peer, n, reps))
         times = [0.1 * n / 512 * (1 + 0.1 * i) for i in range(reps)]
-        return {"peer": peer, "n": n, "v": v, **bench.time_summary(times), "extra_peak_bytes": 0,
-                "logits_bytes": 2 * n * v, "saved_bytes": 8 * n, "err_logp": 1e-7, "err_entropy": 1e-7}
+        label = peer if path is None else f"{peer}@{path}"
+        return {"peer": label, "n": n, "v": v, **bench.time_summary(times), "extra_peak_bytes": 0,
+                "vs_floor": bench.ratio_summary([3.0, 2.0, 4.0]), "logits_bytes": 2 * n * v, "saved_bytes": 8 * n,
+                "err_logp": 1e-7, "err_entropy": 1e-7}
 
     monkeypatch.setattr(bench, "run_peer", run_peer)
     monkeypatch.setattr(bench, "MachineLoad", _LoadedMachine)
     monkeypatch.setattr(bench, "write_plot", lambda out: None)
     out = tmp_path / "run"
-    bench.main(["--sizes", "512,1024,2048", "--peers", "compiled,twinkle_mem", "--reps", "3", "--out", str(out)])
+    bench.main(["--sizes", "512,1024,2048", "--peers", "compiled,twinkle_mem", "--paths", "avx2", "--reps", "3",
+                "--out", str(out)])
     assert sorted({(n, reps) for _, n, reps in calls}) == [(512, 3), (1024, 3), (2048, 3)]
     printed = capsys.readouterr().out
     table = printed[printed.index("selective log-softmax"):]
-    assert "spread" in table and "median of 3 calls" in table
-    assert sum(line.split()[:2] == [str(n), "twinkle_mem"] for line in table.splitlines() for n in (512, 1024, 2048)) == 3
+    assert "spread" in table and "median of 3 calls" in table and "vs floor" in table
+    assert sum(line.split()[:2] == [str(n), "twinkle_mem@avx2"] and line.split()[5] == "3.0x"
+               for line in table.splitlines() for n in (512, 1024, 2048)) == 3
     assert "WARNING: the machine was loaded" in printed and "1.4 of 2 cores" in printed
     data = json.loads((tmp_path / "run.json").read_text())
     assert data["meta"]["load"]["other_processes_cpu_cores"] == 1.4 and data["meta"]["reps"] == 3
@@ -118,3 +125,37 @@ def test_the_child_records_the_twinkle_loop_source(bench):
                            "--reps", "1"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.splitlines()[-1])["source"].startswith("twinkle-kit 0.5.1")
+
+
+# ------------------------------------------------------------------ issue 34: the op against its floors
+def test_path_peers_run_once_per_cpu_path(bench):
+    runs = bench.peer_runs(["compiled", "twinkle_mem_inplace"], ["avx512", "avx2"])
+    assert runs == [("compiled", "compiled", None), ("twinkle_mem_inplace@avx512", "twinkle_mem_inplace", "avx512"),
+                    ("twinkle_mem_inplace@avx2", "twinkle_mem_inplace", "avx2")]
+
+
+def test_op_ratios_time_each_variant_against_its_floor(bench):
+    import torch
+    torch.manual_seed(0)
+    logits = (torch.randn(8, 4096) * 2).bfloat16()
+    before = logits.clone()
+    op = bench.op_ratios(logits, torch.randint(0, 4096, (8,)), reps=3)
+    assert set(op) == set(bench.OP_TARGETS) | {"read_s", "read_write_s"}
+    for name in bench.OP_TARGETS:
+        assert op[name]["n"] == 3 and 0 < op[name]["q1"] <= op[name]["median"] <= op[name]["q3"]
+    assert op["read_s"] > 0 and op["read_write_s"] > 0
+    assert torch.equal(logits, before)  # the in-place backward ran on a copy
+
+
+def test_op_table_shows_each_path_with_the_targets(bench):
+    summary = lambda m: {"median": m, "q1": m - 0.1, "q3": m + 0.2, "n": 15}  # noqa: E731
+    row = {"peer": "twinkle_mem_inplace@avx2", "n": 2048, "cpu_path": "avx2",
+           "op": {"fwd": summary(1.5), "fwd_entropy": summary(1.9), "fwd_entropy_bwd_inplace": summary(2.1),
+                  "read_s": 0.036, "read_write_s": 0.037}}
+    table = bench.render_op_table([row, {"peer": "compiled", "n": 2048}], {"vocab": 8, "threads": 2, "op_reps": 15})
+    lines = table.splitlines()
+    assert "median of 15 alternating calls" in lines[0]
+    assert lines[3].split() == ["2048", "avx2", "1.50", "[1.40,", "1.70]", "1.90", "[1.80,", "2.10]", "2.10", "[2.00,",
+                                "2.30]", "36.0", "37.0"]
+    assert lines[4].split()[:4] == ["target", "<=", "1.6", "<="]
+    assert bench.render_op_table([{"peer": "compiled", "n": 2048}], {}) == ""

@@ -47,7 +47,8 @@ def test_public_names_stay_where_the_docs_import_them_from():
     from twinkle_mem.integrations import twinkle as integration
     from twinkle_mem.integrations import twinkle_lm_head
     from twinkle_mem.integrations.twinkle import fused_head
-    for name in ("install", "uninstall", "is_installed", "FailedMicroBatchWarning", "SUPPORTED_TWINKLE_VERSIONS"):
+    for name in ("install", "uninstall", "is_installed", "refused", "FailedMicroBatchWarning",
+                 "TwinklePartsNotRecognized"):
         assert hasattr(integration, name), name
     for name in ("selective_log_softmax", "linear_selective_log_softmax", "entropy_from_logits", "backends"):
         assert callable(getattr(twinkle_mem, name)), name

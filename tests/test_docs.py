@@ -71,7 +71,10 @@ def test_readme_leads_with_the_basics():
     # install(), before the long prose; the facts a newcomer needs before installing stated up front.
     text = (ROOT / "README.md").read_text()
     fences = [m.start() for m in re.finditer(r"^```", text, re.M)]
-    commands = text[fences[0]:fences[1]]
+    # Issue 31: a reader without a GPU meets the CPU-torch install first, the commands that replace both
+    gpu_less, commands = text[fences[0]:fences[1]], text[fences[2]:fences[3]]
+    assert "download.pytorch.org/whl/cpu" in gpu_less and "--no-build-isolation" in gpu_less
+    assert "replace both commands" in text[:fences[0]]
     assert 'pip install ".[bench]" && python bench/bench_selective_log_softmax.py' in commands
     assert 'pip install ".[test]" && python -m pytest tests -q' in commands
     assert "mcore-bridge" in commands, "the test extras install mcore-bridge too"

@@ -1,8 +1,12 @@
-"""twinkle_mem.integrations.twinkle against the real twinkle-kit 0.5.1 (and megatron-core
-0.16.1 for the model path), on the CPU with twinkle's ``Platform`` simulated."""
+"""twinkle_mem.integrations.twinkle against the real twinkle-kit (0.5.1 in the main environment; CI runs
+these modules against 0.4.0 and 0.5.0 too) and megatron-core 0.16.1 for the model path, on the CPU with
+twinkle's ``Platform`` simulated."""
 import dataclasses
+import importlib
+import inspect
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -51,14 +55,81 @@ def assert_same_objects(before, after):
 # --- install / uninstall ------------------------------------------------------
 
 
-def test_unknown_twinkle_version_is_refused(twinkle_modules, monkeypatch):
+def test_a_part_not_recognized_is_refused_by_name_and_runs_as_shipped(twinkle_modules, monkeypatch):
+    """install() patches what it recognizes; a part whose twinkle name is not what it expects (here: reduce_loss
+    with another signature, as a twinkle-kit might change it) is refused by name, warned about, and left as
+    twinkle ships it; the version string plays no part (a twinkle saying 0.0.1 is patched all the same)."""
     import twinkle.version
+    from twinkle_mem.integrations.twinkle import twinkle_names
+    monkeypatch.setattr(twinkle.version, "__version__", "0.0.1")
+    real = twinkle_names.recognize
+    reduce_loss = f"{twinkle_names.STRATEGY}:MegatronStrategy.reduce_loss"
+
+    def changed_reduce_loss(folder):
+        found = real(folder)
+        return found._replace(names={**found.names, reduce_loss: "unexpected signature (self, x)"})
+
+    monkeypatch.setattr(twinkle_names, "recognize", changed_reduce_loss)
     before = patch_points(twinkle_modules)
-    monkeypatch.setattr(twinkle.version, "__version__", "0.4.9")
-    with pytest.raises(RuntimeError, match=r"supports twinkle-kit 0\.5\.1; found twinkle-kit 0\.4\.9"):
+    with pytest.warns(integration.TwinklePartsNotRecognized, match=r"megatron_logits_guard \(twinkle\.model\.megatron"
+                      r"\.strategy\.megatron\.MegatronStrategy\.reduce_loss: unexpected signature \(self, x\)\)"):
         integration.install()
-    assert not integration.is_installed()
-    assert_same_objects(before, patch_points(twinkle_modules))
+    assert list(integration.refused()) == ["megatron_logits_guard"]
+    after = patch_points(twinkle_modules)
+    shipped = {("MegatronStrategy", "reduce_loss"), ("MegatronModel", "forward_backward")}  # the guard's points
+    for key in before:  # those as shipped, everything else replaced
+        assert (after[key] is before[key]) == (key in shipped), key
+
+
+def test_this_twinkle_kit_is_recognized_whole():
+    """In every release CI runs these tests against (0.4.0, 0.5.0, 0.5.1), install() recognizes every part."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", integration.TwinklePartsNotRecognized)
+        integration.install(fused_lm_head=True)
+    assert integration.refused() == {}
+
+
+def _signature_text(signature) -> str:
+    """An inspect.Signature written as twinkle_source.signature writes a definition's parameters."""
+    parts, star = [], False
+    for p in signature.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            parts.append("*" + p.name)
+            star = True
+        elif p.kind is p.VAR_KEYWORD:
+            parts.append("**" + p.name)
+        else:
+            if p.kind is p.KEYWORD_ONLY and not star:
+                parts.append("*")
+                star = True
+            parts.append(p.name + ("=" if p.default is not p.empty else ""))
+    return "(" + ", ".join(parts) + ")"
+
+
+def test_what_the_source_says_is_what_python_has(twinkle_modules):
+    """The table's functions as read from twinkle's source (what install() decides by, nothing imported) have
+    the parameters Python gives the imported objects (undecorated), also when read up to their parameters only,
+    and its bound names are there."""
+    from twinkle_mem.integrations.twinkle import twinkle_names, twinkle_source
+    found, source = twinkle_names.found(), twinkle_source.TwinkleSource(twinkle_names.twinkle_folder())
+    checked = 0
+    for key, name in twinkle_names.NAMES.items():
+        if found.names[key] is not None:
+            assert name.optional, (key, found.names[key])
+            continue
+        module = importlib.import_module(name.module)
+        if name.kind == "bound":
+            assert hasattr(module, name.qualname), key
+        elif name.kind in ("function", "staticmethod"):
+            obj = twinkle_names.twinkle_attribute(name.module, name.qualname)
+            whole = source.function(name.module, name.qualname)
+            read = twinkle_source.signature(whole)
+            assert _signature_text(inspect.signature(inspect.unwrap(obj))) == read, key
+            header = twinkle_source.TwinkleSource(source.folder).function(name.module, name.qualname, body=False)
+            assert twinkle_source.signature(header) == read, key  # (what the table is read from)
+            assert len(header.decorator_list) == len(whole.decorator_list), key
+            checked += 1
+    assert checked >= 15
 
 
 def test_install_is_idempotent_and_uninstall_restores_everything(twinkle_modules):
@@ -66,7 +137,7 @@ def test_install_is_idempotent_and_uninstall_restores_everything(twinkle_modules
     integration.install()
     installed = patch_points(twinkle_modules)
     adapter = installed[("twinkle.utils.torch_utils", "selective_log_softmax")]
-    assert adapter.__wrapped__ is twinkle_mem.selective_log_softmax
+    assert adapter.twinkle_original is before[("twinkle.utils.torch_utils", "selective_log_softmax")]
     for name in BY_NAME:  # the definition and every module that imported it by name
         assert installed[(name, "selective_log_softmax")] is adapter
     for key in before:
@@ -125,6 +196,7 @@ def test_tensor_parallel_passes_the_tp_group_to_the_op(monkeypatch):
     # path, entropy included) instead of twinkle's function; without TP, no group.
     # The op itself under a real TP group: tests/test_vocab_parallel.py.
     import twinkle.loss.grpo as grpo
+    from twinkle_mem.integrations.twinkle import _model
     calls = []
     real_op = twinkle_mem.selective_log_softmax
 
@@ -137,10 +209,10 @@ def test_tensor_parallel_passes_the_tp_group_to_the_op(monkeypatch):
     labels = torch.randint(0, 97, (2, 5))
     integration.install()
     try:
-        monkeypatch.setattr(integration, "tensor_parallel_group", lambda: "tp-group")
+        monkeypatch.setattr(_model, "tensor_parallel_group", lambda: "tp-group")
         logp, entropy = grpo.selective_log_softmax(logits, labels, return_entropy=True)
         assert logp.dtype == entropy.dtype == torch.float32 and calls == ["tp-group"]
-        monkeypatch.setattr(integration, "tensor_parallel_group", lambda: None)
+        monkeypatch.setattr(_model, "tensor_parallel_group", lambda: None)
         assert grpo.selective_log_softmax(logits, labels).dtype == torch.float32 and calls == ["tp-group", None]
     finally:
         integration.uninstall()
@@ -218,7 +290,7 @@ def assert_features_equal(got, want, except_mask=False):
 def test_npu_causal_collate_builds_no_mask(twinkle_modules, mask_spy, micro_batch_size):
     with th.cpu_platform("npu"):
         want, _ = collate(twinkle_modules, micro_batch_size=micro_batch_size)
-        assert mask_spy and want[0]["attention_mask"].dim() == 4  # control: twinkle 0.5.1 keeps it
+        assert mask_spy and want[0]["attention_mask"].dim() == 4  # control: twinkle-kit as shipped keeps it
         mask_spy.clear()
         integration.install()
         got, big = collate(twinkle_modules, micro_batch_size=micro_batch_size)

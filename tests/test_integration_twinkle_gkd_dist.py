@@ -18,7 +18,7 @@ import pytest
 from cpu_harness.megatron import gpt_step_in_world
 import torch
 from helpers import (CHUNK, FUSED_BLOCKS, GKD_K, LENGTHS, PROMPT, VOCAB, Cases, VocabTensors, assert_close, blocks,
-                     gkd_in_float64, gkd_local_teacher, gkd_teacher)
+                     gkd_in_float64, gkd_local_teacher, gkd_teacher, twinkle_has)
 
 WORLD = 2
 
@@ -66,7 +66,8 @@ def gkd_tp2(rank, world):
     # all collectives done
     assert "out of bounds" in shipped if isinstance(shipped, str) else abs(shipped["loss"] - want["loss"]) > 1e-3
     _assert_tp_step_is_tp1s(got, want, rank, "fused")
-    assert spy.ops > 100 and spy.last_dim == [], spy.last_dim[:5]
+    # (twinkle-kit 0.4.0 computes log-probs for every loss: a GKD call keeps its logits there)
+    assert spy.ops > 100 and (spy.last_dim == []) == twinkle_has("megatron_skips_unused_log_probs"), spy.last_dim[:5]
 
 
 def _assert_tp_step_is_tp1s(got, want, rank, what):

@@ -107,8 +107,8 @@ def metric_run(schedule, *, installed, gradient_accumulation_steps=1, fused_lm_h
         for i, what in enumerate(schedule):
             teacher = gkd_teacher(seed=1 + i)
             if what == "step":
-                model.forward_backward(inputs=samples, temperature=0.7, **teacher,
-                                       gradient_accumulation_steps=gradient_accumulation_steps)
+                gas = {} if gradient_accumulation_steps == 1 else {"gradient_accumulation_steps": gradient_accumulation_steps}
+                model.forward_backward(inputs=samples, temperature=0.7, **teacher, **gas)
             elif what == "eval":
                 model.forward_only(inputs=samples)
                 model.calculate_loss(**teacher)
@@ -124,9 +124,20 @@ SCHEDULE = ["step", "step", "metric", "step", "metric", "metric", "step", "step"
             "eval", "eval", "eval_metric", "eval", "eval_metric", "step", "eval", "metric", "eval_metric"]
 
 
+def shipped_metric_run(schedule, **options):
+    """metric_run without install(); skips where twinkle-kit as shipped fails the schedule itself (0.4.0 hands a
+    step's gradient_accumulation_steps to its metrics twice: TypeError)."""
+    try:
+        return metric_run(schedule, installed=False, **options)
+    except TypeError as error:
+        if "gradient_accumulation_steps" not in str(error):
+            raise
+        pytest.skip(f"twinkle-kit as shipped fails this schedule itself: {error}")
+
+
 @pytest.mark.parametrize("gradient_accumulation_steps", [1, 2])
 def test_metrics_as_twinkle_gives_them(gradient_accumulation_steps):
-    want = metric_run(SCHEDULE, installed=False, gradient_accumulation_steps=gradient_accumulation_steps)
+    want = shipped_metric_run(SCHEDULE, gradient_accumulation_steps=gradient_accumulation_steps)
     got = metric_run(SCHEDULE, installed=True, gradient_accumulation_steps=gradient_accumulation_steps)
     assert got == want
     counted = [r for r in want if "accuracy" in r]
@@ -140,7 +151,7 @@ def test_metrics_as_twinkle_gives_them_on_the_fused_head(gradient_accumulation_s
     # install(fused_lm_head=True): the GKD steps run from the hidden states (no logits), and Accuracy (twinkle's
     # default metric of this model) still counts them, from the argmax over vocab blocks (issue 32); in bf16 too,
     # where rounding makes equal logits (the first index wins, as twinkle's argmax).
-    want = metric_run(SCHEDULE, installed=False, gradient_accumulation_steps=gradient_accumulation_steps, dtype=dtype)
+    want = shipped_metric_run(SCHEDULE, gradient_accumulation_steps=gradient_accumulation_steps, dtype=dtype)
     got = metric_run(SCHEDULE, installed=True, gradient_accumulation_steps=gradient_accumulation_steps,
                      fused_lm_head=True, dtype=dtype)
     if dtype == torch.bfloat16:  # (the loss: twinkle's GKD in bf16, the fused one in float64, docs/distillation.md)

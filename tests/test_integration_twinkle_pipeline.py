@@ -15,7 +15,8 @@ import warnings
 import pytest
 from cpu_harness.megatron import gpt_step_in_world
 import torch
-from helpers import ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, VOCAB, Cases, assert_close, grpo, scale_output
+from helpers import (ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, VOCAB, Cases, assert_close, grpo, scale_output,
+                     twinkle_has, twinkle_wrapped)
 
 WORLD = 2
 
@@ -30,7 +31,6 @@ def _pp_step(fused, failing, *, entropy, forward_only=False, micro_batch_size=1,
     from cpu_harness import megatron as th
     from megatron.core import parallel_state as mpu
     from twinkle.processor.base import InputProcessor
-    from twinkle.utils.nccl_safe import SafeLossWrapper
 
     from twinkle_mem.integrations import twinkle as integration
     mpu.initialize_model_parallel(pipeline_model_parallel_size=WORLD)
@@ -46,7 +46,7 @@ def _pp_step(fused, failing, *, entropy, forward_only=False, micro_batch_size=1,
         chunk = th.gpt_model(VOCAB, layers=2)
         if edit is not None:
             edit(chunk)
-        model = th.twinkle_megatron_model(chunk, loss=SafeLossWrapper(grpo(entropy)), pp_size=WORLD)
+        model = th.twinkle_megatron_model(chunk, loss=twinkle_wrapped(grpo(entropy)), pp_size=WORLD)
         samples = th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT)
         kwargs = dict(inputs=samples, micro_batch_size=micro_batch_size, temperature=0.7)
         with warnings.catch_warnings(record=True) as caught:
@@ -126,5 +126,8 @@ def pp2_refusal_raises_after_the_step(rank, world):
 
 @pytest.mark.parametrize("world,name", cases.params(), ids=lambda v: f"pp{v}" if isinstance(v, int) else v)
 def test_pipeline_fused_failure(world, name):
+    if not twinkle_has("megatron_catches_step_errors"):
+        pytest.skip("this twinkle-kit (0.4.0) catches no micro-batch's error in its forward step: an error raises "
+                    "inside megatron's schedule, and the other stage waits in its receive, fused or not")
     failures = cases.failures(world, name)
     assert not failures, "\n".join(failures)

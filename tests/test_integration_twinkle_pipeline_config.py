@@ -10,7 +10,7 @@ that a stalled stage fails only this test): a stage left waiting fails the test 
 
 import pytest
 from cpu_harness.megatron import gpt_step_in_world
-from helpers import ADVANTAGES, LENGTHS, PROMPT, VOCAB, Cases, grpo
+from helpers import ADVANTAGES, LENGTHS, PROMPT, VOCAB, Cases, grpo, twinkle_wrapped
 
 WORLD = 2
 BAD_CHUNK = 16384  # the value: below one row tile (512 rows x 1018 columns x 4 bytes) of this model
@@ -24,7 +24,6 @@ case = cases.register(WORLD)
 def pp2_chunk_bytes_below_one_tile_fails_every_stage_before_the_schedule(rank, world):
     from cpu_harness import megatron as th
     from megatron.core import parallel_state as mpu
-    from twinkle.utils.nccl_safe import SafeLossWrapper
 
     from twinkle_mem.integrations import twinkle as integration
     mpu.initialize_model_parallel(pipeline_model_parallel_size=WORLD)
@@ -33,7 +32,7 @@ def pp2_chunk_bytes_below_one_tile_fails_every_stage_before_the_schedule(rank, w
         chunk = th.gpt_model(VOCAB, layers=2)
         forwards = []
         chunk.register_forward_pre_hook(lambda *_: forwards.append(1))
-        model = th.twinkle_megatron_model(chunk, loss=SafeLossWrapper(grpo(False)), pp_size=WORLD)
+        model = th.twinkle_megatron_model(chunk, loss=twinkle_wrapped(grpo(False)), pp_size=WORLD)
         samples = th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT)
         with pytest.raises(ValueError) as err:
             th.run_step(model, False, ADVANTAGES, inputs=samples, micro_batch_size=1, temperature=0.7)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import twinkle_copies
 from twinkle_mem.integrations import twinkle as integration
 from twinkle_mem.integrations.twinkle import startup
 
@@ -25,27 +26,34 @@ ROOT = Path(__file__).resolve().parents[1]
 VAR = startup.ENV_VAR
 
 
-def run_python(code: str, value=None, timeout=120, args=()):
-    """A fresh interpreter of this environment, with the variable set to ``value`` (None: unset)."""
+def run_python(code: str, value=None, timeout=120, args=(), pythonpath=None):
+    """A fresh interpreter of this environment, with the variable set to ``value`` (None: unset) and
+    ``pythonpath`` first on the path."""
     env = {k: v for k, v in os.environ.items() if k != VAR}
     if value is not None:
         env[VAR] = value
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath, *filter(None, [env.get("PYTHONPATH")])])
     return subprocess.run([sys.executable, "-W", "ignore", "-c", textwrap.dedent(code), *args], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-# What a process did to twinkle: twinkle-mem's settings, every (owner, attribute) it replaced, and the
-# names twinkle's modules bind selective_log_softmax to.
+# What a process did to twinkle, once every module install() patches is imported (those not imported before
+# are patched as they are): twinkle-mem's settings, every (owner, attribute) it replaced, and the names
+# twinkle's modules bind selective_log_softmax to.
 STATE = """
     import json, sys
+    import twinkle.loss.gkd, twinkle.model.megatron.megatron, twinkle.model.transformers.transformers  # noqa
+    import twinkle.model.megatron.strategy.megatron, twinkle.processor.base, megatron.core.pipeline_parallel  # noqa
     from twinkle_mem.integrations import twinkle as integration
+    from twinkle_mem.integrations.twinkle import patches
     import twinkle.utils.torch_utils as tu
     patched = sorted(f"{getattr(o, '__module__', '')}.{getattr(o, '__qualname__', getattr(o, '__name__', o))}.{n}"
-                     for o, n, _ in integration._saved)
+                     for o, n in patches.patched())
     # what uninstall() would put back: twinkle's own objects, never a twinkle-mem wrapper (patched twice)
-    wrapped_twice = sorted(n for _, n, raw in integration._saved
+    wrapped_twice = sorted(n for _, n, raw in patches._saved
                            if getattr(getattr(raw, "__func__", raw), "__module__", "").startswith("twinkle_mem"))
-    print(json.dumps(dict(settings=integration._settings, patched=patched, wrapped_twice=wrapped_twice,
+    print(json.dumps(dict(settings=integration.installed_settings(), patched=patched, wrapped_twice=wrapped_twice,
                           log_softmax=tu.selective_log_softmax.__module__ + "." + tu.selective_log_softmax.__qualname__)))
 """
 
@@ -81,6 +89,9 @@ def test_parse(value, options):
     (",", "no argument given"), (" , ", "no argument given"), ("false", "('0' alone is off)"),
     ("1,fused_lm_head", "('1' alone is install() with its defaults)"),
     ("fused_chunk_bytes=1M", "it needs fused_lm_head"),
+    ("fused_lm_head,fused_chunk_bytes=12", "fused_chunk_bytes=12 is below one row tile of the narrowest vocab block"),
+    ("fused_lm_head,fused_chunk_bytes=1023", "below one row tile of the narrowest vocab block the fused LM head ever "
+                                             "uses (1024 bytes"),
     ("fused_lm_head,log_softmax=0", "fused_lm_head=True needs log_softmax=True"),  # install()'s own check
 ])
 def test_parse_refuses_with_the_variable_the_bad_part_and_the_accepted_values(value, bad):
@@ -129,11 +140,47 @@ def test_variable_installs_what_install_gives(first_import, value):
     got, want = state_of(by_variable), state_of(by_call)
     assert got == want
     assert got["settings"] == {**_defaults(), **options}
-    assert got["log_softmax"] == "twinkle_mem.integrations.twinkle._log_softmax_adapter.<locals>.selective_log_softmax"
+    assert got["log_softmax"] == ("twinkle_mem.integrations.twinkle.patches._log_softmax_adapter.<locals>."
+                                  "selective_log_softmax")
     assert any(p.endswith("MegatronModel.forward_backward") for p in got["patched"])
     lines = [line for line in by_variable.stderr.splitlines() if "twinkle_mem.startup" in line]
     assert len(lines) == 1, by_variable.stderr[-3000:]
     assert startup.install_call(options) in lines[0] and f"{VAR}={value!r}" in lines[0] and "pid " in lines[0]
+
+
+def test_megatron_model_imported_after_a_first_step_gets_what_install_gives():
+    """Each twinkle module is patched when the process imports it: a process that trains a TransformersModel
+    first, with no Megatron anywhere, and imports twinkle's Megatron model only afterwards gets exactly the
+    patches a script's install() at the start gives, and its Megatron step runs through the fused head."""
+    later = run_python(textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT)!r}]
+        import twinkle
+        from cpu_harness import megatron as th
+        import twinkle_mem
+        from helpers import ADVANTAGES, LENGTHS, VOCAB, grpo
+        import torch.distributed as dist
+        # a world of one, as twinkle's transformers strategy (accelerate) needs one on some releases
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{th.free_port()}}", rank=0, world_size=1)
+        with th.cpu_platform("cpu"):
+            th.run_step(th.twinkle_transformers_model(VOCAB, loss=grpo(False)), False, ADVANTAGES,
+                        inputs=th.lm_samples(LENGTHS, VOCAB, prompt=4))
+        print("BEFORE", sorted(m for m in ("twinkle.model.megatron.megatron", "megatron.core") if m in sys.modules))
+        calls = []
+        real = twinkle_mem.linear_selective_log_softmax
+        twinkle_mem.linear_selective_log_softmax = lambda *a, **k: calls.append(1) or real(*a, **k)
+        with th.gpt_step_on_cpu():
+            th.run_step(th.twinkle_megatron_model(th.gpt_model(VOCAB), loss=grpo(False)), False, ADVANTAGES,
+                        inputs=th.lm_samples(LENGTHS, VOCAB, prompt=4), micro_batch_size=2)
+        print("FUSED", len(calls))
+    """) + textwrap.dedent(STATE), "fused_lm_head", timeout=300)
+    at_start = run_python(textwrap.dedent("""
+        from twinkle_mem.integrations import twinkle as integration
+        integration.install(fused_lm_head=True)
+    """) + textwrap.dedent(STATE))
+    assert later.returncode == 0, later.stderr[-3000:]
+    assert "BEFORE []" in later.stdout and "FUSED 2" in later.stdout, later.stdout  # 2 micro-batches
+    assert state_of(later) == state_of(at_start)
 
 
 def test_install_in_a_script_before_twinkle_wins_over_the_variable():
@@ -197,15 +244,69 @@ def test_bad_value_never_touches_a_process_without_twinkle():
     assert proc.returncode == 0 and proc.stdout.strip() == "[]" and proc.stderr == "", proc.stderr
 
 
-def test_unsupported_twinkle_fails_the_import_naming_the_variable():
-    proc = run_python("""
+# A twinkle-kit whose MegatronStrategy.reduce_loss takes other parameters (as a release might change it).
+CHANGED_REDUCE_LOSS = (("model/megatron/strategy/megatron.py", "def reduce_loss(self, local_loss, local_count, logits, "
+                        "logps):", "def reduce_loss(self, local_loss, local_count, outputs):"), )
+
+
+def test_a_twinkle_part_not_recognized_fails_the_import_naming_it(tmp_path):
+    """Under the variable a part install() does not recognize makes `import twinkle` raise, before anything is
+    patched or any of twinkle's model modules (or torch) is imported, naming the part, why, and how to run
+    without the variable; a script's install() on the same twinkle-kit patches the rest and warns."""
+    copy = twinkle_copies.twinkle_copy(str(tmp_path), CHANGED_REDUCE_LOSS)
+    probe = """
+        import sys
+        try:
+            import twinkle
+        except RuntimeError as error:
+            print("RAISED", error)
+        print("IMPORTED", sorted({"torch", "megatron", "transformers", "twinkle.model"} & set(sys.modules)))
         import twinkle_mem.integrations.twinkle as integration
-        integration.SUPPORTED_TWINKLE_VERSIONS = ("0.0.0",)   # as if twinkle-kit were another version
-        import twinkle
-    """, "fused_lm_head")
-    assert proc.returncode == 1
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("RuntimeError: ") and f"{VAR}='fused_lm_head'" in last and "supports twinkle-kit 0.0.0" in last
+        print("INSTALLED", integration.is_installed())
+    """
+    proc = run_python(probe, "fused_lm_head", pythonpath=copy)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    raised = next(line for line in proc.stdout.splitlines() if line.startswith("RAISED"))
+    assert f"{VAR}='fused_lm_head': install(fused_lm_head=True) failed when twinkle was imported" in raised
+    assert f"the twinkle-kit at {os.path.realpath(copy)}/twinkle (version.py says " in raised
+    assert ("megatron_logits_guard (twinkle.model.megatron.strategy.megatron.MegatronStrategy.reduce_loss: unexpected "
+            "signature (self, local_loss, local_count, outputs), expected (self, local_loss, local_count, logits, "
+            "logps))") in raised
+    assert f"unset {VAR} (or set it to 0)" in raised
+    assert "IMPORTED []" in proc.stdout and "INSTALLED False" in proc.stdout
+    explicit = run_python("""
+        import warnings
+        from twinkle_mem.integrations import twinkle as integration
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            integration.install(fused_lm_head=True)
+        import twinkle.model.megatron.megatron, twinkle.model.megatron.strategy.megatron  # noqa
+        from twinkle_mem.integrations.twinkle import patches
+        print(sorted(integration.refused()), [type(w.message).__name__ for w in caught],
+              sorted(f"{o.__name__}.{n}" for o, n in patches.patched() if o.__name__.startswith("Megatron")))
+    """, pythonpath=copy)
+    assert explicit.returncode == 0, explicit.stderr[-3000:]
+    # the fused head is patched (forward_backward), the guard is not (reduce_loss as shipped)
+    assert explicit.stdout.splitlines()[-1] == ("['megatron_logits_guard'] ['TwinklePartsNotRecognized'] "
+                                               "['MegatronModel.forward_backward']")
+
+
+def test_import_twinkle_under_the_variable_imports_nothing_more_than_twinkle():
+    """Activation costs a process only what it uses: `import twinkle` with the variable set imports twinkle-mem's
+    light modules and the standard library's, no torch, no twinkle model module, no megatron-core, transformers or
+    peft (install() patches those modules when the process imports them); the bound on the time and memory this
+    costs is measured by bench/bench_startup.py."""
+    probe = "import json, sys, twinkle; print(json.dumps(sorted(sys.modules)))"
+    unset = set(json.loads(run_python(probe).stdout.splitlines()[-1]))
+    for value in ("1", "fused_lm_head", "fused_lm_head,fused_chunk_bytes=128M"):  # (the size's check: no torch)
+        proc = run_python(probe, value)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        more = set(json.loads(proc.stdout.splitlines()[-1])) - unset
+        outside_stdlib = {m.split(".")[0] for m in more} - set(sys.stdlib_module_names)
+        assert outside_stdlib == {"twinkle_mem", "twinkle"}, sorted(more)
+        assert {m for m in more if m.split(".")[0] == "twinkle"} == {"twinkle.version"}  # (the log line's version)
+        assert not {m for m in more if m.startswith("twinkle_mem.") and not m.startswith(
+            "twinkle_mem.integrations")}, sorted(more)  # the package's torch modules stay out
 
 
 def test_python_m_twinkle_mem_reports_the_hook_and_the_variable():

@@ -10,8 +10,6 @@ log-probs). The workarounds twinkle-kit 0.5.1 needs on a CPU-only machine are na
 script. Each run is a process group of its own, killed whatever happens, so Ray never outlives the test.
 """
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from ray_twinkle_step import LENGTHS, PROMPT, VAR
+
+from cpu_harness.twinkle_ray import run_driver
 
 HERE = Path(__file__).resolve().parent
 VALUE = "fused_lm_head"
@@ -36,18 +36,8 @@ def run_step(out: Path, model_dir: Path, mode: str, timeout=300):
     env = {k: v for k, v in os.environ.items() if k != VAR}  # the Ray run's driver sets it itself
     cmd = [sys.executable, "-W", "ignore", str(HERE / "ray_twinkle_step.py"), str(out), str(model_dir), mode, VALUE]
     started = time.time()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    finally:  # Ray's own processes (GCS, raylet, workers) are in this group too
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if proc.poll() is None:
-            proc.communicate()
-    assert proc.returncode == 0, output[-6000:]
+    returncode, output = run_driver(cmd, env, timeout)  # its process group (Ray's GCS, raylet, workers) ended
+    assert returncode == 0, output[-6000:]
     return torch.load(out, weights_only=False), output, time.time() - started
 
 

@@ -41,7 +41,8 @@ def main(out_dir: str, mode: str) -> None:
             out = th.run_step(model, False, ADVANTAGES, inputs=samples, micro_batch_size=2, temperature=0.7)
         grads = {n: p.grad.detach().clone() for n, p in chunk.named_parameters() if p.grad is not None}
         mpu.destroy_model_parallel()
-    torch.save(dict(settings=integration._settings, pid=os.getpid(), loss=float(out["loss"]), logps=out["logps"].detach(),
+    torch.save(dict(settings=integration.installed_settings(), pid=os.getpid(), loss=float(out["loss"]),
+                    logps=out["logps"].detach(),
                     labels=th.step_labels(model, False), grads=grads, vocab_last_dim=spy.last_dim, ops=spy.ops),
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()

@@ -1,13 +1,17 @@
 // The CPU kernel's row loops, written once over a SIMD type Vec (VecTraits
-// gives its lane type acc_t and width W). Two translation units include it,
+// gives its lane type acc_t and width W). Three translation units include it,
 // each inside its own namespace: selective_log_softmax.cpp (portable, Vec =
-// float or double) and selective_log_softmax_avx2.cpp (Vec = Vec8f).
+// float or double), selective_log_softmax_avx2.cpp (Vec = Vec8f) and
+// selective_log_softmax_avx512.cpp (Vec = Vec16f).
 //
-// The including namespace provides: VecTraits<Vec>, load_vec(const T*) -> Vec,
+// The including namespace provides: RowVec (its fp32 Vec) and the tag types
+// bf16_t, fp16_t of 16-bit logits (for kRowKernels, isa.h's table of entry
+// points, defined at the end), VecTraits<Vec>, load_vec(const T*) -> Vec,
 // store_vec(T*, Vec), store_pair(T*, Vec, Vec) (2 W elements), load_scalar(const T*)
-// -> acc_t, store_scalar(T*, acc_t), hmax(Vec), hsum(Vec), index_of(const acc_t*,
-// n, acc_t) (the first index holding a value, or n), and the exp_/max_/fma_
-// overloads that online_softmax.h's templates call.
+// -> acc_t, store_scalar(T*, acc_t), hmax(Vec), hsum(Vec), count_of(const acc_t*,
+// n, acc_t) (how many of n elements, n a whole number of vectors, equal a value; p unaligned),
+// add_below(sum, e, x, max) (sum + e in the lanes where x != max: below it, or
+// NaN), and the exp_/max_/fma_ overloads that online_softmax.h's templates call.
 //
 // Deliberately no include guard, and no #include: the file is a body of
 // templates to be compiled once per instruction set, inside the namespace of
@@ -25,14 +29,36 @@
 constexpr int64_t kBlock = 2048;  // elements per L1-resident block of a row
 constexpr int64_t kSubVectors = 16;  // vectors summed in acc_t before their sum joins a double
 
+// Asks for x[from, to) to be brought into the cache: no fault, no wait. The
+// forward's second sweep computes on an L1 buffer without touching memory; it
+// fetches the next block meanwhile, so that memory and arithmetic overlap.
+// How many of p[0, n) equal value (the tails of the vector count_of).
+template <typename acc_t>
+inline int64_t count_of_scalar(const acc_t* p, int64_t n, acc_t value) {
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) count += p[i] == value;
+  return count;
+}
+
+template <typename scalar_t>
+inline void prefetch_range(const scalar_t* x, int64_t from, int64_t to) {
+  const char* end = reinterpret_cast<const char*>(x + to);
+  for (const char* p = reinterpret_cast<const char*>(x + from); p < end; p += 64) __builtin_prefetch(p, 0, 3);
+}
+
 // Online softmax state of x[0, n) (see online_softmax.h), in double. Each block
 // of the row is read from memory once: a first sweep converts it to acc_t into
-// an L1 buffer and finds its max (and each sub-block's, so that finding the
-// first max element reads one sub-block), a second accumulates exp(t) and the
-// entropy term with t = (x - max) / T over every element but the first max,
-// whose buffer copy is set to -inf in between (its exp is the state's implicit
-// 1). Sums run in acc_t over a sub-block of 16 vectors and then in double: a
-// row's rest and zsum carry ~1e-8 relative error, not the ~1e-6 of 150k fp32 adds.
+// an L1 buffer (16-bit logits) and finds its max (and each sub-block's), a second accumulates
+// exp(t) and the entropy term with t = (x - max) / T. The state leaves out one
+// element holding the max (its exp is the state's implicit 1): the second sweep
+// sums exp over the elements below the max only, and the k elements equal to it
+// (counted in the sub-blocks whose max it is) add k - 1 exactly, in double. (The
+// first max element's buffer copy was set to -inf before: that store, at an
+// address known only after a search, held up the second sweep's loads, 15% of
+// the AVX-512 forward; and ties added their 1s in fp32 among small terms.) The
+// entropy term of an element at the max is 0 whichever way. Sums run in acc_t
+// over a sub-block of 16 vectors and then in double: a row's rest and zsum carry
+// ~1e-8 relative error, not the ~1e-6 of 150k fp32 adds.
 template <typename Vec, typename scalar_t>
 OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTraits<Vec>::acc_t inv_T,
                                     bool with_entropy) {
@@ -40,7 +66,10 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
   constexpr int64_t W = VecTraits<Vec>::W;
   constexpr int64_t kSub = kSubVectors * W;  // elements per sub-block
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  alignas(64) acc_t x_buf[kBlock];
+  // 16-bit logits are converted once into an L1 buffer that the second sweep reads; logits of the
+  // accumulation type are read there from the block itself (L1-resident after the first sweep).
+  constexpr bool kConverts = !std::is_same_v<scalar_t, acc_t>;
+  alignas(64) acc_t x_buf[kConverts ? kBlock : 1];
   acc_t sub_max[kBlock / kSub + 1];
   const Vec v_inv_T(inv_T);
   OnlineSoftmax<double> state = empty_state<double>();
@@ -48,6 +77,7 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
     const int64_t len = std::min(kBlock, n - start);
     const int64_t body = len - len % W;  // whole vectors
     const scalar_t* x_block = x + start;
+    const acc_t* xs = kConverts ? x_buf : reinterpret_cast<const acc_t*>(x_block);  // the block, as acc_t
 
     // sweep 1: convert, block max, sub-block maxima
     int64_t subs = 0;
@@ -56,62 +86,68 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
       Vec v_max(kNegInf);
       for (int64_t j = i; j < end; j += W) {
         const Vec xv = load_vec(x_block + j);
-        store_vec(x_buf + j, xv);
+        if constexpr (kConverts) store_vec(x_buf + j, xv);
         v_max = max_(v_max, xv);
       }
       sub_max[subs] = hmax(v_max);
     }
     acc_t tail_max = kNegInf;
     for (int64_t i = body; i < len; ++i) {
-      const acc_t xs = load_scalar(x_block + i);
-      x_buf[i] = xs;
-      tail_max = max_(tail_max, xs);
+      const acc_t xi = load_scalar(x_block + i);
+      if constexpr (kConverts) x_buf[i] = xi;
+      tail_max = max_(tail_max, xi);
     }
     acc_t block_max = tail_max;
     for (int64_t b = 0; b < subs; ++b) block_max = max_(block_max, sub_max[b]);
     const acc_t shift = finite_shift(block_max);
-    if (block_max != kNegInf) {  // leave the first max out (a NaN max is found nowhere: nothing left out)
-      int64_t b = 0;
-      while (b < subs && !(sub_max[b] == block_max)) ++b;
-      const int64_t from = b < subs ? b * kSub : body, count = b < subs ? std::min(kSub, body - from) : len - body;
-      const int64_t at = from + index_of(x_buf + from, count, block_max);
-      if (at < from + count) x_buf[at] = kNegInf;
+    // The elements equal to the max (none for a NaN max; a block of -inf gets the empty state below).
+    int64_t at_max = 0;
+    for (int64_t b = 0; b < subs; ++b) {
+      if (sub_max[b] == block_max) at_max += count_of(xs + b * kSub, std::min(kSub, body - b * kSub), block_max);
     }
+    if (tail_max == block_max) at_max += count_of_scalar(xs + body, len - body, block_max);
 
     // sweep 2: the sums, t = (x - shift) / T (no product at T = 1: the same bits)
     double sum = 0, zsum = 0;
-    auto sweep = [&](auto unit_temperature) {
-      constexpr bool kUnit = decltype(unit_temperature)::value;
-      const Vec v_neg_shift(-shift);
-      auto gap = [&](Vec xv) { return kUnit ? xv + v_neg_shift : scaled_gap(xv, v_neg_shift, v_inv_T); };
-      for (int64_t i = 0; i < body; i += kSub) {
+    auto sweep = [&](auto unit_temperature, auto entropy) {
+      constexpr bool kUnit = decltype(unit_temperature)::value, kEntropy = decltype(entropy)::value;
+      const Vec v_neg_shift(-shift), v_block_max(block_max);
+      for (int64_t i = 0, b = 0; i < body; i += kSub, ++b) {
         const int64_t end = std::min(body, i + kSub);
+        prefetch_range(x_block, kBlock + i, std::min(kBlock + i + kSub, n - start));  // the next block's part
         Vec v_sum(acc_t(0)), v_zsum(acc_t(0));
-        if (with_entropy) {
+        auto run = [&](auto may_hold_max) {  // only a sub-block whose max is the block's pays for the test
           for (int64_t j = i; j < end; j += W) {
-            const Vec t = gap(load_vec(x_buf + j));
+            const Vec xv = load_vec(xs + j);
+            const Vec t = kUnit ? xv + v_neg_shift : scaled_gap(xv, v_neg_shift, v_inv_T);
             const Vec e = exp_(t);
-            v_sum = v_sum + e;
-            v_zsum = add_entropy_term<Vec, acc_t>(v_zsum, t, e);
+            v_sum = decltype(may_hold_max)::value ? add_below(v_sum, e, xv, v_block_max) : v_sum + e;
+            if constexpr (kEntropy) v_zsum = add_entropy_term<Vec, acc_t>(v_zsum, t, e);
           }
-          zsum += hsum(v_zsum);
+        };
+        if (sub_max[b] == block_max) {
+          run(std::true_type{});
         } else {
-          for (int64_t j = i; j < end; j += W) v_sum = v_sum + exp_(gap(load_vec(x_buf + j)));
+          run(std::false_type{});
         }
+        if constexpr (kEntropy) zsum += hsum(v_zsum);
         sum += hsum(v_sum);
       }
     };
-    if (inv_T == acc_t(1)) {
-      sweep(std::true_type{});
+    const bool unit = inv_T == acc_t(1);
+    if (with_entropy) {
+      unit ? sweep(std::true_type{}, std::true_type{}) : sweep(std::false_type{}, std::true_type{});
     } else {
-      sweep(std::false_type{});
+      unit ? sweep(std::true_type{}, std::false_type{}) : sweep(std::false_type{}, std::false_type{});
     }
     for (int64_t i = body; i < len; ++i) {
-      const acc_t t = scaled_gap(x_buf[i], -shift, inv_T);
+      if (xs[i] == block_max) continue;  // counted in at_max
+      const acc_t t = scaled_gap(xs[i], -shift, inv_T);
       const acc_t e = exp_(t);
       sum += e;
       if (with_entropy) zsum += add_entropy_term<acc_t, acc_t>(acc_t(0), t, e);
     }
+    if (at_max > 1) sum += double(at_max - 1);
     state = merge(state, block_state<double>(block_max, sum, zsum), static_cast<double>(inv_T));
   }
   return state;
@@ -135,5 +171,30 @@ void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, const RowGrad<typen
   for (; i + W <= n; i += W) store_vec(d + i, grad(load_vec(x + i)));
   for (; i < n; ++i) store_scalar(d + i, grad_off_label(load_scalar(x + i), g));
 }
+
+// This instruction set's entry points (isa.h), from the 16-bit patterns the host passes.
+#define TWINKLE_MEM_STRINGIFY(a) #a
+#define TWINKLE_MEM_NAME(a) TWINKLE_MEM_STRINGIFY(a)
+constexpr RowKernels kRowKernels{
+    TWINKLE_MEM_NAME(TWINKLE_MEM_ROW_KERNELS_ISA),
+    [](const uint16_t* x, int64_t n, float inv_T, bool with_entropy) {
+      return segment_state<RowVec>(reinterpret_cast<const bf16_t*>(x), n, inv_T, with_entropy);
+    },
+    [](const uint16_t* x, int64_t n, float inv_T, bool with_entropy) {
+      return segment_state<RowVec>(reinterpret_cast<const fp16_t*>(x), n, inv_T, with_entropy);
+    },
+    [](const float* x, int64_t n, float inv_T, bool with_entropy) {
+      return segment_state<RowVec>(x, n, inv_T, with_entropy);
+    },
+    [](const uint16_t* x, uint16_t* d, int64_t n, const RowGrad<float>& g) {
+      segment_grad<RowVec>(reinterpret_cast<const bf16_t*>(x), reinterpret_cast<bf16_t*>(d), n, g);
+    },
+    [](const uint16_t* x, uint16_t* d, int64_t n, const RowGrad<float>& g) {
+      segment_grad<RowVec>(reinterpret_cast<const fp16_t*>(x), reinterpret_cast<fp16_t*>(d), n, g);
+    },
+    [](const float* x, float* d, int64_t n, const RowGrad<float>& g) { segment_grad<RowVec>(x, d, n, g); },
+};
+#undef TWINKLE_MEM_NAME
+#undef TWINKLE_MEM_STRINGIFY
 
 #undef TWINKLE_MEM_ROW_KERNELS_ISA

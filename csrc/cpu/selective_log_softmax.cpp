@@ -1,8 +1,9 @@
 // CPU kernels of the selective log-softmax op (forward, backward, in-place
 // backward). Each row is cut into vocab segments of a fixed length (by V
 // alone); (row, segment) tasks go across threads with the stable parallel_for
-// and a row's segment states are merged in segment order. The row loops (row_kernels.h) are compiled twice: here, portable,
-// and in selective_log_softmax_avx2.cpp for AVX2+FMA+F16C, picked at run time.
+// and a row's segment states are merged in segment order. The row loops
+// (row_kernels.h) are compiled three times: here, portable, and for AVX2+FMA+F16C
+// and AVX-512 in their own translation units; cpu_row_kernels() picks one per call.
 #include "../common/online_softmax.h"
 #include "../common/forward_outputs.h"
 #include "../common/layout.h"
@@ -19,6 +20,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -54,10 +56,62 @@ inline V hmax(V v) { return v; }
 template <typename V>
 inline V hsum(V v) { return v; }
 template <typename V>
-inline int64_t index_of(const V* p, int64_t n, V value) { return std::find(p, p + n, value) - p; }
+inline int64_t count_of(const V* p, int64_t n, V value) { return std::count(p, p + n, value); }
+template <typename V>
+inline V add_below(V sum, V e, V x, V max) { return x != max ? sum + e : sum; }
+using RowVec = float;
+using bf16_t = bf16;
+using fp16_t = fp16;
 #define TWINKLE_MEM_ROW_KERNELS_ISA portable  // the row loops, once, in this namespace
 #include "row_kernels.h"
 }  // namespace portable
+
+const RowKernels portable_row_kernels = portable::kRowKernels;
+
+// The CPU's own report (cpuid through libgcc, which also checks that the OS saves
+// the wider registers), in this portable translation unit: nothing here runs an
+// instruction the CPU may lack.
+bool cpu_has(const char* path) {
+#ifdef TWINKLE_MEM_CPU_X86
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                           __builtin_cpu_supports("f16c");
+  static const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  static const bool avx512_bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+  if (std::strcmp(path, "avx512_bf16") == 0) return avx512_bf16;
+  if (std::strcmp(path, "avx512") == 0) return avx512;
+  if (std::strcmp(path, "avx2") == 0) return avx2;
+#endif
+  return std::strcmp(path, "portable") == 0;
+}
+
+// The path for a cap (isa.h): the widest the CPU has at or below it; nullptr for an unknown cap.
+const RowKernels* row_kernels_for(const char* cap) {
+#ifdef TWINKLE_MEM_CPU_X86
+  static const RowKernels* const widest_first[] = {&avx512_bf16_row_kernels, &avx512_row_kernels, &avx2_row_kernels,
+                                                   &portable_row_kernels};
+#else
+  static const RowKernels* const widest_first[] = {&portable_row_kernels};
+#endif
+  bool capped = cap == nullptr || *cap == '\0';  // no cap: the widest the CPU has
+  for (const RowKernels* k : widest_first) {
+    capped = capped || std::strcmp(cap, k->name) == 0;
+    if (capped && cpu_has(k->name)) return k;
+  }
+  return nullptr;
+}
+
+// The path an op call runs: the widest the CPU reports (cpuid), capped by the
+// environment variable TWINKLE_MEM_CPU_ISA (avx512_bf16, avx512, avx2 or portable: the tests
+// run every path's suite on one machine, a benchmark compares them). Read at
+// each call; an unknown value raises.
+const RowKernels& cpu_row_kernels() {
+  const char* cap = std::getenv("TWINKLE_MEM_CPU_ISA");
+  const RowKernels* k = row_kernels_for(cap);
+  STD_TORCH_CHECK(k != nullptr, "twinkle_mem: TWINKLE_MEM_CPU_ISA=", cap, " names no CPU kernel path (avx512_bf16, "
+                  "avx512, avx2 or portable; unset for the widest this CPU has)");
+  return *k;
+}
 
 // ---------------------------------------------------------------- host code
 using torch::headeronly::ScalarType;
@@ -113,36 +167,32 @@ void advise_huge_pages(void* ptr, int64_t bytes) {
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // advisory
 }
 
+// A segment through the path's entry points (fp64 logits: the portable double loops).
 template <typename scalar_t, typename acc_t>
-OnlineSoftmax<double> run_segment_state(const scalar_t* x, int64_t n, acc_t inv_T, bool with_entropy) {
-  if constexpr (std::is_same_v<acc_t, float>) {
-    if (cpu_has_avx2()) {
-      if constexpr (std::is_same_v<scalar_t, bf16>) {
-        return avx2_segment_state_bf16(reinterpret_cast<const uint16_t*>(x), n, inv_T, with_entropy);
-      } else if constexpr (std::is_same_v<scalar_t, fp16>) {
-        return avx2_segment_state_fp16(reinterpret_cast<const uint16_t*>(x), n, inv_T, with_entropy);
-      } else {
-        return avx2_segment_state_fp32(x, n, inv_T, with_entropy);
-      }
-    }
+OnlineSoftmax<double> run_segment_state(const RowKernels& k, const scalar_t* x, int64_t n, acc_t inv_T,
+                                        bool with_entropy) {
+  if constexpr (std::is_same_v<scalar_t, bf16>) {
+    return k.state_bf16(reinterpret_cast<const uint16_t*>(x), n, inv_T, with_entropy);
+  } else if constexpr (std::is_same_v<scalar_t, fp16>) {
+    return k.state_fp16(reinterpret_cast<const uint16_t*>(x), n, inv_T, with_entropy);
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    return k.state_fp32(x, n, inv_T, with_entropy);
+  } else {
+    return portable::segment_state<acc_t>(x, n, inv_T, with_entropy);
   }
-  return portable::segment_state<acc_t>(x, n, inv_T, with_entropy);
 }
 
 template <typename scalar_t, typename acc_t>
-void run_segment_grad(const scalar_t* x, scalar_t* d, int64_t n, const RowGrad<acc_t>& g) {
-  if constexpr (std::is_same_v<acc_t, float>) {
-    if (cpu_has_avx2()) {
-      if constexpr (std::is_same_v<scalar_t, bf16>) {
-        return avx2_segment_grad_bf16(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<uint16_t*>(d), n, g);
-      } else if constexpr (std::is_same_v<scalar_t, fp16>) {
-        return avx2_segment_grad_fp16(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<uint16_t*>(d), n, g);
-      } else {
-        return avx2_segment_grad_fp32(x, d, n, g);
-      }
-    }
+void run_segment_grad(const RowKernels& k, const scalar_t* x, scalar_t* d, int64_t n, const RowGrad<acc_t>& g) {
+  if constexpr (std::is_same_v<scalar_t, bf16>) {
+    k.grad_bf16(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<uint16_t*>(d), n, g);
+  } else if constexpr (std::is_same_v<scalar_t, fp16>) {
+    k.grad_fp16(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<uint16_t*>(d), n, g);
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
+    k.grad_fp32(x, d, n, g);
+  } else {
+    portable::segment_grad<acc_t>(x, d, n, g);
   }
-  portable::segment_grad<acc_t>(x, d, n, g);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -160,6 +210,7 @@ void forward_kernel(const Tensor& logits, const Tensor& labels, const OpOptions&
   acc_t* out_log_sum = reinterpret_cast<acc_t*>(log_sum.data_ptr());
   acc_t* out_entropy = with_entropy ? reinterpret_cast<acc_t*>(entropy.data_ptr()) : nullptr;
   const RowSplit split = split_rows(V);
+  const RowKernels& kernels = cpu_row_kernels();
 
   with_labels(labels, lead_dims, [&](auto label) {
     const int64_t k = label.k();
@@ -170,7 +221,7 @@ void forward_kernel(const Tensor& logits, const Tensor& labels, const OpOptions&
         const int64_t row = task / split.segments, seg = task % split.segments;
         if (row_skipped(label, row, ignore_index)) continue;
         const int64_t start = seg * split.segment_len, len = std::min(split.segment_len, V - start);
-        states[task] = run_segment_state<scalar_t, acc_t>(x + row_at(row) + start, len, inv_T, with_entropy);
+        states[task] = run_segment_state<scalar_t, acc_t>(kernels, x + row_at(row) + start, len, inv_T, with_entropy);
       }
     });
     for (int64_t row = 0; row < N; ++row) {
@@ -225,6 +276,7 @@ void backward_kernel(const BackwardInputs<Tensor>& args, const OpOptions& o, sca
   const acc_t* g_entropy = reinterpret_cast<const acc_t*>(in.grad_entropy.data_ptr());
   const acc_t* row_entropy = reinterpret_cast<const acc_t*>(in.entropy.data_ptr());
   const RowSplit split = split_rows(V);
+  const RowKernels& kernels = cpu_row_kernels();
 
   with_labels(args.labels, lead_dims, [&](auto label) {
     const int64_t k = label.k();
@@ -260,7 +312,7 @@ void backward_kernel(const BackwardInputs<Tensor>& args, const OpOptions& o, sca
         }
         const acc_t h_row = with_entropy ? row_entropy[row] : acc_t(0), g_h = with_entropy ? g_entropy[row] : acc_t(0);
         run_segment_grad<scalar_t, acc_t>(
-            x_seg, d_seg, len,
+            kernels, x_seg, d_seg, len,
             row_grad(row_shift[row], row_log_sum[row], h_row, static_cast<acc_t>(g_total), g_h, inv_T));
         // The few label positions in double, from the same statistics: where 1 - p
         // and the entropy term nearly cancel, a wider evaluation is all but free.
@@ -308,6 +360,13 @@ using Ops = OpEntries<StableBackend<Kernels>>;
 
 }  // namespace cpu
 }  // namespace twinkle_mem
+
+// For _native.py (through ctypes): the CPU kernel path that TWINKLE_MEM_CPU_ISA = cap
+// selects (nullptr or "": the widest this CPU has), or nullptr for an unknown cap.
+extern "C" __attribute__((visibility("default"))) const char* twinkle_mem_cpu_kernel_path(const char* cap) {
+  const twinkle_mem::cpu::RowKernels* k = twinkle_mem::cpu::row_kernels_for(cap);
+  return k == nullptr ? nullptr : k->name;
+}
 
 STABLE_TORCH_LIBRARY_IMPL(twinkle_mem, CPU, m) {
   m.impl("selective_log_softmax_fwd", TORCH_BOX(&twinkle_mem::cpu::Ops::fwd));

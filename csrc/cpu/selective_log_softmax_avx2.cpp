@@ -1,8 +1,8 @@
 // The CPU kernel's row loops compiled for AVX2 + FMA + F16C (8 fp32 lanes).
 // Everything in this file is compiled for that instruction set, so the host
-// code calls it only after cpu_has_avx2(); the shared math is instantiated
-// in its own inline namespace (TWINKLE_MEM_ISA) to keep it apart from the
-// portable build of the same templates.
+// code calls it only after the CPU reports AVX2, FMA and F16C (isa.h); the
+// shared math is instantiated in its own inline namespace (TWINKLE_MEM_ISA)
+// to keep it apart from the other builds of the same templates.
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC target("avx2,fma,f16c")
 #define TWINKLE_MEM_ISA avx2
@@ -19,9 +19,8 @@ namespace twinkle_mem {
 namespace cpu {
 namespace avx2 {
 
-// bf16 and fp16 are both 16-bit patterns; tags tell the loads apart.
-struct bf16_bits { uint16_t bits; };
-struct fp16_bits { uint16_t bits; };
+#define TWINKLE_MEM_ROW_KERNELS_ISA avx2  // the row loops, once, in this namespace
+#include "x86_common.h"
 
 struct Vec8f {
   __m256 v;
@@ -43,15 +42,20 @@ using twinkle_mem::max_;
 // |r| <= ln2/2, e^r by a degree-6 polynomial, times 2^n. The coefficients were
 // fitted here to e^r on [-ln2/2, ln2/2] (weighted least squares, rounded to
 // fp32): max relative error 7.1e-8 evaluated in fp32, about one fp32 rounding,
-// as accurate as the degree-7 Taylor polynomial with one FMA less. 2^n is
-// applied as 2^(n + 64) built in the exponent bits, then 2^-64: results below
-// fp32's normal range come out as correctly rounded subnormals (a bf16 or fp32
-// gradient of e^-100 is one), not flushed to 0. Below -110 the result is 0;
-// NaN stays NaN.
+// as accurate as the degree-7 Taylor polynomial with one FMA less. n is
+// x log2(e) (rounded to fp32) rounded to the nearest integer, ties to even, by
+// adding and subtracting 1.5 2^23 (exactly what ROUNDPS gives for |n| < 2^22,
+// in two single-uop adds instead of its two uops); the sum's low bits are n as
+// an integer. 2^n is applied as 2^(n + 64) built in the exponent bits, then 2^-64:
+// results below fp32's normal range come out as correctly rounded subnormals (a
+// bf16 or fp32 gradient of e^-100 is one), not flushed to 0. Below -110 the
+// result is 0; NaN stays NaN.
+constexpr float kRoundToInt = 12582912.0f;  // 1.5 * 2^23
 inline Vec8f exp_(Vec8f x) {
   const __m256 xc = _mm256_max_ps(_mm256_set1_ps(-110.0f), x.v);  // NaN passes through
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 shifted = _mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                       _mm256_set1_ps(kRoundToInt));
+  const __m256 n = _mm256_sub_ps(shifted, _mm256_set1_ps(kRoundToInt));
   // r = x - n ln2 in one FMA: fp32 ln2 is off by 1.9e-9, so r is off by
   // |n| 1.9e-9 <= 5.5e-8 for the x >= -20 that carry any weight.
   const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693147182464599609375f), xc);
@@ -62,8 +66,9 @@ inline Vec8f exp_(Vec8f x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.49999991059303284f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i n_int = _mm256_cvtps_epi32(n);  // garbage for NaN, which p carries anyway
-  const __m256i two_n64 = _mm256_slli_epi32(_mm256_add_epi32(n_int, _mm256_set1_epi32(127 + 64)), 23);
+  // (n + 127 + 64) << 23 from the bits of shifted (those of 1.5 2^23, plus n); garbage for NaN, which p carries.
+  const __m256i biased = _mm256_add_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(127 + 64 - 0x4B400000));
+  const __m256i two_n64 = _mm256_slli_epi32(biased, 23);
   return _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n64)), _mm256_set1_ps(0x1p-64f));
 }
 
@@ -117,89 +122,31 @@ inline void store_pair(fp16_bits* p, Vec8f a, Vec8f b) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_set_m128i(hi, lo));
 }
 
-inline float load_scalar(const float* p) { return *p; }
-inline float load_scalar(const bf16_bits* p) {
-  const uint32_t bits = uint32_t(p->bits) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline float load_scalar(const fp16_bits* p) { return _cvtsh_ss(p->bits); }
-inline void store_scalar(float* p, float v) { *p = v; }
-inline void store_scalar(bf16_bits* p, float v) {
-  p->bits = uint16_t(_mm256_cvtsi256_si32(bf16_round(_mm256_set1_ps(v))));
-}
-inline void store_scalar(fp16_bits* p, float v) { p->bits = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
+inline float hmax(Vec8f v) { return fold8<FoldMax>(v.v); }
+inline float hsum(Vec8f v) { return fold8<FoldAdd>(v.v); }
 
-inline float hmax(Vec8f v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v.v), _mm256_extractf128_ps(v.v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-inline float hsum(Vec8f v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v.v), _mm256_extractf128_ps(v.v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// The first i < n with p[i] == value (n if none): 8 comparisons per step.
-inline int64_t index_of(const float* p, int64_t n, float value) {
+// How many of p[0, n) equal value (n a multiple of 8).
+inline int64_t count_of(const float* p, int64_t n, float value) {
   const __m256 v = _mm256_set1_ps(value);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_load_ps(p + i), v, _CMP_EQ_OQ));
-    if (hits) return i + __builtin_ctz(hits);
-  }
-  for (; i < n; ++i) {
-    if (p[i] == value) return i;
-  }
-  return n;
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; i += 8) count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), v, _CMP_EQ_OQ)));
+  return count;
 }
 
-#define TWINKLE_MEM_ROW_KERNELS_ISA avx2  // the row loops, once, in this namespace
+// sum + e in the lanes where x != max (NaN included).
+inline Vec8f add_below(Vec8f sum, Vec8f e, Vec8f x, Vec8f max) {
+  return _mm256_add_ps(sum.v, _mm256_and_ps(_mm256_cmp_ps(x.v, max.v, _CMP_NEQ_UQ), e.v));
+}
+
+using RowVec = Vec8f;
+using bf16_t = bf16_bits;
+using fp16_t = fp16_bits;
 #include "row_kernels.h"
 
 }  // namespace avx2
 
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  return has;
-}
+const RowKernels avx2_row_kernels = avx2::kRowKernels;
 
-using avx2::bf16_bits;
-using avx2::fp16_bits;
-using avx2::Vec8f;
-
-OnlineSoftmax<double> avx2_segment_state_bf16(const uint16_t* x, int64_t n, float inv_T, bool with_entropy) {
-  return avx2::segment_state<Vec8f>(reinterpret_cast<const bf16_bits*>(x), n, inv_T, with_entropy);
-}
-OnlineSoftmax<double> avx2_segment_state_fp16(const uint16_t* x, int64_t n, float inv_T, bool with_entropy) {
-  return avx2::segment_state<Vec8f>(reinterpret_cast<const fp16_bits*>(x), n, inv_T, with_entropy);
-}
-OnlineSoftmax<double> avx2_segment_state_fp32(const float* x, int64_t n, float inv_T, bool with_entropy) {
-  return avx2::segment_state<Vec8f>(x, n, inv_T, with_entropy);
-}
-void avx2_segment_grad_bf16(const uint16_t* x, uint16_t* d, int64_t n, const RowGrad<float>& g) {
-  avx2::segment_grad<Vec8f>(reinterpret_cast<const bf16_bits*>(x), reinterpret_cast<bf16_bits*>(d), n, g);
-}
-void avx2_segment_grad_fp16(const uint16_t* x, uint16_t* d, int64_t n, const RowGrad<float>& g) {
-  avx2::segment_grad<Vec8f>(reinterpret_cast<const fp16_bits*>(x), reinterpret_cast<fp16_bits*>(d), n, g);
-}
-void avx2_segment_grad_fp32(const float* x, float* d, int64_t n, const RowGrad<float>& g) {
-  avx2::segment_grad<Vec8f>(x, d, n, g);
-}
-
-}  // namespace cpu
-}  // namespace twinkle_mem
-
-#else  // not x86-64 GCC/Clang: the portable loops serve alone.
-#include "isa.h"
-namespace twinkle_mem {
-namespace cpu {
-bool cpu_has_avx2() { return false; }
 }  // namespace cpu
 }  // namespace twinkle_mem
 #endif

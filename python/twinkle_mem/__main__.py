@@ -1,5 +1,6 @@
 """`python -m twinkle_mem`: version, torch, which backends are built and loaded, whether a GPU is visible,
-and whether the start-up hook is installed and what TWINKLE_MEM_INSTALL, as set now, would do."""
+the twinkle-kit found and what install() would patch there, whether install() ran in this process, and
+whether the start-up hook is installed and what TWINKLE_MEM_INSTALL, as set now, would do."""
 import os
 import platform
 import sys
@@ -9,12 +10,19 @@ import torch
 import twinkle_mem
 
 
-def _cpu_isa() -> str:
+def _cpu_path() -> str:
+    """The CPU kernel path in use, and why: the widest this CPU has, or TWINKLE_MEM_CPU_ISA's cap."""
+    from twinkle_mem.op import native
+    widest = native.cpu_kernel_path("")
+    if widest is None:
+        return "unknown (this library does not say)"
+    cap = os.environ.get(native.CPU_ISA_ENV)
+    if not cap:
+        return f"{widest} (the widest this CPU has)"
     try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    return "avx2+fma+f16c" if {"avx2", "fma", "f16c"} <= set(flags) else "portable"
+        return f"{native.cpu_kernel_path()} ({native.CPU_ISA_ENV}={cap}; this CPU has {widest})"
+    except ValueError as e:
+        return f"none: {e}"
 
 
 def _gpus() -> str:
@@ -28,13 +36,30 @@ def main() -> int:
     print(f"torch {torch.__version__} (cuda {torch.version.cuda}), python {platform.python_version()}")
     for backend, state in twinkle_mem.backends().items():
         loaded = state == "loaded"
-        extra = f" [cpu kernel path: {_cpu_isa()}, {torch.get_num_threads()} threads]" if backend == "cpu" and loaded else ""
+        extra = f" [cpu kernel path: {_cpu_path()}, {torch.get_num_threads()} threads]" if backend == "cpu" and loaded else ""
         if backend == "cuda":
             state, extra = f"library {state}", f"; GPU: {_gpus()}"
         print(f"  {backend:5s} {state}{extra}")
+    from twinkle_mem.integrations import twinkle as integration
     from twinkle_mem.integrations.twinkle import startup
-    print(f"start-up hook: {startup.hook_status()}")
     value = os.environ.get(startup.ENV_VAR)
+    try:
+        options = startup.parse(value)
+    except ValueError:
+        options = None
+    try:
+        shown = options if options is not None else {"fused_lm_head": True}  # (unset: every part)
+        found, *parts = integration.describe(**shown)
+    except ImportError as error:
+        print(f"twinkle-kit: {error}")
+    else:
+        asked = startup.install_call(shown)
+        print(f"{found}; {asked} patches there (each part recognized by twinkle's code):")
+        for line in parts:
+            print(f"  {line}")
+    print(f"install() in this process: {'yes' if integration.is_installed() else 'no'} "
+          "(twinkle_mem.integrations.twinkle.is_installed() tells, in any process)")
+    print(f"start-up hook: {startup.hook_status()}")
     print(f"  {startup.describe(value)}")
     try:
         startup.parse(value)

@@ -11,9 +11,13 @@ for every device without a native kernel), and ``status`` / ``backends()`` /
 ``python -m twinkle_mem`` say why. When _C_cpu, which defines the schemas,
 does not load, the schemas are defined here from the same text
 (schemas.def, which csrc/ops.cpp includes).
+
+_C_cpu's kernels come in paths (AVX-512 with or without BF16, AVX2, portable), picked per call from
+what the CPU reports; TWINKLE_MEM_CPU_ISA caps the path (cpu_kernel_path).
 """
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
 import re
@@ -27,6 +31,9 @@ FALLBACK = "the composite runs on this device"
 # backend -> "loaded" | "not built" | "built, not loaded: <why>" | "failed to load (<file>: <error>); <FALLBACK>"
 status: dict[str, str] = {}
 _python_schemas = None  # the torch.library.Library holding schemas defined from Python, kept alive
+_cpu_library = None  # the loaded _C_cpu, for cpu_kernel_path
+CPU_ISA_ENV = "TWINKLE_MEM_CPU_ISA"
+CPU_PATHS = ("avx512_bf16", "avx512", "avx2", "portable")  # widest first
 
 
 def _find(name: str) -> str | None:
@@ -75,12 +82,38 @@ def _load(backend: str, name: str, wanted: bool, why_not: str) -> None:
         _try_load(backend, path)
 
 
+def cpu_kernel_path(cap: str | None = None) -> str | None:
+    """The CPU kernel path an op call runs now (one of CPU_PATHS), the widest this CPU
+    reports at or below the cap TWINKLE_MEM_CPU_ISA (or ``cap`` when given; "" for none). None when
+    _C_cpu is not loaded. A cap that names no path raises ValueError here (and RuntimeError in the op)."""
+    if _cpu_library is None:
+        return None
+    cap = os.environ.get(CPU_ISA_ENV, "") if cap is None else cap
+    name = _cpu_library.twinkle_mem_cpu_kernel_path(cap.encode())
+    if name is None:
+        raise ValueError(f"{CPU_ISA_ENV}={cap!r} names no CPU kernel path (one of {', '.join(CPU_PATHS)})")
+    return name.decode()
+
+
+def _open_cpu_library(path: str) -> None:
+    """The loaded _C_cpu for cpu_kernel_path (left None by a library without that entry, a build older
+    than the paths: import goes on, the path shows as unknown)."""
+    global _cpu_library
+    try:
+        lib = ctypes.CDLL(path)  # the library torch just loaded: the same handle
+        lib.twinkle_mem_cpu_kernel_path.argtypes = [ctypes.c_char_p]
+        lib.twinkle_mem_cpu_kernel_path.restype = ctypes.c_char_p
+    except (OSError, AttributeError):
+        return
+    _cpu_library = lib
+
+
 def load() -> None:
     path = _find("_C_cpu")
     if path is None:
         status["cpu"] = f"not built (install with `pip install .`, which compiles the kernels); {FALLBACK}"
-    else:
-        _try_load("cpu", path)
+    elif _try_load("cpu", path):
+        _open_cpu_library(path)
     if status["cpu"] != "loaded":
         _define_schemas_in_python()
     _load("cuda", "_C_cuda", torch.version.cuda is not None, "this torch has no CUDA")

@@ -1,19 +1,5 @@
-"""Accessors of a twinkle model's per-adapter state and of Megatron's TP group, shared by the Megatron and
-transformers paths and the losses."""
+"""Megatron's tensor-parallel group, shared by the Megatron path, the losses and the log-probs adapter."""
 import sys
-
-
-def optimizer_group(model, kwargs):
-    """twinkle's optimizer group of the call's adapter (the default group without ``adapter_name``)."""
-    name = kwargs["adapter_name"] if "adapter_name" in kwargs else model._get_default_group()
-    return model.optimizer_group[name]
-
-
-def loss_instance(model, kwargs):
-    try:
-        return optimizer_group(model, kwargs).loss_instance
-    except (AttributeError, KeyError):
-        return None  # forward_backward itself reports the bad adapter name
 
 
 def tensor_parallel_group():

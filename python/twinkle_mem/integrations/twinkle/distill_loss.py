@@ -31,22 +31,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import fused_head
+from . import fused_head, twinkle_names
 from ._model import tensor_parallel_group
 
 
-def gkd_loss_class():
-    from twinkle.loss.gkd import GKDLoss
-    return GKDLoss
-
-
-def unwrapped(loss):
-    """The loss inside twinkle's SafeLossWrapper (twinkle wraps every loss it is given), or the loss."""
-    return getattr(loss, "_loss_instance", loss)
-
-
 def _is_gkd(loss) -> bool:
-    return type(unwrapped(loss)) is gkd_loss_class()
+    return type(twinkle_names.unwrapped_loss(loss)) is twinkle_names.gkd_loss_class()
 
 
 def _has_topk_teacher(kwargs) -> bool:
@@ -86,9 +76,9 @@ def layout_ineligible(model, processor) -> Optional[str]:
     """Why a distillation call's sequence layout cannot take the fused path, or None: the placeholder stands
     for the logits of the hidden states' own rows, which packed (padding-free) batches, Ulysses sequence
     parallelism (transformers) and context parallelism (Megatron) re-split or re-order after the head."""
-    if getattr(processor, "padding_free", False):
+    if twinkle_names.padding_free(processor):
         return "a distillation call on packed (padding-free) batches"
-    if getattr(model, "_enable_sp", False):
+    if twinkle_names.sequence_parallel(model):
         return "a distillation call under sequence parallelism (Ulysses)"
     try:
         from megatron.core import parallel_state as mpu
@@ -139,10 +129,13 @@ class _Teacher:
         return ids, values
 
 
-def gkd_call(original, fused: bool):
+def gkd_call(original, plan):
     """``GKDLoss.__call__``: from the placeholder on the fused path, from the logits where covered, else
     twinkle's own."""
-    twinkles_divergence = vars(gkd_loss_class())["_generalized_jsd_loss"].__func__  # (as installed over)
+    fused = plan.fused
+    twinkles_divergence = twinkle_names.gkd_divergence()  # (as installed over)
+    # twinkle-kit 0.4.0 masks label -100 whatever the loss's ignore_index: calls with another are left to it
+    masks_ignore_index = plan.features["gkd_ignore_index"]
 
     def __call__(self, inputs, outputs, *, teacher_logits=None, teacher_topk_logprobs=None, teacher_topk_indices=None,
                  topk=None, **kwargs):
@@ -164,7 +157,8 @@ def gkd_call(original, fused: bool):
                                "not exist on the fused path. install(fused_lm_head=False) runs twinkle-kit "
                                "unchanged.")
         # (a class whose divergence is not twinkle-kit's own, a subclass's or one replaced since, computes its own)
-        if logits is not None and labels is not None and type(self)._generalized_jsd_loss is twinkles_divergence:
+        if logits is not None and labels is not None and type(self)._generalized_jsd_loss is twinkles_divergence \
+                and (masks_ignore_index or self.ignore_index == fused_head.IGNORE_INDEX):
             result = _gkd_from_logits(self, labels, logits, teacher)
             if result is not None:
                 return result
@@ -206,8 +200,6 @@ def _count_accuracy(head: fused_head.DeferredHead, inputs, labels) -> None:
 
 def _gkd_from_logits(loss, labels, logits, teacher_kwargs):
     """GKDLoss from the student's logits (the call covered), or None (twinkle's own code runs)."""
-    from twinkle.data_format import LossOutput
-
     from twinkle_mem import gkd_average, gkd_from_logits, gkd_topk_from_logits
     group = tensor_parallel_group()  # the logits are this rank's vocab shard under Megatron's TP
     if not _has_topk_teacher(teacher_kwargs) and (
@@ -227,12 +219,10 @@ def _gkd_from_logits(loss, labels, logits, teacher_kwargs):
         per_token = gkd_topk_from_logits(logits, ids, logprobs, labels, process_group=group, **options)
     else:
         per_token = gkd_from_logits(logits, teacher.logits, labels, topk=teacher.topk, **options)
-    return LossOutput(loss=gkd_average(per_token, labels, loss.ignore_index), num_tokens=0)
+    return twinkle_names.loss_output(gkd_average(per_token, labels, loss.ignore_index))
 
 
 def _fused_gkd(loss, labels, head: fused_head.DeferredHead, teacher_kwargs):
-    from twinkle.data_format import LossOutput
-
     from twinkle_mem import gkd_average, linear_gkd_full, linear_gkd_topk
     if teacher_kwargs["teacher_logits"] is None and not _has_topk_teacher(teacher_kwargs):
         raise RuntimeError("twinkle-mem fused LM head: GKDLoss got the output layer's placeholder without a teacher "
@@ -266,4 +256,4 @@ def _fused_gkd(loss, labels, head: fused_head.DeferredHead, teacher_kwargs):
             ids, logprobs = ids.transpose(0, 1), logprobs.transpose(0, 1)
         per_token = linear_gkd_topk(hidden, head.weight, ids, logprobs, labels, process_group=head.process_group,
                                     **options)
-    return LossOutput(loss=gkd_average(per_token, labels, loss.ignore_index), num_tokens=0)
+    return twinkle_names.loss_output(gkd_average(per_token, labels, loss.ignore_index))

@@ -5,7 +5,7 @@ import warnings
 from collections.abc import Mapping
 from typing import List, Optional
 
-from ._model import optimizer_group
+from . import twinkle_names
 
 
 class FailedMicroBatchWarning(UserWarning):
@@ -27,8 +27,7 @@ warnings.filterwarnings("always", category=FailedMicroBatchWarning, append=True)
 def report_failed_micro_batches(model, kwargs, out, failed: List[int]) -> None:
     """Put NaN rows where the failed micro-batches' log-probs belong (in the returned output and in
     twinkle's train/eval status), and warn, naming them."""
-    group = optimizer_group(model, kwargs)
-    status = group.eval_status if kwargs.get("forward_only", False) else group.train_status
+    status = twinkle_names.status(model, kwargs, kwargs.get("forward_only", False))
     logps, rows = align_failed(out.get("logps"), status.inputs, failed)
     out["logps"] = logps
     if isinstance(getattr(status, "outputs", None), Mapping):

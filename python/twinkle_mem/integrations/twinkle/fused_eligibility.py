@@ -6,7 +6,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from . import distill_loss
+from . import distill_loss, twinkle_names
 from .fused_head import IGNORE_INDEX
 
 # Config attributes that mean the logits are transformed after the output layer.
@@ -29,7 +29,7 @@ def call_ineligible(kwargs, loss) -> Optional[str]:
         return f"the loss {type(loss).__name__} needs values (require_values)"
     if not getattr(loss, "require_logps", True):
         return f"the loss {type(loss).__name__} does not use log-probs (require_logps=False)"
-    inner = distill_loss.unwrapped(loss)
+    inner = twinkle_names.unwrapped_loss(loss)
     if getattr(inner, "ignore_index", IGNORE_INDEX) != IGNORE_INDEX:
         return f"the loss ignores label {inner.ignore_index}, twinkle's forward step ignores {IGNORE_INDEX}"
     return None
@@ -64,7 +64,6 @@ def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
     why the fused path cannot apply."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import ColumnParallelLinear
-    from twinkle.patch.megatron_emb import _find_post_process_owner
     known_postprocess = {GPTModel._postprocess}
     known_output_layer = set()
     labels_free_mtp = set()  # post-processings that run no MTP head when the model is called without labels
@@ -75,7 +74,7 @@ def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
         labels_free_mtp.add(bridge.GPTModel._postprocess)
     layers = []
     for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
-        owner = _find_post_process_owner(chunk)
+        owner = twinkle_names.post_process_owner(chunk)
         if owner is None:
             continue  # not the last pipeline stage
         layer, config, cls = owner.output_layer, owner.config, type(owner)
@@ -106,10 +105,9 @@ def megatron_output_layers(model_chunks) -> Tuple[List[Any], Optional[str]]:
 def megatron_output_weights(model_chunks) -> List[torch.Tensor]:
     """The weights the output layers of a MegatronModel's chunks compute with: their own, or the word
     embeddings' where they share them and the layer holds none (the embedding on the same stage)."""
-    from twinkle.patch.megatron_emb import _find_post_process_owner
     weights = []
     for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
-        owner = _find_post_process_owner(chunk)
+        owner = twinkle_names.post_process_owner(chunk)
         if owner is not None:
             weight = owner.output_layer.weight
             weights.append(owner.shared_embedding_or_output_weight() if weight is None else weight)

@@ -1,4 +1,4 @@
-"""The fused LM head for twinkle-kit 0.5.1: log-probs and entropy from the output layer's input.
+"""The fused LM head for twinkle-kit: log-probs and entropy from the output layer's input.
 
 This module owns the per-call state (:class:`FusedCall`: only its methods and this module's
 functions change it), when the fused path applies, and the deferred output layers.
@@ -11,7 +11,7 @@ of a micro-batch, it computes the log-probs (and entropy) of that micro-batch's
 labels with ``twinkle_mem.linear_selective_log_softmax`` from its own input and
 weight, and returns a zero-width placeholder ``[..., 0]`` instead. twinkle then
 calls ``selective_log_softmax(placeholder, masked_labels)``; the installed
-adapter (``integrations/twinkle/__init__.py``) calls :func:`take` there, which hands back
+adapter (``integrations/twinkle/patches.py``) calls :func:`take` there, which hands back
 the results computed for that placeholder. The logits never exist.
 
 What makes this the same computation as twinkle's:
@@ -236,7 +236,7 @@ def mtp_called_without_labels(model_chunks, call: FusedCall) -> Iterator[None]:
     called with labels; twinkle's forward step pops them, so there the output layer runs once per
     micro-batch. A call with labels (not twinkle's) runs unchanged: the deferred forward steps aside.
     """
-    from twinkle.patch.megatron_emb import _find_post_process_owner
+    from .twinkle_names import post_process_owner
     handles = []
 
     def before(module, args, kwargs):
@@ -248,7 +248,7 @@ def mtp_called_without_labels(model_chunks, call: FusedCall) -> Iterator[None]:
 
     try:
         for chunk in model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]:
-            owner = _find_post_process_owner(chunk)
+            owner = post_process_owner(chunk)
             if owner is not None and getattr(owner.config, "mtp_num_layers", None):
                 handles.append(owner.register_forward_pre_hook(before, with_kwargs=True))
                 handles.append(owner.register_forward_hook(after, with_kwargs=True, always_call=True))

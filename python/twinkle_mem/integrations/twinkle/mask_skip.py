@@ -8,7 +8,7 @@ from contextvars import ContextVar
 
 from twinkle_mem.processor import dense_causal_mask, resolve_mask_type, skip_dense_mask
 
-from . import fused_head
+from . import fused_head, twinkle_names
 
 
 _skip_mask: ContextVar[bool] = ContextVar("twinkle_mem_skip_mask", default=False)
@@ -29,7 +29,12 @@ class _SkippedMask:
 _SKIPPED = _SkippedMask()
 
 
-def create_4d_attention_mask(attention_mask):
+def create_4d_attention_mask(original, plan):
+    """``InputProcessor._create_4d_attention_mask`` under install(): :func:`dense_mask`."""
+    return dense_mask
+
+
+def dense_mask(attention_mask):
     """Collate's dense-mask builder: nothing on the skipped path, one allocation otherwise."""
     if _skip_mask.get():
         return _SKIPPED
@@ -37,7 +42,9 @@ def create_4d_attention_mask(attention_mask):
     return dense_causal_mask([m.shape[0] for m in attention_mask], device=attention_mask[0].device)
 
 
-def processor_call(original, platform, mode):
+def processor_call(original, plan):
+    """``InputProcessor.__call__`` under install(), with its ``mask_skip`` mode."""
+    platform, mode = twinkle_names.platform(), plan.settings["mask_skip"]
 
     @functools.wraps(original)
     def __call__(self, inputs, **kwargs):
@@ -65,6 +72,14 @@ def _drop_skipped(outputs):
     for feature in outputs if isinstance(outputs, list) else [outputs]:
         if isinstance(feature, dict):
             for key, value in feature.items():
-                if value is _SKIPPED:
+                if _skipped(value):
                     feature[key] = None
     return outputs
+
+
+def _skipped(value) -> bool:
+    """The marker, also as twinkle-kit 0.4.0's ``to_transformers_dict`` hands it on: ``np.array(marker)``."""
+    if value is _SKIPPED:
+        return True
+    import numpy as np
+    return isinstance(value, np.ndarray) and value.dtype == object and value.size == 1 and value.flat[0] is _SKIPPED

@@ -14,8 +14,8 @@ import torch
 from twinkle_mem.megatron import current_logits_reporting, guard_report
 from twinkle_mem.megatron import logits_guard as _logits_guard
 
-from . import distill_loss, fused_eligibility, fused_head
-from ._model import loss_instance, optimizer_group, tensor_parallel_group
+from . import distill_loss, fused_eligibility, fused_head, twinkle_names
+from ._model import tensor_parallel_group
 from .failed_micro_batches import report_failed_micro_batches
 
 logger = logging.getLogger("twinkle_mem")
@@ -24,21 +24,16 @@ logger = logging.getLogger("twinkle_mem")
 _STEPS: ContextVar[Optional["_MegatronSteps"]] = ContextVar("twinkle_mem_megatron_steps", default=None)
 
 
-def megatron_pipeline_parallel():
-    try:
-        import megatron.core.pipeline_parallel as pipeline_parallel
-    except ImportError:
-        return None
-    return pipeline_parallel
-
-
-def megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: Optional[int]):
+def megatron_forward_backward(original, plan):
+    """``MegatronModel.forward_backward`` under install(): twinkle-mem's logits guard where ``plan.megatron_guard``,
+    failed micro-batches reported where ``plan.megatron_failures``, the fused head where ``plan.megatron_fused``."""
+    guard, fused, chunk_bytes = plan.megatron_guard, plan.megatron_fused, plan.chunk_bytes
 
     @functools.wraps(original)
     def forward_backward(self, *args, **kwargs):
         if _STEPS.get() is not None:  # nested (a subclass's forward_backward through this one): hooked outside
             return original(self, *args, **kwargs)
-        loss = loss_instance(self, kwargs)
+        loss = twinkle_names.loss_instance(self, kwargs)
         forward_only = kwargs.get("forward_only", False)
         steps = _MegatronSteps(self, kwargs, loss)
         with contextlib.ExitStack() as stack:
@@ -49,16 +44,16 @@ def megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: O
                 stack.enter_context(_logits_guard(return_logits=kwargs.get("return_logits", False),
                                                   forward_only=forward_only))
             if fused:
-                steps.fused = stack.enter_context(_fused_megatron(self, kwargs, loss, chunk_bytes, guard))
+                steps.fused = stack.enter_context(_fused_megatron(self, kwargs, loss, plan))
                 if steps.fused is not None and steps.fused.distill:  # a loss without log-probs for this call
                     steps.expects_logps = False
-                    steps.reports_none_logps = getattr(self, "variable_seq_lengths", False)
+                    steps.reports_none_logps = twinkle_names.variable_seq_lengths(self)
             token = _STEPS.set(steps)
             stack.callback(_STEPS.reset, token)
             out = original(self, *args, **kwargs)
         if steps.refused:
             _refusals_after_the_step(steps.refused)
-        if guard and steps.failed:
+        if plan.megatron_failures and steps.failed:
             report_failed_micro_batches(self, kwargs, out, steps.failed)
         return out
 
@@ -66,17 +61,17 @@ def megatron_forward_backward(original, guard: bool, fused: bool, chunk_bytes: O
 
 
 @contextlib.contextmanager
-def _fused_megatron(model, kwargs, loss, chunk_bytes, guard):
+def _fused_megatron(model, kwargs, loss, plan):
     """The fused call for one MegatronModel.forward_backward, or None where it does not apply."""
+    chunk_bytes = plan.chunk_bytes
     reason = fused_eligibility.call_ineligible(kwargs, loss)
     distill = reason is None and distill_loss.is_gkd_call(kwargs, loss)
-    if distill and not guard:  # its log-probs are None: twinkle-kit 0.5.1 passes those to torch.cat
-        reason = "a fused distillation call needs the logits guard (install(logits_guard=True))"
-    if distill and reason is None:
-        reason = distill_loss.layout_ineligible(model, optimizer_group(model, kwargs).processor)
+    if distill:
+        reason = plan.fused_distillation("megatron") or distill_loss.layout_ineligible(
+            model, twinkle_names.call_processor(model, kwargs))
     layers = []
     if reason is None:
-        model._lazy_wrap_model()  # twinkle's first step anyway: decide on the model as it will run
+        twinkle_names.lazy_wrap_model(model)  # twinkle's first step anyway: decide on the model as it will run
         layers, reason = fused_eligibility.megatron_output_layers(model.model)
         if distill and reason is None and layers:
             group = tensor_parallel_group()
@@ -132,7 +127,7 @@ def _pipeline_group():
     return mpu.get_pipeline_model_parallel_group()
 
 
-def scheduler_with_step_hooks(original):
+def scheduler_with_step_hooks(original, plan):
     """megatron-core's get_forward_backward_func; inside a hooked forward_backward, its schedule
     runs twinkle's forward step through _MegatronSteps."""
 
@@ -181,7 +176,7 @@ class _MegatronSteps:
         # No log-probs wanted, variable lengths: twinkle's own `logps` is a list of None per micro-batch, so a
         # None from a micro-batch is no failure and stays in the report (with fixed lengths twinkle-kit 0.5.1
         # hands those None to torch.cat, which raises: the guard's fix, `logps` None, stands there).
-        self.reports_none_logps = not self.expects_logps and getattr(model, "variable_seq_lengths", False)
+        self.reports_none_logps = not self.expects_logps and twinkle_names.variable_seq_lengths(model)
         self.fused: Optional[fused_head.FusedCall] = None
         self.labels = None
         self.loss_steps = 0  # micro-batches seen by the last pipeline stage
@@ -204,8 +199,8 @@ class _MegatronSteps:
                 return output, loss_func
             index = self.loss_steps
             self.loss_steps += 1
-            keywords = getattr(loss_func, "keywords", {})  # twinkle's partial(post_loss_function, ...)
-            lost = self.expects_logps and self.labels is not None and "logps" in keywords and keywords["logps"] is None
+            handed, logps = twinkle_names.forward_step_log_probs(loss_func)
+            lost = self.expects_logps and self.labels is not None and handed and logps is None
             if call is not None and call.deferred != deferred:
                 # This micro-batch went through the fused head. Never raise here: under pipeline parallelism
                 # the other stages would wait in their p2p receives (see _refusals_after_the_step).
@@ -226,7 +221,7 @@ class _MegatronSteps:
 
     def _last_stage(self, chunk) -> bool:
         from megatron.core import parallel_state as mpu
-        unwrapped = self.model.strategy.unwrap_model([chunk])[0]
+        unwrapped = twinkle_names.unwrap_model(self.model, [chunk])[0]
         return mpu.is_pipeline_last_stage(False, getattr(unwrapped, "vp_stage", None))
 
 
@@ -242,14 +237,16 @@ def _refusals_after_the_step(refused: List[Tuple[int, str]]) -> None:
                        "unchanged.")
 
 
-def guarded_reduce_loss(original):
+def guarded_reduce_loss(original, plan):
+    """``MegatronStrategy.reduce_loss`` under the logits guard: the report keeps logits only when wanted."""
 
     @functools.wraps(original)
     def reduce_loss(self, local_loss, local_count, logits, logps):
         keep_logits = current_logits_reporting()
         if keep_logits is None:  # called outside forward_backward: twinkle's behaviour
             return original(self, local_loss, local_count, logits, logps)
-        loss, count, report = original(self, local_loss, local_count, logits if keep_logits else None, logps)
+        # (twinkle's own detaches the logits: a view, dropped from the report just below; 0.4.0's detaches None too)
+        loss, count, report = original(self, local_loss, local_count, logits, logps)
         # Leaving out None entries makes twinkle's `'logps' in report` collection skip failed micro-batches.
         report = guard_report(report, keep_logits)
         steps = _STEPS.get()

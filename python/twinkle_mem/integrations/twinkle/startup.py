@@ -7,16 +7,18 @@ in site-packages by ``pip install``) right after twinkle's package has been impo
 
 Values: unset, empty or ``0``: off. ``1``: ``install()`` with its defaults. Otherwise a comma-separated
 list of ``install()``'s keyword arguments, a bare name meaning ``True``:
-``fused_lm_head,mask_skip=always,fused_chunk_bytes=128M``. A value that is none of these, or an
-``install()`` that refuses (an unsupported twinkle-kit), makes ``import twinkle`` raise, so the job fails
-at its start instead of training with twinkle-kit as shipped.
+``fused_lm_head,mask_skip=always,fused_chunk_bytes=128M``. A value that is none of these, or a part of
+twinkle-kit that ``install()`` does not recognize (twinkle_names.py), makes ``import twinkle`` raise, so the
+job fails at its start instead of training with twinkle-kit as shipped. ``import twinkle`` itself imports no
+more than it did: install() patches each twinkle module when the process imports it (patches.py), and this
+module and those it imports need no torch.
 """
 import logging
 import os
 import re
 from typing import Any, Callable, Dict, Optional
 
-from twinkle_mem.processor import MASK_SKIP_MODES
+from . import MASK_SKIP_MODES
 
 ENV_VAR = "TWINKLE_MEM_INSTALL"
 HOOK_PTH = "twinkle_mem_startup.pth"  # imports twinkle_mem_startup, the hook itself
@@ -89,8 +91,6 @@ def parse(value: Optional[str]) -> Optional[Dict[str, Any]]:
             raise _error(value, f"{part!r}: {name} {why}") from None
     if not options:
         raise _error(value, "no argument given")
-    if "fused_chunk_bytes" in options and not options.get("fused_lm_head", False):
-        raise _error(value, "fused_chunk_bytes sets the fused LM head's block memory: it needs fused_lm_head")
     from . import check_settings
     try:
         check_settings(options)
@@ -148,17 +148,20 @@ def hook_status() -> str:
 def install_from_environment() -> Optional[Dict[str, Any]]:
     """Run by the start-up hook right after twinkle's package is imported: install() as the variable asks.
 
-    Returns the options installed (``None`` when off). Any failure raises, naming the variable."""
-    from . import install
+    Returns the options installed (``None`` when off). Any failure raises, naming the variable; so does a part
+    of twinkle-kit install() does not recognize (an explicit install() would leave it as shipped)."""
+    from . import install, install_settings
     value = os.environ.get(ENV_VAR)
     options = parse(value)
     if options is None:
         return None
     try:
-        install(**options)
+        install_settings({**install.__kwdefaults__, **options}, strict=True)
     except Exception as error:
         raise RuntimeError(f"{ENV_VAR}={value!r}: {install_call(options)} failed when twinkle was imported: "
-                           f"{error}") from error
+                           f"{error}. To run twinkle-kit as shipped, unset {ENV_VAR} (or set it to 0); "
+                           "install() called in the script patches the parts it recognizes and leaves the others "
+                           "as shipped.") from error
     _announce(value, options)
     return options
 
@@ -180,10 +183,10 @@ def _announce(value: str, options: Dict[str, Any]) -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
         logger.addHandler(handler)
-    from twinkle.version import __version__
+    from .twinkle_names import version
     rank = os.environ.get("RANK")
     where = f"pid {os.getpid()}" + (f", rank {rank}" if rank is not None else "")
     if os.environ.get("LOCAL_RANK") is not None:
         where += f", local rank {os.environ['LOCAL_RANK']}"
-    logger.info("twinkle-mem installed into twinkle-kit %s by %s=%r: %s (%s)", __version__, ENV_VAR, value,
+    logger.info("twinkle-mem installed into twinkle-kit %s by %s=%r: %s (%s)", version(), ENV_VAR, value,
                 install_call(options), where)

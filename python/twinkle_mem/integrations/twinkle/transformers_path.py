@@ -15,17 +15,33 @@
 import contextlib
 import functools
 import logging
-from typing import Optional
 
 import torch
 
-from . import distill_loss, fused_eligibility, fused_head
-from ._model import loss_instance, optimizer_group
+from . import distill_loss, fused_eligibility, fused_head, twinkle_names
 
 logger = logging.getLogger("twinkle_mem")
 
 
-def transformers_model_forward(original, chunk_bytes: Optional[int]):
+def forward(original, plan):
+    """``TransformersModel.forward`` under install()."""
+    return _forward(original, plan, "train_status")
+
+
+def forward_only(original, plan):
+    """``TransformersModel.forward_only`` under install()."""
+    return _forward(original, plan, "eval_status")
+
+
+def _forward(original, plan, status: str):
+    if plan.transformers_fused:
+        original = transformers_model_forward(original, plan)
+    if plan.transformers_drop:  # outermost: notes return_logits once twinkle's forward has filled the status
+        original = forward_noting_return_logits(original, status)
+    return original
+
+
+def transformers_model_forward(original, plan):
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -33,7 +49,7 @@ def transformers_model_forward(original, chunk_bytes: Optional[int]):
             return original(self, *args, **kwargs)
         # forward_only computes no loss: a distillation call there would defer a head nothing reads
         train = original.__name__ == "forward"
-        with _fused_transformers(self, {**kwargs, "forward_only": not train}, chunk_bytes) as call:
+        with _fused_transformers(self, {**kwargs, "forward_only": not train}, plan) as call:
             out = original(self, *args, **kwargs)
             if call is not None:
                 call.check_taken(f"TransformersModel.{original.__name__}")
@@ -43,16 +59,18 @@ def transformers_model_forward(original, chunk_bytes: Optional[int]):
 
 
 @contextlib.contextmanager
-def _fused_transformers(model, kwargs, chunk_bytes):
+def _fused_transformers(model, kwargs, plan):
     """The fused call for one TransformersModel.forward / forward_only, or None where it does not apply."""
-    loss = loss_instance(model, kwargs)
+    loss = twinkle_names.loss_instance(model, kwargs)
     reason = fused_eligibility.call_ineligible(kwargs, loss)
     if reason is None:
-        model._lazy_wrap_model()  # twinkle's first step anyway: decide on the model as it will run
-        head, reason = fused_eligibility.transformers_lm_head(model.model, model.strategy.unwrap_model(model.model))
+        twinkle_names.lazy_wrap_model(model)  # twinkle's first step anyway: decide on the model as it will run
+        head, reason = fused_eligibility.transformers_lm_head(model.model,
+                                                              twinkle_names.unwrap_model(model, model.model))
     distill = reason is None and distill_loss.is_gkd_call(kwargs, loss)
     if distill:
-        reason = (distill_loss.layout_ineligible(model, optimizer_group(model, kwargs).processor)
+        reason = (plan.fused_distillation("transformers")
+                  or distill_loss.layout_ineligible(model, twinkle_names.call_processor(model, kwargs))
                   or distill_loss.teacher_ineligible(kwargs, head.weight.shape[0], tensor_parallel=False))
     if reason is not None:
         logger.debug("twinkle-mem fused LM head not used: %s", reason)
@@ -60,8 +78,8 @@ def _fused_transformers(model, kwargs, chunk_bytes):
         return
     # twinkle's Accuracy (the model's default metric) reads the step's logits: a distillation call's loss counts
     # it from their argmax over vocab blocks instead (distill_loss.py)
-    accuracy = _accuracy_metrics(optimizer_group(model, kwargs).train_status) if distill else ()
-    call = fused_head.FusedCall.for_call(kwargs, loss, chunk_bytes, labels_from_processor=True, distill=distill,
+    accuracy = _accuracy_metrics(twinkle_names.status(model, kwargs, forward_only=False)) if distill else ()
+    call = fused_head.FusedCall.for_call(kwargs, loss, plan.chunk_bytes, labels_from_processor=True, distill=distill,
                                          accuracy=accuracy)
     with fused_head.deferred([head], fused_head.transformers_forward, call), \
             distill_loss.without_log_probs(loss) if distill else contextlib.nullcontext():
@@ -69,8 +87,8 @@ def _fused_transformers(model, kwargs, chunk_bytes):
 
 
 def _accuracy_metrics(status) -> tuple:
-    from twinkle.metric import Accuracy
-    return tuple(m for m in getattr(status, "metrics", ()) if type(m) is Accuracy)
+    accuracy = twinkle_names.accuracy_class()
+    return tuple(m for m in getattr(status, "metrics", ()) if type(m) is accuracy)
 
 
 # --- the step's logits, dropped once its loss has used them --------------------------------------------------
@@ -87,47 +105,40 @@ def forward_noting_return_logits(original, status_name: str):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
-        if _remote_handle(self):
+        if twinkle_names.remote_handle(self):
             return out
-        status = getattr(optimizer_group(self, kwargs), status_name)
+        status = twinkle_names.status(self, kwargs, forward_only=status_name == "eval_status")
         setattr(status, RETURN_LOGITS, bool(kwargs.get("return_logits", False)))
         return out
 
     return forward
 
 
-def calculate_loss_dropping_logits(original):
+def calculate_loss_dropping_logits(original, plan):
     """``calculate_loss``: twinkle's, then the step's logits dropped from the status the loss read."""
 
     @functools.wraps(original)
     def calculate_loss(self, **kwargs):
         result = original(self, **kwargs)
-        if _remote_handle(self):
+        if twinkle_names.remote_handle(self):
             return result
-        group = optimizer_group(self, kwargs)
-        drop_step_logits(group.train_status if self.model.training else group.eval_status)  # twinkle's choice
+        drop_step_logits(twinkle_names.status(self, kwargs, forward_only=not self.model.training))  # twinkle's choice
         return result
 
     return calculate_loss
-
-
-def _remote_handle(model) -> bool:
-    """Whether ``model`` is twinkle's Ray driver-side handle (its methods ran in the workers, which hold the
-    state; ``remote_class`` gives the handle no ``optimizer_group``)."""
-    return "optimizer_group" not in vars(model) and not hasattr(type(model), "optimizer_group")
 
 
 def drop_step_logits(status) -> bool:
     """Drop ``status.outputs['logits']`` where nothing can tell: the caller did not ask for them and every
     metric of the status is twinkle's ``Accuracy`` (given its count of the step now) or a twinkle metric that
     never reads them. Returns whether they were dropped."""
-    from twinkle.metric import Accuracy
+    Accuracy = twinkle_names.accuracy_class()
     outputs = status.outputs
     if getattr(status, RETURN_LOGITS, True) or outputs is None or not isinstance(outputs.get("logits"),
                                                                                    torch.Tensor):
         return False
     # Exact classes: a subclass (or a user's metric) may read the logits at the next step.
-    if any(type(m) is not Accuracy and type(m) not in _metrics_without_logits() for m in status.metrics):
+    if any(type(m) is not Accuracy and type(m) not in twinkle_names.metrics_without_logits() for m in status.metrics):
         return False
     accuracies = [m for m in status.metrics if type(m) is Accuracy]
     counts = [(m.total_correct, m.total_count) for m in accuracies]
@@ -146,11 +157,3 @@ def drop_step_logits(status) -> bool:
         if isinstance(outputs.get(key), torch.Tensor):
             outputs[key] = outputs[key].detach()
     return True
-
-
-def _metrics_without_logits():
-    """twinkle-kit 0.5.1's metrics that never read ``outputs['logits']`` (EmbeddingMetric reads them: the
-    sentence embeddings of the embedding task)."""
-    from twinkle import metric
-    return (metric.LossMetric, metric.TrainMetric, metric.CompletionRewardMetric, metric.DPOMetric,
-            metric.GRPOMetric, metric.PPOMetric, metric.GSPOMetric, metric.CISPOMetric, metric.PPOValueMetric)

@@ -1,0 +1,45 @@
+// What the x86 paths' translation units (AVX2, AVX-512) share: the scalar
+// loads and stores of bf16 / fp16 bits for the row tails (row_kernels.h's
+// load_scalar / store_scalar; the rounding matches the vector stores'), and the
+// horizontal fold of 8 fp32 lanes. Like row_kernels.h, included once inside each
+// instruction set's namespace (no include guard, no #include: the includer has
+// included <cstring> and <immintrin.h>).
+#ifndef TWINKLE_MEM_ROW_KERNELS_ISA
+#error "x86_common.h: include it inside a per-ISA namespace, before row_kernels.h"
+#endif
+
+// bf16 and fp16 are both 16-bit patterns; tags tell the loads apart.
+struct bf16_bits { uint16_t bits; };
+struct fp16_bits { uint16_t bits; };
+
+inline float load_scalar(const float* p) { return *p; }
+inline float load_scalar(const bf16_bits* p) {
+  const uint32_t bits = uint32_t(p->bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float load_scalar(const fp16_bits* p) { return _cvtsh_ss(p->bits); }
+inline void store_scalar(float* p, float v) { *p = v; }
+// fp32 -> bf16 rounding to nearest even (subnormals kept); NaN becomes the quiet NaN 0x7FC0.
+inline void store_scalar(bf16_bits* p, float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  p->bits = v != v ? uint16_t(0x7FC0) : uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+inline void store_scalar(fp16_bits* p, float v) { p->bits = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
+
+// The max or sum of 8 lanes: halves folded, 256 -> 128 -> 64 -> 32 bits (lane 0 holds the result).
+struct FoldMax {
+  static __m128 op(__m128 a, __m128 b) { return _mm_max_ps(a, b); }
+};
+struct FoldAdd {
+  static __m128 op(__m128 a, __m128 b) { return _mm_add_ps(a, b); }
+};
+template <typename Fold>
+inline float fold8(__m256 v) {
+  __m128 m = Fold::op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = Fold::op(m, _mm_movehl_ps(m, m));
+  m = Fold::op(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
