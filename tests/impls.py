@@ -62,6 +62,8 @@ def on_cpu_path(path, fn):
 def narrower_cpu_paths() -> list[str]:
     """The CPU kernel paths below the widest, each one this CPU runs when capped at it."""
     widest = native.cpu_kernel_path("")
+    if widest is None:  # no native CPU library (a source tree without a build: gpu_check.sh --dry-run)
+        return []
     below = native.CPU_PATHS[native.CPU_PATHS.index(widest) + 1:]
     return [p for p in below if native.cpu_kernel_path(p) == p]
 
