@@ -361,7 +361,7 @@ using Ops = OpEntries<StableBackend<Kernels>>;
 }  // namespace cpu
 }  // namespace twinkle_mem
 
-// For _native.py (through ctypes): the CPU kernel path that TWINKLE_MEM_CPU_ISA = cap
+// For op/native.py (through ctypes): the CPU kernel path that TWINKLE_MEM_CPU_ISA = cap
 // selects (nullptr or "": the widest this CPU has), or nullptr for an unknown cap.
 extern "C" __attribute__((visibility("default"))) const char* twinkle_mem_cpu_kernel_path(const char* cap) {
   const twinkle_mem::cpu::RowKernels* k = twinkle_mem::cpu::row_kernels_for(cap);

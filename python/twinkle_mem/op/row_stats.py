@@ -77,7 +77,7 @@ def combine_shard_stats_in_tiles(tile, shift, log_sum, logp, entropy, owner, ign
     Why: torch's CPU loops give an element a result that can depend on where it sits in the tensor
     (a vector body or a scalar tail, the split across threads), and exp / logsumexp differ there
     in the last bit. Every call here sees tensors of the same shapes, so a row's merged statistics
-    depend on its own values only, not on N (linear.py's batch invariance relies on it).
+    depend on its own values only, not on N (the fused heads' batch invariance relies on it: heads/engine.py).
     """
     n = shift.shape[-1]
     assert n % tile == 0, (n, tile)
