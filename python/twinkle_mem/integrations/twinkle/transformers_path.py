@@ -138,7 +138,8 @@ def drop_step_logits(status) -> bool:
                                                                                    torch.Tensor):
         return False
     # Exact classes: a subclass (or a user's metric) may read the logits at the next step.
-    if any(type(m) is not Accuracy and type(m) not in twinkle_names.metrics_without_logits() for m in status.metrics):
+    without_logits = twinkle_names.metrics_without_logits()
+    if any(type(m) is not Accuracy and type(m) not in without_logits for m in status.metrics):
         return False
     accuracies = [m for m in status.metrics if type(m) is Accuracy]
     counts = [(m.total_correct, m.total_count) for m in accuracies]

@@ -238,8 +238,9 @@ class Found(NamedTuple):
 def recognize(folder: str) -> Found:
     """Read the twinkle package at ``folder`` (nothing imported) against NAMES and FEATURES."""
     source = src.TwinkleSource(folder)
-    return Found(folder, source.version(), {k: _check_name(source, n) for k, n in NAMES.items()},
-                 {k: check(source) for k, (_, check) in FEATURES.items()})
+    # The features first: they parse their functions whole, which the names' header checks then reuse.
+    features = {k: check(source) for k, (_, check) in FEATURES.items()}
+    return Found(folder, source.version(), {k: _check_name(source, n) for k, n in NAMES.items()}, features)
 
 
 def twinkle_folder() -> str:
@@ -254,10 +255,6 @@ def twinkle_folder() -> str:
 def found() -> Found:
     """The twinkle-kit of this process, as install() sees it."""
     return recognize(twinkle_folder())
-
-
-def has(feature: str) -> object:
-    return found().features[feature]
 
 
 # --- accessors: twinkle's objects and attributes, reached only here ---------------------------------------------
