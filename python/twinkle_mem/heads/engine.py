@@ -243,6 +243,13 @@ def _block_operands(weight, bias, v0, v1, operands: Operands, straight: bool):
     return operands(w), None if b is None else b.to(operands.acc)  # the one fp32 weight block
 
 
+def fake_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], need_hidden: bool, need_weight: bool,
+               need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Every head's backward, as its fake kernel gives it: a gradient not needed is an empty [0]."""
+    return (hidden.new_empty(hidden.shape if need_hidden else 0), weight.new_empty(weight.shape if need_weight else 0),
+            bias.new_empty(bias.shape) if need_bias else hidden.new_empty(0))
+
+
 # ------------------------------------------------------------------ the sweeps over vocab blocks
 def forward_sweep(tiles: RowTiles, weight: Tensor, bias: Optional[Tensor], plan: Plan,
                   step: Callable[[int, int, slice, Tensor], None]) -> None:

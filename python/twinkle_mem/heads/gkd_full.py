@@ -32,7 +32,7 @@ from ..distill.arguments import GkdOptions, check_teacher_logits, checked_gkd, f
 from ..distill.divergence import gkd_grad, gkd_terms, log_add_exp
 from ..op.contract import stats_dtype
 from ..op.op_args import call, named_inputs, pick, register_autograd
-from .engine import Needs, Plan, Rows, acc_dtype, backward_sweep, check_head_args, forward_sweep
+from .engine import Needs, Plan, Rows, acc_dtype, backward_sweep, check_head_args, fake_grads, forward_sweep
 
 FULL_BLOCK = 2048  # vocab columns per block of the float64 math
 # The rows' statistics, saved for backward: [N, STATS] float64.
@@ -47,7 +47,7 @@ def _plan(hidden: Tensor, v: int) -> Plan:
 
 
 def _fold(state, z: Tensor, temperature: float):
-    """(M, L) of the rows after one more block z [r, c] (fp32 logits, or float64): M the max, L = log sum
+    """(M, L) of the rows after one more block z [r, c] (logits of any float dtype): M the max, L = log sum
     exp((z - M) / T), in float64 (z - M formed in float64: exact for fp32 z), one float64 copy of the block
     worked in place. state None: the first block."""
     mb = z.amax(-1).double()
@@ -63,9 +63,8 @@ def _fold(state, z: Tensor, temperature: float):
 
 
 def _teacher_block(teacher: Tensor, ids: Tensor, v0: int, v1: int) -> Tensor:
-    """The rows ``ids`` of a teacher block, in the teacher's dtype (bf16 / fp16 to fp32)."""
-    t = teacher_rows(teacher[..., v0:v1], ids)
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+    """The rows ``ids`` of a teacher block, in the teacher's dtype (each use widens it to float64, exactly)."""
+    return teacher_rows(teacher[..., v0:v1], ids)
 
 
 def _normalized(x: Tensor, t: Tensor, stats: Tensor, gkd: GkdOptions) -> tuple[Tensor, Tensor]:
@@ -148,8 +147,7 @@ def gkd_full_bwd(grad_loss: Tensor, stats: Tensor, hidden: Tensor, weight: Tenso
 @gkd_full_bwd.register_fake
 def _gkd_full_bwd_fake(grad_loss, stats, hidden, weight, bias, teacher, labels, beta, temperature,
                        teacher_temperature, ignore_index, need_hidden, need_weight, need_bias):
-    return (hidden.new_empty(hidden.shape if need_hidden else 0), weight.new_empty(weight.shape if need_weight else 0),
-            bias.new_empty(bias.shape) if need_bias else hidden.new_empty(0))
+    return fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def _setup_context(ctx, inputs, output):

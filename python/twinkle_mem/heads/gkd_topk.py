@@ -44,7 +44,7 @@ from ..distill.topk_teacher import topk_rows, topk_upstream
 from ..op.contract import stats_dtype
 from ..op.op_args import call, named_inputs, pick, register_autograd
 from ..op.vocab_parallel import VocabShard
-from .engine import Needs, Rows, check_head_args, gathered_backward, gathered_logits
+from .engine import Needs, Rows, check_head_args, fake_grads, gathered_backward, gathered_logits
 
 # The gathered weight rows of one row tile, in fp32: R k H 4 bytes at most this (and R <= MAX_TILE_ROWS).
 # With the tile's copy in the input dtype and the hidden tile, a pass holds about twice this at once.
@@ -97,8 +97,7 @@ def gkd_bwd(grad_loss: Tensor, coef: Tensor, hidden: Tensor, weight: Tensor, bia
 @gkd_bwd.register_fake
 def _gkd_bwd_fake(grad_loss, coef, hidden, weight, bias, teacher_ids, labels, ignore_index, vocab_start, need_hidden,
                   need_weight, need_bias):
-    return (hidden.new_empty(hidden.shape if need_hidden else 0), weight.new_empty(weight.shape if need_weight else 0),
-            bias.new_empty(bias.shape) if need_bias else hidden.new_empty(0))
+    return fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def _setup_context(ctx, inputs, output):

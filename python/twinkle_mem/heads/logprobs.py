@@ -41,8 +41,8 @@ from ..op.contract import check_index_and_options, check_op_label_range, ignore_
 from ..op.op_args import call, named_inputs, pick, register_autograd
 from ..op.row_stats import combine_shard_stats_in_tiles, output_shift
 from ..op.vocab_parallel import VocabShard, gather_shard_stats
-from .engine import (Needs, Plan, Rows, backward_sweep, block_width, check_head_args, forward_sweep, tile_bytes,
-                     tiles_in_flight)
+from .engine import (Needs, Plan, Rows, backward_sweep, block_width, check_head_args, fake_grads, forward_sweep,
+                     tile_bytes, tiles_in_flight)
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 
@@ -197,8 +197,7 @@ def linear_bwd(grad_logp: Tensor, grad_entropy: Optional[Tensor], hidden: Tensor
 @linear_bwd.register_fake
 def _linear_bwd_fake(grad_logp, grad_entropy, hidden, weight, bias, labels, shift, log_sum, entropy,
                      inv_temperature, ignore_index, chunk_bytes, vocab_start, need_hidden, need_weight, need_bias):
-    return (hidden.new_empty(hidden.shape if need_hidden else 0), weight.new_empty(weight.shape if need_weight else 0),
-            bias.new_empty(bias.shape) if need_bias else hidden.new_empty(0))
+    return fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
 def _setup_context(ctx, inputs, output):
