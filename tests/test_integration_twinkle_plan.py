@@ -245,3 +245,29 @@ def test_a_planned_call():
     none = fused_plan.plan_call(fake_path("megatron", layers=[], checked=checked.append), FakeModel(), {},
                                 losses()["grpo"], the_plan())
     assert none == (None, [], None) and checked[-1] == []
+
+
+def test_fused_gkd_on_a_tied_megatron_model(monkeypatch):
+    """The teacher's vocab check reads a tied output layer's vocab from the word embeddings it shares (the layer
+    holds no weight): the call is fused, with install()'s loss and gradients."""
+    from twinkle.loss.gkd import GKDLoss
+    planned = []
+    real = fused_plan.plan_call
+    monkeypatch.setattr(fused_plan, "plan_call", lambda *args: planned.append(real(*args)) or planned[-1])
+    runs = []
+    for fused in (False, True):
+        integration.install(mask_skip="never", fused_lm_head=fused)
+        try:
+            net = th.gpt_model(VOCAB, tied=True)
+            assert net.output_layer.weight is None
+            model = th.twinkle_megatron_model(net, loss=GKDLoss(beta=0.5, temperature=1.0))
+            out = model.forward_backward(inputs=th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT), temperature=0.7,
+                                         micro_batch_size=2, **gkd_teacher())
+            runs.append((float(out["loss"]), {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}))
+        finally:
+            integration.uninstall()
+    assert [type(p.call.head) for p in planned] == [distill_loss.GKD]
+    (want, want_grads), (got, got_grads) = runs
+    assert got == pytest.approx(want, rel=1e-4) and got_grads.keys() == want_grads.keys()
+    for name, grad in got_grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-5, msg=name)
