@@ -5,7 +5,8 @@ twinkle-kit is recognized (by its code, not its version string) and every twinkl
 touches: ``twinkle_names.py``. What is replaced, and when (each twinkle module when the process imports it):
 ``patches.py``. Each patched concern lives in a module of its own: ``mask_skip`` (the causal-mask skip),
 ``megatron_steps`` (twinkle's Megatron forward_backward, the scheduler's step hooks, the guarded reduce_loss),
-``failed_micro_batches``, ``transformers_path`` (twinkle's TransformersModel), ``fused_head`` (the deferred
+``failed_micro_batches``, ``transformers_path`` (twinkle's TransformersModel), ``fused_plan`` (a fused call
+planned, for both paths), ``loss_heads`` (the loss heads a fused call serves), ``fused_head`` (the deferred
 output layer) and ``distill_loss`` (GKDLoss).
 
 ``install()`` patches, in the current process (in Ray mode: in every worker that runs a model; call it

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import fused_head, twinkle_names
+from . import fused_head, loss_heads, twinkle_names
 from ._model import tensor_parallel_group
 
 
@@ -105,6 +105,77 @@ def without_log_probs(loss):
             del loss.require_logps
 
 
+# A distillation call runs without twinkle's division of the logits by its temperature (it reads
+# require_logps = False): the head must defer, never hand real logits to twinkle's GKD.
+_CANNOT_DEFER = ("a distillation call's output layer was called where it cannot defer (no labels for the micro-batch, "
+                 "its input not matching them, a gathered output or a model called with labels); refusing rather "
+                 "than handing twinkle's GKD logits it would not divide by the call's temperature. "
+                 "install(fused_lm_head=False) runs twinkle-kit unchanged.")
+
+
+@loss_heads.register
+class GKD(loss_heads.LossHead):
+    """The loss head of a GKD training step (:func:`is_gkd_call`): the deferred output layer returns a placeholder
+    carrying its input and weight (:class:`DeferredHead`), from which the patched ``GKDLoss.__call__`` computes
+    the loss; twinkle's forward step computes no log-probs for the call (:func:`without_log_probs`)."""
+    name = "GKD"
+    hands_log_probs = False
+    replaces_logits = True
+    cannot_defer = _CANNOT_DEFER
+
+    def __init__(self, accuracy: tuple = ()):
+        self.accuracy = accuracy  # twinkle's Accuracy metrics of the step, counted by the loss (_count_accuracy)
+
+    @classmethod
+    def claims(cls, kwargs, loss) -> bool:
+        return is_gkd_call(kwargs, loss)
+
+    @classmethod
+    def layout_ineligible(cls, plan, path: str, model, kwargs) -> Optional[str]:
+        return plan.fused_distillation(path) or layout_ineligible(model, twinkle_names.call_processor(model, kwargs))
+
+    @classmethod
+    def head_ineligible(cls, kwargs, vocab: int, tensor_parallel: bool) -> Optional[str]:
+        return teacher_ineligible(kwargs, vocab, tensor_parallel)
+
+    @classmethod
+    def for_call(cls, path) -> "GKD":
+        return cls(path.accuracy_metrics())
+
+    def output(self, call, hidden, weight, labels, process_group, seq_first: bool):
+        placeholder = fused_head.make_placeholder(hidden)
+        placeholder._twinkle_mem_head = DeferredHead(hidden, weight, process_group, seq_first, call.temperature,
+                                                     self.accuracy)
+        return placeholder
+
+    def loss_context(self, loss):
+        return without_log_probs(loss)
+
+
+@dataclass
+class DeferredHead:
+    """What a distillation call's deferred output layer leaves on its placeholder: the logits are
+    ``(hidden @ weight.T) / temperature`` (the layer has no bias; ``temperature`` is twinkle's call's,
+    which its forward step would have divided the logits by), ``hidden`` [s, b, H] when ``seq_first``
+    (Megatron) else [b, s, H]; ``weight`` this rank's vocab shard under ``process_group``. ``accuracy``: twinkle's
+    ``Accuracy`` metrics of the step's status, which would have read the argmax of these logits."""
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    process_group: Optional[object]
+    seq_first: bool
+    temperature: float
+    accuracy: tuple = ()
+
+
+def deferred_head(logits) -> Optional[DeferredHead]:
+    """The DeferredHead behind a distillation call's placeholder (or a view of it), else None."""
+    for tensor in (logits, getattr(logits, "_base", None)):
+        head = getattr(tensor, "_twinkle_mem_head", None)
+        if head is not None:
+            return head
+    return None
+
+
 @dataclass
 class _Teacher:
     """A GKD call's teacher, trimmed to the student's ``length`` as twinkle trims it."""
@@ -142,7 +213,7 @@ def gkd_call(original, plan):
         logits, labels = outputs.get("logits"), inputs.get("labels")
         teacher = dict(teacher_logits=teacher_logits, teacher_topk_logprobs=teacher_topk_logprobs,
                        teacher_topk_indices=teacher_topk_indices, topk=topk)
-        head: Optional[fused_head.DeferredHead] = fused_head.deferred_head(logits) if fused else None
+        head: Optional[DeferredHead] = deferred_head(logits) if fused else None
         if head is not None:
             result = _fused_gkd(self, labels, head, teacher)
             # The placeholder has served: twinkle keeps the step's outputs for its metrics, which must see no logits,
@@ -181,7 +252,7 @@ class _ArgmaxOnly:
         return self.ids
 
 
-def _count_accuracy(head: fused_head.DeferredHead, inputs, labels) -> None:
+def _count_accuracy(head: DeferredHead, inputs, labels) -> None:
     """Give each of the step's Accuracy metrics its count, from ``linear_argmax`` at the rows it counts (its
     ``completion_mask``, else the labelled rows): no logits-sized memory."""
     if not head.accuracy:
@@ -222,7 +293,7 @@ def _gkd_from_logits(loss, labels, logits, teacher_kwargs):
     return twinkle_names.loss_output(gkd_average(per_token, labels, loss.ignore_index))
 
 
-def _fused_gkd(loss, labels, head: fused_head.DeferredHead, teacher_kwargs):
+def _fused_gkd(loss, labels, head: DeferredHead, teacher_kwargs):
     from twinkle_mem import gkd_average, linear_gkd_full, linear_gkd_topk
     if teacher_kwargs["teacher_logits"] is None and not _has_topk_teacher(teacher_kwargs):
         raise RuntimeError("twinkle-mem fused LM head: GKDLoss got the output layer's placeholder without a teacher "

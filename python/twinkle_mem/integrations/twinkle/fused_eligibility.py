@@ -6,7 +6,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-from . import distill_loss, twinkle_names
+from . import loss_heads, twinkle_names
 from .fused_head import IGNORE_INDEX
 
 # Config attributes that mean the logits are transformed after the output layer.
@@ -23,7 +23,8 @@ def call_ineligible(kwargs, loss) -> Optional[str]:
         return f"task={kwargs.get('task')!r} is not causal_lm"
     if loss is None:
         return "no loss instance"
-    if getattr(loss, "require_logits", False) and not distill_loss.is_gkd_call(kwargs, loss):
+    # (a loss that needs logits, served by a head whose loss reads the placeholder in their place: GKD)
+    if getattr(loss, "require_logits", False) and not loss_heads.claiming(kwargs, loss).replaces_logits:
         return f"the loss {type(loss).__name__} needs logits (require_logits)"
     if getattr(loss, "require_values", False):
         return f"the loss {type(loss).__name__} needs values (require_values)"

@@ -1,7 +1,8 @@
 """The fused LM head for twinkle-kit: log-probs and entropy from the output layer's input.
 
 This module owns the per-call state (:class:`FusedCall`: only its methods and this module's
-functions change it), when the fused path applies, and the deferred output layers.
+functions change it) and the deferred output layers, which return what the call's loss head
+(``loss_heads.py``; planned in ``fused_plan.py``) makes of the layer's input: below, the log-probs head.
 
 For one eligible model call (``MegatronModel.forward_backward`` / ``forward_only``,
 ``TransformersModel.forward`` / ``forward_only``), the model's output layer
@@ -40,6 +41,8 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
+from . import loss_heads
+
 IGNORE_INDEX = -100  # twinkle's forward steps mask labels with this value, whatever the loss says
 
 
@@ -63,12 +66,10 @@ class FusedCall:
     result waiting for twinkle's ``selective_log_softmax``."""
 
     def __init__(self, temperature: float, with_entropy: bool, chunk_bytes: Optional[int],
-                 labels_from_processor: bool = False, distill: bool = False, accuracy: tuple = ()):
+                 labels_from_processor: bool = False, head: Optional[loss_heads.LossHead] = None):
         self.temperature = temperature
-        # A distillation call (distill_loss.py): the deferred head keeps its input and weight for the loss,
-        # which computes from them; no log-probs are computed or handed to twinkle.
-        self.distill = distill
-        self.accuracy = accuracy  # a distillation call's Accuracy metrics, counted by its loss (distill_loss.py)
+        # What the deferred output layer computes for the call's loss (loss_heads.py): the log-probs by default
+        self.head = loss_heads.LogProbs() if head is None else head
         self.with_entropy = with_entropy
         self.chunk_bytes = chunk_bytes
         self.labels_from_processor = labels_from_processor  # else set per micro-batch by the step hooks
@@ -100,10 +101,10 @@ class FusedCall:
 
     @classmethod
     def for_call(cls, kwargs, loss, chunk_bytes: Optional[int], labels_from_processor: bool = False,
-                 distill: bool = False, accuracy: tuple = ()) -> "FusedCall":
+                 head: Optional[loss_heads.LossHead] = None) -> "FusedCall":
         """The call state for a twinkle call's kwargs (its temperature) and loss (its require_entropy)."""
         return cls(float(kwargs.get("temperature", 1.0)), bool(getattr(loss, "require_entropy", False)), chunk_bytes,
-                   labels_from_processor=labels_from_processor, distill=distill, accuracy=accuracy)
+                   labels_from_processor=labels_from_processor, head=head)
 
     def compute(self, hidden, weight, labels, process_group=None):
         from twinkle_mem import linear_selective_log_softmax
@@ -119,17 +120,9 @@ class FusedCall:
             raise self.refuse("the output layer ran twice before twinkle computed the log-probs of the first call "
                               "(multi-token prediction or a second head?); refusing to go on. "
                               "install(fused_lm_head=False) runs twinkle-kit unchanged.")
-        placeholder = _placeholder(hidden)
+        placeholder = make_placeholder(hidden)
         self.pending = _Deferred(placeholder, logp, entropy, self.labels)
         self.deferred += 1
-        return placeholder
-
-    def defer_head(self, hidden, weight, process_group, seq_first: bool) -> torch.Tensor:
-        """A distillation call: the placeholder standing for the logits, carrying what defines them (the
-        layer's input and weight, the TP group, the call's temperature) for the loss (distill_loss.py)."""
-        placeholder = _placeholder(hidden)
-        placeholder._twinkle_mem_head = DeferredHead(hidden, weight, process_group, seq_first, self.temperature,
-                                                     self.accuracy)
         return placeholder
 
     def refuse(self, message: str) -> RuntimeError:
@@ -159,35 +152,11 @@ class FusedCall:
                                "twinkle-kit unchanged.")
 
 
-def _placeholder(hidden) -> torch.Tensor:
+def make_placeholder(hidden) -> torch.Tensor:
     """The zero-width tensor a deferred head returns for the logits. fp32, so that Float16Module's upcast and
     a model's own `.float()` return it unchanged; in the graph of the hidden states, so that a zero loss made
     from it (twinkle's SafeLossWrapper after an error) still sends a gradient back through the pipeline."""
     return hidden[..., :0].to(torch.float32) * 1.0
-
-
-@dataclass
-class DeferredHead:
-    """What a distillation call's deferred output layer leaves on its placeholder: the logits are
-    ``(hidden @ weight.T) / temperature`` (the layer has no bias; ``temperature`` is twinkle's call's,
-    which its forward step would have divided the logits by), ``hidden`` [s, b, H] when ``seq_first``
-    (Megatron) else [b, s, H]; ``weight`` this rank's vocab shard under ``process_group``. ``accuracy``: twinkle's
-    ``Accuracy`` metrics of the step's status, which would have read the argmax of these logits."""
-    hidden: torch.Tensor
-    weight: torch.Tensor
-    process_group: Optional[object]
-    seq_first: bool
-    temperature: float
-    accuracy: tuple = ()
-
-
-def deferred_head(logits) -> Optional[DeferredHead]:
-    """The DeferredHead behind a distillation call's placeholder (or a view of it), else None."""
-    for tensor in (logits, getattr(logits, "_base", None)):
-        head = getattr(tensor, "_twinkle_mem_head", None)
-        if head is not None:
-            return head
-    return None
 
 
 _CALL: ContextVar[Optional[FusedCall]] = ContextVar("twinkle_mem_fused_call", default=None)
@@ -283,22 +252,14 @@ def deferred(layers, make_forward, call: FusedCall) -> Iterator[FusedCall]:
                 layer.forward = previous
 
 
-# A distillation call runs without twinkle's division of the logits by its temperature (it reads
-# require_logps = False): the head must defer, never hand real logits to twinkle's GKD.
-_DISTILL_FALLBACK = ("a distillation call's output layer was called where it cannot defer (no labels for the micro-batch, "
-                     "its input not matching them, a gathered output or a model called with labels); refusing rather "
-                     "than handing twinkle's GKD logits it would not divide by the call's temperature. "
-                     "install(fused_lm_head=False) runs twinkle-kit unchanged.")
-
-
 def megatron_forward(original):
     """ColumnParallelLinear.forward, deferred: (placeholder [s, b, 0], None) for a micro-batch with labels."""
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         call = _CALL.get()
         if call is None or call.labels is None or runtime_gather_output or call.model_has_labels:
-            if call is not None and call.distill:
-                raise call.refuse(_DISTILL_FALLBACK)
+            if call is not None and call.head.cannot_defer is not None:
+                raise call.refuse(call.head.cannot_defer)
             return original(input_, weight=weight, runtime_gather_output=runtime_gather_output)
         from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                             gather_from_sequence_parallel_region)
@@ -315,12 +276,7 @@ def megatron_forward(original):
             raise RuntimeError(f"twinkle-mem fused LM head: output layer input {tuple(hidden.shape)} does not match "
                                f"the micro-batch's labels {tuple(labels.shape)}")
         group = self.tp_group if self.tp_group is not None and self.tp_group.size() > 1 else None
-        if call.distill:
-            return call.defer_head(hidden, weight, group, seq_first=True), None
-        logp, entropy = call.compute(hidden, weight, labels.t(), group)
-        logp = logp.t().contiguous()
-        entropy = entropy.t().contiguous() if entropy is not None else None
-        return call.defer(logp, entropy, hidden), None
+        return call.head.output(call, hidden, weight, labels, group, seq_first=True), None
 
     return forward
 
@@ -331,8 +287,8 @@ def transformers_forward(original):
     def forward(self, input):  # noqa: A002  (nn.Linear's name)
         call = _CALL.get()
         if call is None or call.labels is None or tuple(input.shape[:-1]) != tuple(call.labels.shape):
-            if call is not None and call.distill:
-                raise call.refuse(_DISTILL_FALLBACK)
+            if call is not None and call.head.cannot_defer is not None:
+                raise call.refuse(call.head.cannot_defer)
             return original(input)
         weight = self.weight
         device_type = input.device.type
@@ -341,9 +297,6 @@ def transformers_forward(original):
                 dtype = torch.get_autocast_dtype(device_type)
                 input, weight = input.to(dtype), weight.to(dtype)
                 stack.enter_context(torch.autocast(device_type, enabled=False))
-            if call.distill:
-                return call.defer_head(input, weight, None, seq_first=False)
-            logp, entropy = call.compute(input, weight, call.labels)
-        return call.defer(logp, entropy, input)
+            return call.head.output(call, input, weight, call.labels, None, seq_first=False)
 
     return forward

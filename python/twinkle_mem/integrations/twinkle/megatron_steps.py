@@ -4,7 +4,6 @@ step inside megatron-core's schedule (each micro-batch's labels for the fused he
 failed micro-batches); the guarded ``MegatronStrategy.reduce_loss``."""
 import contextlib
 import functools
-import logging
 from collections.abc import Mapping
 from contextvars import ContextVar
 from typing import List, Optional, Tuple
@@ -14,11 +13,9 @@ import torch
 from twinkle_mem.megatron import current_logits_reporting, guard_report
 from twinkle_mem.megatron import logits_guard as _logits_guard
 
-from . import distill_loss, fused_eligibility, fused_head, twinkle_names
+from . import fused_eligibility, fused_head, fused_plan, twinkle_names
 from ._model import tensor_parallel_group
 from .failed_micro_batches import report_failed_micro_batches
-
-logger = logging.getLogger("twinkle_mem")
 
 
 _STEPS: ContextVar[Optional["_MegatronSteps"]] = ContextVar("twinkle_mem_megatron_steps", default=None)
@@ -45,7 +42,7 @@ def megatron_forward_backward(original, plan):
                                                   forward_only=forward_only))
             if fused:
                 steps.fused = stack.enter_context(_fused_megatron(self, kwargs, loss, plan))
-                if steps.fused is not None and steps.fused.distill:  # a loss without log-probs for this call
+                if steps.fused is not None and not steps.fused.head.hands_log_probs:  # a loss without log-probs
                     steps.expects_logps = False
                     steps.reports_none_logps = twinkle_names.variable_seq_lengths(self)
             token = _STEPS.set(steps)
@@ -60,35 +57,28 @@ def megatron_forward_backward(original, plan):
     return forward_backward
 
 
-@contextlib.contextmanager
 def _fused_megatron(model, kwargs, loss, plan):
-    """The fused call for one MegatronModel.forward_backward, or None where it does not apply."""
-    chunk_bytes = plan.chunk_bytes
-    reason = fused_eligibility.call_ineligible(kwargs, loss)
-    distill = reason is None and distill_loss.is_gkd_call(kwargs, loss)
-    if distill:
-        reason = plan.fused_distillation("megatron") or distill_loss.layout_ineligible(
-            model, twinkle_names.call_processor(model, kwargs))
-    layers = []
-    if reason is None:
-        twinkle_names.lazy_wrap_model(model)  # twinkle's first step anyway: decide on the model as it will run
-        layers, reason = fused_eligibility.megatron_output_layers(model.model)
-        if distill and reason is None and layers:
-            group = tensor_parallel_group()
-            world = 1 if group is None else torch.distributed.get_world_size(group)
-            reason = distill_loss.teacher_ineligible(kwargs, layers[0].weight.shape[0] * world, group is not None)
+    """The fused call for one MegatronModel.forward_backward (fused_plan.py), or None where it does not apply."""
+    return fused_plan.fused(megatron_fused_path(model, plan.chunk_bytes), model, kwargs, loss, plan)
+
+
+def megatron_fused_path(model, chunk_bytes: Optional[int]) -> fused_plan.FusedPath:
+    """What the Megatron path knows for planning a fused call: the output layers of the model's chunks (none off
+    the last pipeline stage), vocab shards under tensor parallelism, the chunk budget judged on every stage."""
+
+    def vocab(layers):
+        group = tensor_parallel_group()
+        world = 1 if group is None else torch.distributed.get_world_size(group)
+        # (the layer's own weight, or the word embeddings' where it shares them: a tied model's layer holds none)
+        return fused_eligibility.megatron_output_weights(model.model)[0].shape[0] * world, group is not None
+
+    def checked(layers):
         if chunk_bytes is not None:  # (on every stage: the call's eligibility is the same on all of them)
             _check_chunk_bytes(model, layers, chunk_bytes)
-    if reason is not None or not layers:  # (no output layer: not the last pipeline stage)
-        if reason is not None:
-            logger.debug("twinkle-mem fused LM head not used: %s", reason)
-        yield None
-        return
-    call = fused_head.FusedCall.for_call(kwargs, loss, chunk_bytes, distill=distill)
-    with fused_head.deferred(layers, fused_head.megatron_forward, call), \
-            fused_head.mtp_called_without_labels(model.model, call), \
-            distill_loss.without_log_probs(loss) if distill else contextlib.nullcontext():
-        yield call
+
+    return fused_plan.FusedPath("megatron", lambda: fused_eligibility.megatron_output_layers(model.model), vocab,
+                                fused_head.megatron_forward, checked=checked,
+                                around=lambda call: fused_head.mtp_called_without_labels(model.model, call))
 
 
 def _check_chunk_bytes(model, layers, chunk_bytes: int) -> None:

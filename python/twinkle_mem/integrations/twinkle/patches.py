@@ -85,6 +85,9 @@ class Point(NamedTuple):
     attribute: str
     wanted: Callable[[Plan], bool]
     make: Callable[[Any, Plan], Any]  # (the original, the plan) -> the replacement
+    # The twinkle modules that imported the original by name get the replacement too (put back by restore(), and
+    # in the twinkle modules imported since, which bound the replacement)
+    rebound_by_name: bool = False
 
 
 def _maker(module: str, function: str) -> Callable[[Any, Plan], Any]:
@@ -124,7 +127,7 @@ def _transformers_forward(plan):
 
 POINTS: Tuple[Point, ...] = (
     Point("twinkle.utils.torch_utils", None, "selective_log_softmax", lambda p: "log_softmax" in p.accepted,
-          _log_softmax_adapter),
+          _log_softmax_adapter, rebound_by_name=True),
     Point(names.GKD, "GKDLoss", "__call__", lambda p: "gkd_loss" in p.accepted, _maker("distill_loss", "gkd_call")),
     Point(names.PROCESSOR, "InputProcessor", "__call__", lambda p: "mask_skip" in p.accepted,
           _maker("mask_skip", "processor_call")),
@@ -147,7 +150,7 @@ POINTS: Tuple[Point, ...] = (
 _MISSING = object()
 _saved: List[Tuple[Any, str, Any]] = []  # (owner, attribute, original raw value or _MISSING)
 _waiting: List[Callable] = []  # callbacks given to twinkle_mem_startup.after_import
-_adapters: List[Tuple[Any, Any]] = []  # (twinkle's selective_log_softmax, its replacement)
+_rebound: List[Tuple[str, Any, Any]] = []  # (a Point rebound_by_name's attribute, the original, its replacement)
 
 
 def apply(plan: Plan) -> None:
@@ -184,9 +187,9 @@ def _patch(owner, point: Point, plan: Plan) -> None:
         new = staticmethod(new)
     _saved.append((owner, point.attribute, vars(owner).get(point.attribute, _MISSING)))
     setattr(owner, point.attribute, new)
-    if point.attribute == "selective_log_softmax":  # ... and the modules that bound it by name
-        _adapters.append((original, new))
-        for module in _twinkle_modules_binding(original):
+    if point.rebound_by_name:  # ... and the modules that bound it by name
+        _rebound.append((point.attribute, original, new))
+        for module in _twinkle_modules_binding(point.attribute, original):
             _saved.append((module, point.attribute, original))
             setattr(module, point.attribute, new)
 
@@ -211,10 +214,10 @@ def restore() -> None:
             delattr(owner, name)
         else:
             setattr(owner, name, raw)
-    while _adapters:  # twinkle modules imported since bound the replacement by name: give them the original
-        original, adapter = _adapters.pop()
-        for module in _twinkle_modules_binding(adapter):
-            setattr(module, "selective_log_softmax", original)
+    while _rebound:  # twinkle modules imported since bound the replacement by name: give them the original
+        attribute, original, replacement = _rebound.pop()
+        for module in _twinkle_modules_binding(attribute, replacement):
+            setattr(module, attribute, original)
 
 
 def patched() -> List[Tuple[Any, str]]:
@@ -222,7 +225,7 @@ def patched() -> List[Tuple[Any, str]]:
     return [(owner, name) for owner, name, _ in _saved]
 
 
-def _twinkle_modules_binding(obj: Any) -> List[Any]:
+def _twinkle_modules_binding(attribute: str, obj: Any) -> List[Any]:
     return [module for name, module in list(sys.modules.items())
             if (name == "twinkle" or name.startswith("twinkle.")) and getattr(module, "__dict__", {}).get(
-                "selective_log_softmax") is obj]
+                attribute) is obj]

@@ -12,15 +12,11 @@
 - ``forward`` / ``forward_only`` with the fused LM head: for an eligible call the ``lm_head`` is deferred
   (fused_head.py) and its result must be taken by twinkle's ``selective_log_softmax``.
 """
-import contextlib
 import functools
-import logging
 
 import torch
 
-from . import distill_loss, fused_eligibility, fused_head, twinkle_names
-
-logger = logging.getLogger("twinkle_mem")
+from . import fused_eligibility, fused_head, fused_plan, twinkle_names
 
 
 def forward(original, plan):
@@ -58,37 +54,31 @@ def transformers_model_forward(original, plan):
     return forward
 
 
-@contextlib.contextmanager
 def _fused_transformers(model, kwargs, plan):
-    """The fused call for one TransformersModel.forward / forward_only, or None where it does not apply."""
+    """The fused call for one TransformersModel.forward / forward_only (fused_plan.py), or None where it does not
+    apply."""
     loss = twinkle_names.loss_instance(model, kwargs)
-    reason = fused_eligibility.call_ineligible(kwargs, loss)
-    if reason is None:
-        twinkle_names.lazy_wrap_model(model)  # twinkle's first step anyway: decide on the model as it will run
-        head, reason = fused_eligibility.transformers_lm_head(model.model,
-                                                              twinkle_names.unwrap_model(model, model.model))
-    distill = reason is None and distill_loss.is_gkd_call(kwargs, loss)
-    if distill:
-        reason = (plan.fused_distillation("transformers")
-                  or distill_loss.layout_ineligible(model, twinkle_names.call_processor(model, kwargs))
-                  or distill_loss.teacher_ineligible(kwargs, head.weight.shape[0], tensor_parallel=False))
-    if reason is not None:
-        logger.debug("twinkle-mem fused LM head not used: %s", reason)
-        yield None
-        return
-    # twinkle's Accuracy (the model's default metric) reads the step's logits: a distillation call's loss counts
-    # it from their argmax over vocab blocks instead (distill_loss.py)
-    accuracy = _accuracy_metrics(twinkle_names.status(model, kwargs, forward_only=False)) if distill else ()
-    call = fused_head.FusedCall.for_call(kwargs, loss, plan.chunk_bytes, labels_from_processor=True, distill=distill,
-                                         accuracy=accuracy)
-    with fused_head.deferred([head], fused_head.transformers_forward, call), \
-            distill_loss.without_log_probs(loss) if distill else contextlib.nullcontext():
-        yield call
+    return fused_plan.fused(transformers_fused_path(model, kwargs), model, kwargs, loss, plan)
 
 
-def _accuracy_metrics(status) -> tuple:
-    accuracy = twinkle_names.accuracy_class()
-    return tuple(m for m in getattr(status, "metrics", ()) if type(m) is accuracy)
+def transformers_fused_path(model, kwargs) -> fused_plan.FusedPath:
+    """What the transformers path knows for planning a fused call: the model's lm_head (no tensor parallelism),
+    the labels from twinkle's processor, the Accuracy metrics of the train status (the model's default metric,
+    which reads the step's logits: a logits-free loss head counts it from their argmax over vocab blocks)."""
+
+    def output_layers():
+        unwrapped = twinkle_names.unwrap_model(model, model.model)
+        head, reason = fused_eligibility.transformers_lm_head(model.model, unwrapped)
+        return ([head] if head is not None else []), reason
+
+    def accuracy_metrics():
+        accuracy = twinkle_names.accuracy_class()
+        status = twinkle_names.status(model, kwargs, forward_only=False)
+        return tuple(m for m in getattr(status, "metrics", ()) if type(m) is accuracy)
+
+    return fused_plan.FusedPath("transformers", output_layers, lambda layers: (layers[0].weight.shape[0], False),
+                                fused_head.transformers_forward, labels_from_processor=True,
+                                accuracy_metrics=accuracy_metrics)
 
 
 # --- the step's logits, dropped once its loss has used them --------------------------------------------------
