@@ -10,7 +10,7 @@ them; a head supplies its per-block math (docs/architecture.md, "Adding a fused 
 - vocab blocks (``vocab_blocks``): ``[v0, v1)`` slices of the weight, of a width fixed by V alone; or, for a
   top-k teacher, each row's own k weight rows (``gathered_logits`` / ``gathered_backward``: the other
   block shape);
-- the accumulation dtype (``acc_dtype``): fp32, fp64 for fp64 inputs; bf16/fp16 products summed in fp32,
+- the accumulation dtype (``acc_dtype``, the op's: op/contract.py): fp32, fp64 for fp64 inputs; bf16/fp16 products summed in fp32,
   through ``matmul.mixed_addmm`` where the device can, else from fp32 copies of one weight block and one
   row tile at a time (``Operands``), never more;
 - the chunk budget (``tiles_in_flight``): how many row tiles share one buffer of logits;
@@ -30,22 +30,21 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..op.contract import check_float_tensor
+from ..op.contract import acc_dtype, check_float_tensor  # acc_dtype: the op's rule is the heads' (fp32; fp64)
 from ..op.op_args import arg_names
 from ..op.rows import kept_rows
 from .matmul import add_matmul, logits_into, mixed_addmm
 
-# Every matmul and merge is cut from these constants alone, never from N or chunk_bytes, so that a row's results
-# depend only on its own hidden state and the weight. (Measured on the 2-core build machine, fp32, H = 1024:
-# 512 x 8192 tiles run the matmuls about as fast as one matmul over 1024 rows and 65536 columns; 256 x 4096
-# tiles were ~30% slower on 2 threads.)
+# Every matmul and merge is cut from these constants and H alone, never from N or chunk_bytes, so that a row's
+# results depend only on its own hidden state and the weight. (512 x 8192 tiles were measured on the 2-core EPYC
+# at H = 1024, fp32: about as fast as one matmul over 1024 rows and 65536 columns; 256 x 4096 ~30% slower.)
 ROW_TILE = 512  # rows per matmul (the last tile zero-padded): the BLAS sees one M whatever N is
-VOCAB_BLOCK = 8192  # vocab columns per block (the last one ragged): blocks and their merge order from V alone
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The accumulation dtype of a head's sums and statistics: fp32, fp64 for fp64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+VOCAB_BLOCK = 8192  # vocab columns per block at H >= 1024 (the last one ragged): blocks and merge order from V, H
+# Below H = 1024 a block of VOCAB_BLOCK columns is too little work per matmul for this CPU's BLAS (the Xeon, H 256:
+# tiles of 512 x 32768 ran the head ~10% faster than 512 x 8192, docs/cpu.md): blocks widen by whole VOCAB_BLOCKs,
+# up to MAX_WIDEN of them, keeping cols x H <= VOCAB_BLOCK x 1024 (a block's bytes, and its fp32 copy's, are no
+# more than at H = 1024).
+MAX_WIDEN = 4
 
 
 def reduced(dtype: torch.dtype) -> bool:
@@ -53,9 +52,11 @@ def reduced(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
 
-def block_width(shard: int) -> int:
-    """Columns of the vocab blocks: VOCAB_BLOCK, or the whole (shard of the) vocab when smaller."""
-    return min(VOCAB_BLOCK, shard)
+def block_width(shard: int, hidden_size: int) -> int:
+    """Columns of the vocab blocks, from the (shard of the) vocab and H alone: VOCAB_BLOCK, widened below H = 1024
+    (MAX_WIDEN), or the whole shard when smaller."""
+    widen = max(1, min(MAX_WIDEN, 1024 // max(1, hidden_size)))
+    return min(VOCAB_BLOCK * widen, shard)
 
 
 def vocab_blocks(shard: int, width: int):
@@ -251,6 +252,20 @@ def fake_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], need_hidd
 
 
 # ------------------------------------------------------------------ the sweeps over vocab blocks
+def _group_logits(tiles: RowTiles, tile_ids: range, x: Tensor, w: Tensor, b: Optional[Tensor],
+                  operand: Callable[[Tensor], Tensor]) -> Tensor:
+    """x = the logits of a group's row tiles (tile by tile into its rows), each hidden tile as ``operand`` makes it
+    for the matmul; returns the last tile's operand."""
+    for i, j in enumerate(tile_ids):
+        h = operand(tiles[j])
+        logits_into(x[i * tiles.tile:(i + 1) * tiles.tile], h, w, b)
+    return h
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
 def forward_sweep(tiles: RowTiles, weight: Tensor, bias: Optional[Tensor], plan: Plan,
                   step: Callable[[int, int, slice, Tensor], None]) -> None:
     """step(v0, v1, rows, x) for each vocab block [v0, v1) in order and, within it, each group of row tiles in
@@ -262,9 +277,7 @@ def forward_sweep(tiles: RowTiles, weight: Tensor, bias: Optional[Tensor], plan:
     for v0, v1 in vocab_blocks(weight.shape[0], plan.width):
         w, b = _block_operands(weight, bias, v0, v1, operands, straight)
         for tile_ids, rows, x in _groups(tiles, plan, buf, v1 - v0):
-            for i, j in enumerate(tile_ids):
-                h = tiles[j] if straight else operands(tiles[j])
-                logits_into(x[i * tiles.tile:(i + 1) * tiles.tile], h, w, b)
+            _group_logits(tiles, tile_ids, x, w, b, _same if straight else operands)
             step(v0, v1, rows, x)
 
 
@@ -305,15 +318,17 @@ def backward_sweep(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional[Te
         gw = gw_acc[:c].zero_() if gw_acc is not None else grad_weight[v0:v1]
         gb = gb_acc[:c].zero_() if gb_acc is not None else grad_bias[v0:v1]
         for tile_ids, rs, x in _groups(tiles, plan, buf, c):
-            for i, j in enumerate(tile_ids):
-                logits_into(x[i * tiles.tile:(i + 1) * tiles.tile], tiles[j] if straight else operands(tiles[j]), w, b)
+            h_acc = _group_logits(tiles, tile_ids, x, w, b, _same if straight else operands)
+            # The logits' copy of a one-tile group's hidden tile serves grad_weight too (cast once); with more
+            # tiles in the group each is cast again below, one at a time (one fp32 hidden tile, as counted).
+            h_acc = h_acc if not straight and len(tile_ids) == 1 else None
             d = block_grad(v0, v1, rs, x)
             if tile_ids[-1] == tiles.count - 1 and tiles.tail < tiles.tile:  # padding adds exactly 0 (even where NaN)
                 d[d.shape[0] - tiles.tile + tiles.tail:] = 0
             for i, j in enumerate(tile_ids):  # tile by tile, in tile order: the sums do not see the grouping
                 dj = operands(d[i * tiles.tile:(i + 1) * tiles.tile])
                 if needs.weight:
-                    add_matmul(gw, dj.t(), operands(tiles[j]))
+                    add_matmul(gw, dj.t(), operands(tiles[j]) if h_acc is None else h_acc)
                 if needs.bias:
                     gb.add_(dj.sum(dim=0, dtype=acc))
                 if needs.hidden:
@@ -376,7 +391,7 @@ def gathered_backward(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional
         return grad_hidden, grad_weight, grad_bias
     k = ids.shape[1]
     chunk = max(1, budget // (4 * h_size))  # entries per index_add
-    for v0, v1 in vocab_blocks(weight.shape[0], block_width(weight.shape[0])):
+    for v0, v1 in vocab_blocks(weight.shape[0], block_width(weight.shape[0], h_size)):
         entries = (own & (ids >= v0) & (ids < v1)).flatten().nonzero().squeeze(1)
         if entries.numel() == 0:
             continue
