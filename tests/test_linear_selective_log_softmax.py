@@ -339,6 +339,11 @@ def test_block_plan():
     assert tiles_in_flight(4096, 64, torch.bfloat16, fixed + 2 * (tile // 2), True) == 2
     with pytest.raises(ValueError, match="chunk_bytes"):
         tiles_in_flight(4096, 64, torch.float32, tile - 1, False)
+    # A widened block holds as many rows at once as VOCAB_BLOCK-wide ones would (its buffer no larger), >= 1 tile
+    wide = engine.ROW_TILE * 32768 * 4
+    assert tiles_in_flight(32768, 256, torch.float32, 4 * wide, False) == 1
+    assert tiles_in_flight(16384, 512, torch.float32, 8 * (wide // 2), False) == 4
+    assert tiles_in_flight(32768, 256, torch.float32, wide, False) == 1
     with pytest.raises(ValueError, match="chunk_bytes"):
         tiles_in_flight(4096, 64, torch.bfloat16, fixed + tile // 2 - 1, True)
 

@@ -100,7 +100,9 @@ def tile_bytes(cols: int, hidden_size: int, dtype: torch.dtype, backward: bool) 
 
 
 def tiles_in_flight(cols: int, hidden_size: int, dtype: torch.dtype, chunk_bytes: int, backward: bool) -> int:
-    """How many row tiles of a block one buffer holds within chunk_bytes (>= 1, else ValueError).
+    """How many row tiles of a block one buffer holds within chunk_bytes (>= 1, else ValueError); a block
+    widened past VOCAB_BLOCK holds that many fewer (at least one), so that its buffer is no larger than
+    VOCAB_BLOCK-wide blocks' at the same rows.
 
     This is all that chunk_bytes decides: how many fixed tiles go through one step, never a matmul's shape
     nor an order of summation."""
@@ -109,7 +111,7 @@ def tiles_in_flight(cols: int, hidden_size: int, dtype: torch.dtype, chunk_bytes
     if tiles < 1:
         raise ValueError(f"chunk_bytes = {chunk_bytes} is below one row tile of a vocab block ({ROW_TILE} rows x "
                          f"{cols} columns, H = {hidden_size}, {dtype}: {per_tile + fixed} bytes)")
-    return tiles
+    return max(1, tiles // max(1, cols // VOCAB_BLOCK))
 
 
 # ------------------------------------------------------------------ kept rows, row tiles
