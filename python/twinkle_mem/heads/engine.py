@@ -7,12 +7,12 @@ them; a head supplies its per-block math (docs/architecture.md, "Adding a fused 
 - kept rows (``Rows``): rows whose labels are all ``ignore_index`` are dropped before any matmul;
 - row tiles (``RowTiles``): every matmul takes a fixed number of rows, the last tile zero-padded, so that a
   row's results depend on nothing but the row (batch invariance, docs/linear.md);
-- vocab blocks (``vocab_blocks``): ``[v0, v1)`` slices of the weight, of a width fixed by V alone; or, for a
-  top-k teacher, each row's own k weight rows (``gathered_logits`` / ``gathered_backward``: the other
-  block shape);
-- the accumulation dtype (``acc_dtype``, the op's: op/contract.py): fp32, fp64 for fp64 inputs; bf16/fp16 products summed in fp32,
-  through ``matmul.mixed_addmm`` where the device can, else from fp32 copies of one weight block and one
-  row tile at a time (``Operands``), never more;
+- vocab blocks (``vocab_blocks``): ``[v0, v1)`` slices of the weight, of a width fixed by V and H
+  (``block_width``); or, for a top-k teacher, each row's own k weight rows (``gathered_logits`` /
+  ``gathered_backward``: the other block shape);
+- the accumulation dtype (``acc_dtype``, the op's: op/contract.py): fp32, fp64 for fp64 inputs; bf16/fp16
+  products summed in fp32, through ``matmul.mixed_addmm`` where the device can, else from fp32 copies of one
+  weight block and one row tile at a time (``Operands``), never more;
 - the chunk budget (``tiles_in_flight``): how many row tiles share one buffer of logits;
 - the needed gradients (``Needs``): only those are built;
 - tensor parallelism: the weight is a vocab shard (``vocab_parallel.VocabShard``: its place in the vocab
