@@ -126,9 +126,11 @@ class NewTensors(OpsInside):
 @pytest.mark.parametrize("requires", ["hidden", "weight"])
 @pytest.mark.parametrize("head", HEADS)
 def test_gradients_not_asked_for_are_not_built(head, requires):
-    from twinkle_mem.heads import gkd_full, gkd_topk, logprobs
-    # n not a multiple of the row tile, no row ignored (no kept-row copy of hidden), V above one vocab block
-    n, h, v, k = 300, 32, 20000, 8
+    from twinkle_mem.heads import engine, gkd_full, gkd_topk, logprobs
+    # n not a multiple of the row tile, no row ignored (no kept-row copy of hidden), V above one vocab block (the
+    # default blocks at this H: 32768 columns)
+    n, h, k = 300, 32, 8
+    v = engine.block_width(1 << 20, h) + 3232
     hidden, weight, labels, teacher = _inputs(head, torch.bfloat16, n, h, v, k, requires=(requires,), ignore_every=0)
     other = weight if requires == "hidden" else hidden
     ops = (logprobs.linear_fwd, logprobs.linear_bwd, gkd_topk.gkd_fwd, gkd_topk.gkd_bwd, gkd_full.gkd_full_fwd,
