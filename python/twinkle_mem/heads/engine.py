@@ -7,12 +7,11 @@ them; a head supplies its per-block math (docs/architecture.md, "Adding a fused 
 - kept rows (``Rows``): rows whose labels are all ``ignore_index`` are dropped before any matmul;
 - row tiles (``RowTiles``): every matmul takes a fixed number of rows, the last tile zero-padded, so that a
   row's results depend on nothing but the row (batch invariance, docs/linear.md);
-- vocab blocks (``vocab_blocks``): ``[v0, v1)`` slices of the weight, of a width fixed by V and H
-  (``block_width``); or, for a top-k teacher, each row's own k weight rows (``gathered_logits`` /
-  ``gathered_backward``: the other block shape);
-- the accumulation dtype (``acc_dtype``, the op's: op/contract.py): fp32, fp64 for fp64 inputs; bf16/fp16
-  products summed in fp32, through ``matmul.mixed_addmm`` where the device can, else from fp32 copies of one
-  weight block and one row tile at a time (``Operands``), never more;
+- vocab blocks (``vocab_blocks``): ``[v0, v1)`` slices of the weight, of a width fixed by V and H (``block_width``);
+  or, for a top-k teacher, each row's own k weight rows (``gathered_logits`` / ``gathered_backward``);
+- the accumulation dtype (``acc_dtype``, the op's): fp32, fp64 for fp64 inputs; bf16/fp16 products summed in fp32,
+  through ``matmul.mixed_addmm`` where the device can, else from fp32 copies of one weight block and one
+  row tile at a time (``Operands``), never more;
 - the chunk budget (``tiles_in_flight``): how many row tiles share one buffer of logits;
 - the needed gradients (``Needs``): only those are built;
 - tensor parallelism: the weight is a vocab shard (``vocab_parallel.VocabShard``: its place in the vocab
@@ -35,15 +34,12 @@ from ..op.op_args import arg_names
 from ..op.rows import kept_rows
 from .matmul import add_matmul, logits_into, mixed_addmm
 
-# Every matmul and merge is cut from these constants and H alone, never from N or chunk_bytes, so that a row's
-# results depend only on its own hidden state and the weight. (512 x 8192 tiles were measured on the 2-core EPYC
-# at H = 1024, fp32: about as fast as one matmul over 1024 rows and 65536 columns; 256 x 4096 ~30% slower.)
+# Every matmul and merge is cut from these constants and H alone, never from N or chunk_bytes: a row's results depend
+# only on its hidden state and the weight. (EPYC, H 1024, fp32: 512 x 8192 tiles ran as fast as whole matmuls.)
 ROW_TILE = 512  # rows per matmul (the last tile zero-padded): the BLAS sees one M whatever N is
 VOCAB_BLOCK = 8192  # vocab columns per block at H >= 1024 (the last one ragged): blocks and merge order from V, H
-# Below H = 1024 a block of VOCAB_BLOCK columns is too little work per matmul for this CPU's BLAS (the Xeon, H 256:
-# tiles of 512 x 32768 ran the head ~10% faster than 512 x 8192, docs/cpu.md): blocks widen by whole VOCAB_BLOCKs,
-# up to MAX_WIDEN of them, keeping cols x H <= VOCAB_BLOCK x 1024 (a block's bytes, and its fp32 copy's, are no
-# more than at H = 1024).
+# Below H = 1024 that is too little work per matmul for the Xeon's BLAS (docs/cpu.md): blocks widen by whole
+# VOCAB_BLOCKs, up to MAX_WIDEN, keeping cols x H <= VOCAB_BLOCK x 1024 (no more bytes than at H = 1024).
 MAX_WIDEN = 4
 
 
@@ -53,8 +49,7 @@ def reduced(dtype: torch.dtype) -> bool:
 
 
 def block_width(shard: int, hidden_size: int) -> int:
-    """Columns of the vocab blocks, from the (shard of the) vocab and H alone: VOCAB_BLOCK, widened below H = 1024
-    (MAX_WIDEN), or the whole shard when smaller."""
+    """Columns of the vocab blocks from the (shard of the) vocab and H alone; the whole shard when smaller."""
     widen = max(1, min(MAX_WIDEN, 1024 // max(1, hidden_size)))
     return min(VOCAB_BLOCK * widen, shard)
 
@@ -100,9 +95,8 @@ def tile_bytes(cols: int, hidden_size: int, dtype: torch.dtype, backward: bool) 
 
 
 def tiles_in_flight(cols: int, hidden_size: int, dtype: torch.dtype, chunk_bytes: int, backward: bool) -> int:
-    """How many row tiles of a block one buffer holds within chunk_bytes (>= 1, else ValueError); a block
-    widened past VOCAB_BLOCK holds that many fewer (at least one), so that its buffer is no larger than
-    VOCAB_BLOCK-wide blocks' at the same rows.
+    """How many row tiles of a block one buffer holds within chunk_bytes (>= 1, else ValueError); a block widened
+    past VOCAB_BLOCK that many fewer (>= 1): its buffer no larger than VOCAB_BLOCK-wide blocks' at the same rows.
 
     This is all that chunk_bytes decides: how many fixed tiles go through one step, never a matmul's shape
     nor an order of summation."""
@@ -255,17 +249,13 @@ def fake_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], need_hidd
 
 # ------------------------------------------------------------------ the sweeps over vocab blocks
 def _group_logits(tiles: RowTiles, tile_ids: range, x: Tensor, w: Tensor, b: Optional[Tensor],
-                  operand: Callable[[Tensor], Tensor]) -> Tensor:
-    """x = the logits of a group's row tiles (tile by tile into its rows), each hidden tile as ``operand`` makes it
-    for the matmul; returns the last tile's operand."""
+                  operand: Optional[Callable[[Tensor], Tensor]]) -> Tensor:
+    """x = the logits of a group's row tiles, each hidden tile as ``operand`` makes it (None: as it is); returns
+    the last tile's operand."""
     for i, j in enumerate(tile_ids):
-        h = operand(tiles[j])
+        h = tiles[j] if operand is None else operand(tiles[j])
         logits_into(x[i * tiles.tile:(i + 1) * tiles.tile], h, w, b)
     return h
-
-
-def _same(t: Tensor) -> Tensor:
-    return t
 
 
 def forward_sweep(tiles: RowTiles, weight: Tensor, bias: Optional[Tensor], plan: Plan,
@@ -279,7 +269,7 @@ def forward_sweep(tiles: RowTiles, weight: Tensor, bias: Optional[Tensor], plan:
     for v0, v1 in vocab_blocks(weight.shape[0], plan.width):
         w, b = _block_operands(weight, bias, v0, v1, operands, straight)
         for tile_ids, rows, x in _groups(tiles, plan, buf, v1 - v0):
-            _group_logits(tiles, tile_ids, x, w, b, _same if straight else operands)
+            _group_logits(tiles, tile_ids, x, w, b, None if straight else operands)
             step(v0, v1, rows, x)
 
 
@@ -320,10 +310,8 @@ def backward_sweep(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional[Te
         gw = gw_acc[:c].zero_() if gw_acc is not None else grad_weight[v0:v1]
         gb = gb_acc[:c].zero_() if gb_acc is not None else grad_bias[v0:v1]
         for tile_ids, rs, x in _groups(tiles, plan, buf, c):
-            h_acc = _group_logits(tiles, tile_ids, x, w, b, _same if straight else operands)
-            # The logits' copy of a one-tile group's hidden tile serves grad_weight too (cast once); with more
-            # tiles in the group each is cast again below, one at a time (one fp32 hidden tile, as counted).
-            h_acc = h_acc if not straight and len(tile_ids) == 1 else None
+            h_acc = _group_logits(tiles, tile_ids, x, w, b, None if straight else operands)
+            h_acc = h_acc if not straight and len(tile_ids) == 1 else None  # one fp32 hidden tile, cast once
             d = block_grad(v0, v1, rs, x)
             if tile_ids[-1] == tiles.count - 1 and tiles.tail < tiles.tile:  # padding adds exactly 0 (even where NaN)
                 d[d.shape[0] - tiles.tile + tiles.tail:] = 0
