@@ -23,7 +23,7 @@ IGNORE = -100
 
 def _chunks(vocab, h, dtype):
     from twinkle_mem.heads.engine import block_width, tile_bytes
-    smallest = sum(tile_bytes(block_width(vocab), h, dtype, True))
+    smallest = sum(tile_bytes(block_width(vocab, h), h, dtype, True))
     return [smallest, 3 * smallest + 12345, 1 << 30]
 
 

@@ -143,15 +143,16 @@ def opcheck_op_schemas(dtype, device="cpu"):
 # ------------------------------------------------------------------ the fused LM head
 @contextlib.contextmanager
 def blocks(cols=None, rows=None):
-    """Vocab blocks of `cols` columns and row tiles of `rows` rows (engine.VOCAB_BLOCK, engine.ROW_TILE)
-    for the duration, so that small test sizes see several blocks and tiles (None: the default)."""
-    saved = engine.VOCAB_BLOCK, engine.ROW_TILE
-    engine.VOCAB_BLOCK = saved[0] if cols is None else cols
-    engine.ROW_TILE = saved[1] if rows is None else rows
+    """Vocab blocks of `cols` columns at every H and row tiles of `rows` rows (engine.VOCAB_BLOCK, MAX_WIDEN,
+    ROW_TILE) for the duration, so that small test sizes see several blocks and tiles (None: the default)."""
+    saved = engine.VOCAB_BLOCK, engine.MAX_WIDEN, engine.ROW_TILE
+    if cols is not None:
+        engine.VOCAB_BLOCK, engine.MAX_WIDEN = cols, 1
+    engine.ROW_TILE = saved[2] if rows is None else rows
     try:
         yield
     finally:
-        engine.VOCAB_BLOCK, engine.ROW_TILE = saved
+        engine.VOCAB_BLOCK, engine.MAX_WIDEN, engine.ROW_TILE = saved
 
 
 def json_child(script, cfg: dict) -> dict:

@@ -28,8 +28,9 @@ from helpers import OpsInside, json_child
 HEADS = ("logprobs", "gkd_topk", "gkd_full")
 DTYPES = ("bfloat16", "float16", "float32")
 # Small tiles and blocks, so that one of each is small against the LM head: row tiles of 128 rows, vocab blocks
-# of 2048 columns (512 for the whole-vocab teacher's float64 math), gathers of 2 MiB.
-SIZES = dict(n=512, h=256, v=32768, k=16, row_tile=128, vocab_block=2048, full_block=512, gather_bytes=2 << 20,
+# of 512 columns, which at H = 256 the engine widens to 2048 (engine.MAX_WIDEN: the bound counts the widened
+# block), 512 for the whole-vocab teacher's float64 math, gathers of 2 MiB.
+SIZES = dict(n=512, h=256, v=32768, k=16, row_tile=128, vocab_block=512, full_block=512, gather_bytes=2 << 20,
              chunk_bytes=8 << 20)
 SLACK = 3 << 20  # allocator and interpreter noise in one call (measured: < 1 MiB)
 PER_ROW = 256  # O(N): labels, kept-row indices, statistics, upstream gradients (bytes per row, generous)
@@ -87,7 +88,8 @@ def measure(head, dtype, n=SIZES["n"], h=SIZES["h"], v=SIZES["v"], k=SIZES["k"],
         held = sum(t.nbytes for t in _run(head, hidden, weight, labels, teacher, chunk_bytes))
     item, kept = dt.itemsize, int((labels != -100).sum())
     reduced = dt != torch.float32
-    width = full_block if head == "gkd_full" else vocab_block
+    from twinkle_mem.heads.engine import block_width
+    width = full_block if head == "gkd_full" else block_width(v, h)
     budget = {"logprobs": chunk_bytes,
               "gkd_topk": 3 * gather_bytes + TOPK_TEMPORARIES * 8 * n * k,
               "gkd_full": FULL_TEMPORARIES * 8 * row_tile * full_block + 4 * row_tile * full_block}[head]
@@ -124,9 +126,11 @@ class NewTensors(OpsInside):
 @pytest.mark.parametrize("requires", ["hidden", "weight"])
 @pytest.mark.parametrize("head", HEADS)
 def test_gradients_not_asked_for_are_not_built(head, requires):
-    from twinkle_mem.heads import gkd_full, gkd_topk, logprobs
-    # n not a multiple of the row tile, no row ignored (no kept-row copy of hidden), V above one vocab block
-    n, h, v, k = 300, 32, 20000, 8
+    from twinkle_mem.heads import engine, gkd_full, gkd_topk, logprobs
+    # n not a multiple of the row tile, no row ignored (no kept-row copy of hidden), V above one vocab block (the
+    # default blocks at this H: 32768 columns)
+    n, h, k = 300, 32, 8
+    v = engine.block_width(1 << 20, h) + 3232
     hidden, weight, labels, teacher = _inputs(head, torch.bfloat16, n, h, v, k, requires=(requires,), ignore_every=0)
     other = weight if requires == "hidden" else hidden
     ops = (logprobs.linear_fwd, logprobs.linear_bwd, gkd_topk.gkd_fwd, gkd_topk.gkd_bwd, gkd_full.gkd_full_fwd,

@@ -531,8 +531,8 @@ def test_smallest_chunk_bytes_is_one_row_tile_of_the_narrowest_block():
     # the op: the smallest chunk_bytes its narrowest block (one column, bf16 and fp16, forward) runs with.
     from twinkle_mem.heads.engine import block_width, tile_bytes, tiles_in_flight
     smallest = integration.SMALLEST_CHUNK_BYTES
-    assert smallest == min(sum(tile_bytes(block_width(1), 1, dtype, backward=False))
+    assert smallest == min(sum(tile_bytes(block_width(1, 1), 1, dtype, backward=False))
                            for dtype in (torch.bfloat16, torch.float16, torch.float32))
-    assert tiles_in_flight(block_width(1), 1, torch.bfloat16, smallest, backward=False) == 1
+    assert tiles_in_flight(block_width(1, 1), 1, torch.bfloat16, smallest, backward=False) == 1
     with pytest.raises(ValueError, match="below one row tile"):
-        tiles_in_flight(block_width(1), 1, torch.bfloat16, smallest - 1, backward=False)
+        tiles_in_flight(block_width(1, 1), 1, torch.bfloat16, smallest - 1, backward=False)

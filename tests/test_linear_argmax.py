@@ -47,6 +47,7 @@ def small_blocks(monkeypatch):
     """Vocab blocks of 64 columns, row tiles of 16: several of each in a small case."""
     monkeypatch.setattr(engine, "ROW_TILE", 16)
     monkeypatch.setattr(engine, "VOCAB_BLOCK", 64)
+    monkeypatch.setattr(engine, "MAX_WIDEN", 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -112,8 +113,8 @@ def test_float64_maxima_kept_exactly(small_blocks):
 
 
 def test_default_blocks_one_block():
-    """The package's own blocks (one block of 8192 columns and one row tile here)."""
-    hidden, weight = head(40, 16, engine.VOCAB_BLOCK + 100, torch.float32)
+    """The package's own blocks (at H = 16 one block of 4 x 8192 columns and a ragged one, one row tile here)."""
+    hidden, weight = head(40, 16, engine.block_width(1 << 20, 16) + 100, torch.float32)
     assert torch.equal(linear_argmax(hidden, weight), reference(hidden, weight))
 
 

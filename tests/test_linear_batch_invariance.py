@@ -5,9 +5,12 @@
   other rows dropped as all-ignore_index, at every chunk_bytes from the smallest accepted to 1 GiB;
   bf16, fp16 and fp32, with and without entropy, T = 1 and 0.7, [N] and [N, k] labels, with and
   without bias. The logic is bench/check_linear_invariance.py's (the GPU check runs the same at
-  V = 151936); here V = 9001 (two vocab blocks, the second ragged), H = 32, the default tiles.
+  V = 151936); here H = 32, V = 33577 (the default tiles: two vocab blocks of 32768 columns at this H, the
+  second ragged).
 - The same through the composite backend (torch.ops.twinkle_mem routed to composite.py).
 - grad_weight and grad_bias (and the rows' values) bitwise the same whatever chunk_bytes is.
+- Every matmul of the head has the same shapes whatever N and chunk_bytes are (the tiles and blocks come from
+  V and H alone).
 - The fold of the blocks' statistics by row tiles (row_stats.combine_shard_stats_in_tiles) gives
   the same bits as one call over the rows it covers.
 """
@@ -21,6 +24,7 @@ import torch
 
 import twinkle_mem
 from twinkle_mem.op import composite
+from twinkle_mem.heads import engine
 from twinkle_mem.heads.engine import ROW_TILE, block_width, tile_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +33,8 @@ _spec = importlib.util.spec_from_file_location("check_linear_invariance", SCRIPT
 check_linear_invariance = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check_linear_invariance)
 
-H, V = 32, 9001
+H = 32
+V = block_width(1 << 20, H) + 809  # two blocks, the second ragged
 N_LIST = (1, 7, 333, 4096)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 CONFIGS = {
@@ -54,6 +59,34 @@ def test_rows_bitwise_whatever_the_batch_composite(dtype):
     assert not bad, f"{len(bad)} mismatches, e.g.: " + "; ".join(bad[:4])
 
 
+@pytest.mark.parametrize("h", [64, 1024])
+def test_matmul_shapes_whatever_n_and_chunk_bytes(monkeypatch, h):
+    # The (hidden tile, weight block) shapes of every logits matmul, forward and backward: [ROW_TILE, H] and
+    # [block_width(V, H) or the ragged rest, H], the same set at N = 1 and 1500 and at the smallest chunk_bytes
+    # and 1 GiB (a width chosen from N or chunk_bytes would change it, and with it a row's bits).
+    v = block_width(1 << 20, h) + 100
+    seen, logits_into = set(), engine.logits_into
+
+    def spy(out, hidden_tile, w, b):
+        seen.add((tuple(hidden_tile.shape), tuple(w.shape)))
+        logits_into(out, hidden_tile, w, b)
+    monkeypatch.setattr(engine, "logits_into", spy)
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(v, h, generator=gen) * 0.05).requires_grad_()
+    smallest = sum(tile_bytes(block_width(v, h), h, torch.float32, True))
+    shapes = []
+    for n, chunk in ((1, smallest), (1500, smallest), (1500, 1 << 30)):
+        hidden = torch.randn(n, h, generator=gen).requires_grad_()
+        logp = twinkle_mem.linear_selective_log_softmax(hidden, weight, torch.randint(0, v, (n,), generator=gen),
+                                                        chunk_bytes=chunk)
+        logp.sum().backward()
+        shapes.append(sorted(seen))
+        seen.clear()
+    cols = block_width(v, h)
+    assert shapes[0] == sorted({((ROW_TILE, h), (cols, h)), ((ROW_TILE, h), (v - cols, h))}), shapes[0]
+    assert shapes[1] == shapes[0] and shapes[2] == shapes[0], shapes
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_chunk_budget_invariance(dtype):
     # One batch (a third of the rows dropped, k = 2 labels, bias, T = 0.7) at chunk_bytes from the smallest
@@ -66,7 +99,7 @@ def test_chunk_budget_invariance(dtype):
     labels = torch.randint(0, V, (n, 2), generator=gen)
     labels[torch.rand(n, generator=gen) < 1 / 3] = -100
     g_logp, g_ent = torch.randn(n, 2, generator=gen), torch.randn(n, generator=gen)
-    smallest = sum(tile_bytes(block_width(V), H, dtype, True))
+    smallest = sum(tile_bytes(block_width(V, H), H, dtype, True))
     results = []
     for chunk in (smallest, smallest + 1, 2 * smallest + 777, 5 * smallest, 1 << 30):
         h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))

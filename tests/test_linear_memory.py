@@ -33,7 +33,8 @@ def measure(n, h, v, dtype="float32", chunk_bytes=64 << 20, ignore_frac=0.0, pat
     import twinkle_mem
     from twinkle_mem.heads import engine
     from twinkle_mem.measure import peak_rss
-    engine.VOCAB_BLOCK = vocab_block or engine.VOCAB_BLOCK
+    if vocab_block:
+        engine.VOCAB_BLOCK, engine.MAX_WIDEN = vocab_block, 1
     engine.ROW_TILE = row_tile or engine.ROW_TILE
     assert twinkle_mem.backends()["cpu"] == "loaded", f"native CPU kernels not loaded: {twinkle_mem.backends()}"
     if threads:
@@ -89,7 +90,8 @@ def run_child(**cfg):
     dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=4 << 20, vocab_block=2048, row_tile=128),
     dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=4 << 20, ignore_frac=0.75, vocab_block=2048,
          row_tile=128),
-    dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=16 << 20),  # the default tiles and blocks
+    # the default tiles and blocks (at H = 128 4 x 8192 columns wide: one 64 MiB tile, the logits 128 MiB)
+    dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=64 << 20),
     # a weight-sized fp32 buffer would be +32 MiB
     dict(n=512, h=256, v=32768, dtype="bfloat16", chunk_bytes=8 << 20, vocab_block=2048, row_tile=128),
 ], ids=["fp32", "fp32 3/4 ignored", "fp32 default tiles", "bf16"])

@@ -74,7 +74,7 @@ class _Fused:
 
 def smallest_chunk(vocab, hidden_size, dtype):
     """The smallest chunk_bytes accepted: one row tile of a vocab block, as the backward needs it."""
-    return sum(tile_bytes(block_width(vocab), hidden_size, dtype, True))
+    return sum(tile_bytes(block_width(vocab, hidden_size), hidden_size, dtype, True))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -323,8 +323,12 @@ def test_no_tensor_of_the_logits_size_goes_through_any_op():
 
 
 def test_block_plan():
-    # Block widths from the vocab alone; chunk_bytes only sets how many row tiles share a buffer.
-    assert block_width(1000) == 1000 and block_width(151936) == engine.VOCAB_BLOCK == 8192
+    # Block widths from the vocab and H alone (wider below H = 1024, cols x H no more than at 1024, at most 4 x 8192);
+    # chunk_bytes only sets how many row tiles share a buffer.
+    assert block_width(1000, 1024) == 1000 and block_width(151936, 1024) == engine.VOCAB_BLOCK == 8192
+    assert [block_width(151936, h) for h in (4096, 1025, 1024, 768, 512, 300, 256, 64, 1)] == [
+        8192, 8192, 8192, 8192, 16384, 24576, 32768, 32768, 32768]
+    assert block_width(20000, 256) == 20000
     tile = engine.ROW_TILE * 4096 * 4  # one fp32 tile of logits
     assert tiles_in_flight(4096, 64, torch.float32, 3 * tile + 5, False) == 3
     assert tiles_in_flight(4096, 64, torch.float32, 3 * tile + 5, True) == 3  # fp32: nothing else
@@ -335,6 +339,11 @@ def test_block_plan():
     assert tiles_in_flight(4096, 64, torch.bfloat16, fixed + 2 * (tile // 2), True) == 2
     with pytest.raises(ValueError, match="chunk_bytes"):
         tiles_in_flight(4096, 64, torch.float32, tile - 1, False)
+    # A widened block holds as many rows at once as VOCAB_BLOCK-wide ones would (its buffer no larger), >= 1 tile
+    wide = engine.ROW_TILE * 32768 * 4
+    assert tiles_in_flight(32768, 256, torch.float32, 4 * wide, False) == 1
+    assert tiles_in_flight(16384, 512, torch.float32, 8 * (wide // 2), False) == 4
+    assert tiles_in_flight(32768, 256, torch.float32, wide, False) == 1
     with pytest.raises(ValueError, match="chunk_bytes"):
         tiles_in_flight(4096, 64, torch.bfloat16, fixed + tile // 2 - 1, True)
 
@@ -355,9 +364,12 @@ def test_default_chunk_bytes_holds_one_tile(monkeypatch):
             lsls(hidden, weight, labels, True, bias=bias, chunk_bytes=smallest - 1)
     assert all(torch.equal(a, b) for a, b in zip((*got, grad), (*want, want_grad)))
     monkeypatch.undo()
-    for h in (2560, 4096, 5120, 8192):  # Qwen3 4B, 8B, 14B, 32B+: the real default at V = 151936
-        tiles_in_flight(block_width(151936), h, torch.bfloat16, logprobs.default_chunk_bytes(8192, h, torch.bfloat16),
-                        backward=True)
+    for h in (256, 512, 2560, 4096, 5120, 8192):  # small heads (wide blocks); Qwen3 4B, 8B, 14B, 32B+, at V = 151936
+        cols = block_width(151936, h)
+        tiles_in_flight(cols, h, torch.bfloat16, logprobs.default_chunk_bytes(cols, h, torch.bfloat16), backward=True)
+    for h in (64, 256, 512, 1024):  # below H = 2048 the 256 MiB default holds one bf16 tile of the widest blocks
+        cols = block_width(151936, h)
+        assert logprobs.default_chunk_bytes(cols, h, torch.bfloat16) == logprobs.DEFAULT_CHUNK_BYTES, h
 
 
 # ------------------------------------------------------------------ errors

@@ -5,8 +5,8 @@ path, where the logits never exist.
 for: each block of logits is computed as the layer computes its logits (``F.linear`` in the inputs' dtype, divided
 by the temperature in that dtype as twinkle's forward divides them), the first maximal column kept, the blocks
 folded in vocab order keeping the earlier block on equal values. So the index is the first among equal maxima,
-as ``torch.argmax``'s. Memory: one [ROW_TILE, VOCAB_BLOCK] block of logits and O(rows) results. A head on the
-engine (engine.py): its row tiles, vocab blocks and forward sweep; its per-block math is a max and a fold.
+as ``torch.argmax``'s. Memory: one [ROW_TILE, engine.block_width] block of logits and O(rows) results. A head on
+the engine (engine.py): its row tiles, vocab blocks and forward sweep; its per-block math is a max and a fold.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..op.vocab_parallel import VocabShard
-from .engine import Plan, RowTiles, block_width, forward_sweep, pad_rows
+from .engine import Plan, RowTiles, acc_dtype, block_width, forward_sweep, pad_rows
 
 
 def _fold(best: Tensor, index: Tensor, value: Tensor, column: Tensor) -> None:
@@ -43,7 +43,7 @@ def linear_argmax(hidden: Tensor, weight: Tensor, rows: Optional[Tensor] = None,
     kept = None if rows is None else rows.reshape(-1).nonzero().squeeze(1)
     x = flat if kept is None else flat.index_select(0, kept)
     n = x.shape[0]
-    dtype = torch.promote_types(x.dtype, torch.float32)  # holds every block's maxima exactly (float64 ones too)
+    dtype = acc_dtype(x.dtype)  # holds every block's maxima exactly (bf16/fp16 in fp32, float64 ones too)
     best = torch.full((n, ), float("-inf"), dtype=dtype, device=x.device)
     index = torch.full((n, ), -1, dtype=torch.long, device=x.device)
     if n:
@@ -56,7 +56,7 @@ def linear_argmax(hidden: Tensor, weight: Tensor, rows: Optional[Tensor] = None,
             value, column = logits.max(-1)
             _fold(best[rows], index[rows], value.to(dtype), column + v0)
 
-        forward_sweep(tiles, weight, None, Plan(block_width(weight.shape[0]), 1, x.dtype), step)
+        forward_sweep(tiles, weight, None, Plan(block_width(weight.shape[0], x.shape[1]), 1, x.dtype), step)
         best, index = best[:n], index[:n]
     shard = VocabShard.of(process_group, weight.shape[0], "weight")
     if shard.group_name:

@@ -7,10 +7,9 @@ them; a head supplies its per-block math (docs/architecture.md, "Adding a fused 
 - kept rows (``Rows``): rows whose labels are all ``ignore_index`` are dropped before any matmul;
 - row tiles (``RowTiles``): every matmul takes a fixed number of rows, the last tile zero-padded, so that a
   row's results depend on nothing but the row (batch invariance, docs/linear.md);
-- vocab blocks (``vocab_blocks``): ``[v0, v1)`` slices of the weight, of a width fixed by V alone; or, for a
-  top-k teacher, each row's own k weight rows (``gathered_logits`` / ``gathered_backward``: the other
-  block shape);
-- the accumulation dtype (``acc_dtype``): fp32, fp64 for fp64 inputs; bf16/fp16 products summed in fp32,
+- vocab blocks (``vocab_blocks``): ``[v0, v1)`` slices of the weight, of a width fixed by V and H (``block_width``);
+  or, for a top-k teacher, each row's own k weight rows (``gathered_logits`` / ``gathered_backward``);
+- the accumulation dtype (``acc_dtype``, the op's): fp32, fp64 for fp64 inputs; bf16/fp16 products summed in fp32,
   through ``matmul.mixed_addmm`` where the device can, else from fp32 copies of one weight block and one
   row tile at a time (``Operands``), never more;
 - the chunk budget (``tiles_in_flight``): how many row tiles share one buffer of logits;
@@ -30,22 +29,18 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..op.contract import check_float_tensor
+from ..op.contract import acc_dtype, check_float_tensor  # acc_dtype: the op's rule is the heads' (fp32; fp64)
 from ..op.op_args import arg_names
 from ..op.rows import kept_rows
 from .matmul import add_matmul, logits_into, mixed_addmm
 
-# Every matmul and merge is cut from these constants alone, never from N or chunk_bytes, so that a row's results
-# depend only on its own hidden state and the weight. (Measured on the 2-core build machine, fp32, H = 1024:
-# 512 x 8192 tiles run the matmuls about as fast as one matmul over 1024 rows and 65536 columns; 256 x 4096
-# tiles were ~30% slower on 2 threads.)
+# Every matmul and merge is cut from these constants and H alone, never from N or chunk_bytes: a row's results depend
+# only on its hidden state and the weight. (EPYC, H 1024, fp32: 512 x 8192 tiles ran as fast as whole matmuls.)
 ROW_TILE = 512  # rows per matmul (the last tile zero-padded): the BLAS sees one M whatever N is
-VOCAB_BLOCK = 8192  # vocab columns per block (the last one ragged): blocks and their merge order from V alone
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The accumulation dtype of a head's sums and statistics: fp32, fp64 for fp64 inputs."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+VOCAB_BLOCK = 8192  # vocab columns per block at H >= 1024 (the last one ragged): blocks and merge order from V, H
+# Below H = 1024 that is too little work per matmul for the Xeon's BLAS (docs/cpu.md): blocks widen by whole
+# VOCAB_BLOCKs, up to MAX_WIDEN, keeping cols x H <= VOCAB_BLOCK x 1024 (no more bytes than at H = 1024).
+MAX_WIDEN = 4
 
 
 def reduced(dtype: torch.dtype) -> bool:
@@ -53,9 +48,10 @@ def reduced(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
 
-def block_width(shard: int) -> int:
-    """Columns of the vocab blocks: VOCAB_BLOCK, or the whole (shard of the) vocab when smaller."""
-    return min(VOCAB_BLOCK, shard)
+def block_width(shard: int, hidden_size: int) -> int:
+    """Columns of the vocab blocks from the (shard of the) vocab and H alone; the whole shard when smaller."""
+    widen = max(1, min(MAX_WIDEN, 1024 // max(1, hidden_size)))
+    return min(VOCAB_BLOCK * widen, shard)
 
 
 def vocab_blocks(shard: int, width: int):
@@ -99,7 +95,8 @@ def tile_bytes(cols: int, hidden_size: int, dtype: torch.dtype, backward: bool) 
 
 
 def tiles_in_flight(cols: int, hidden_size: int, dtype: torch.dtype, chunk_bytes: int, backward: bool) -> int:
-    """How many row tiles of a block one buffer holds within chunk_bytes (>= 1, else ValueError).
+    """How many row tiles of a block one buffer holds within chunk_bytes (>= 1, else ValueError); a block widened
+    past VOCAB_BLOCK that many fewer (>= 1): its buffer no larger than VOCAB_BLOCK-wide blocks' at the same rows.
 
     This is all that chunk_bytes decides: how many fixed tiles go through one step, never a matmul's shape
     nor an order of summation."""
@@ -108,7 +105,7 @@ def tiles_in_flight(cols: int, hidden_size: int, dtype: torch.dtype, chunk_bytes
     if tiles < 1:
         raise ValueError(f"chunk_bytes = {chunk_bytes} is below one row tile of a vocab block ({ROW_TILE} rows x "
                          f"{cols} columns, H = {hidden_size}, {dtype}: {per_tile + fixed} bytes)")
-    return tiles
+    return max(1, tiles // max(1, cols // VOCAB_BLOCK))
 
 
 # ------------------------------------------------------------------ kept rows, row tiles
@@ -251,6 +248,16 @@ def fake_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], need_hidd
 
 
 # ------------------------------------------------------------------ the sweeps over vocab blocks
+def _group_logits(tiles: RowTiles, tile_ids: range, x: Tensor, w: Tensor, b: Optional[Tensor],
+                  operand: Optional[Callable[[Tensor], Tensor]]) -> Tensor:
+    """x = the logits of a group's row tiles, each hidden tile as ``operand`` makes it (None: as it is); returns
+    the last tile's operand."""
+    for i, j in enumerate(tile_ids):
+        h = tiles[j] if operand is None else operand(tiles[j])
+        logits_into(x[i * tiles.tile:(i + 1) * tiles.tile], h, w, b)
+    return h
+
+
 def forward_sweep(tiles: RowTiles, weight: Tensor, bias: Optional[Tensor], plan: Plan,
                   step: Callable[[int, int, slice, Tensor], None]) -> None:
     """step(v0, v1, rows, x) for each vocab block [v0, v1) in order and, within it, each group of row tiles in
@@ -262,9 +269,7 @@ def forward_sweep(tiles: RowTiles, weight: Tensor, bias: Optional[Tensor], plan:
     for v0, v1 in vocab_blocks(weight.shape[0], plan.width):
         w, b = _block_operands(weight, bias, v0, v1, operands, straight)
         for tile_ids, rows, x in _groups(tiles, plan, buf, v1 - v0):
-            for i, j in enumerate(tile_ids):
-                h = tiles[j] if straight else operands(tiles[j])
-                logits_into(x[i * tiles.tile:(i + 1) * tiles.tile], h, w, b)
+            _group_logits(tiles, tile_ids, x, w, b, None if straight else operands)
             step(v0, v1, rows, x)
 
 
@@ -305,15 +310,15 @@ def backward_sweep(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional[Te
         gw = gw_acc[:c].zero_() if gw_acc is not None else grad_weight[v0:v1]
         gb = gb_acc[:c].zero_() if gb_acc is not None else grad_bias[v0:v1]
         for tile_ids, rs, x in _groups(tiles, plan, buf, c):
-            for i, j in enumerate(tile_ids):
-                logits_into(x[i * tiles.tile:(i + 1) * tiles.tile], tiles[j] if straight else operands(tiles[j]), w, b)
+            h_acc = _group_logits(tiles, tile_ids, x, w, b, None if straight else operands)
+            h_acc = h_acc if not straight and len(tile_ids) == 1 else None  # one fp32 hidden tile, cast once
             d = block_grad(v0, v1, rs, x)
             if tile_ids[-1] == tiles.count - 1 and tiles.tail < tiles.tile:  # padding adds exactly 0 (even where NaN)
                 d[d.shape[0] - tiles.tile + tiles.tail:] = 0
             for i, j in enumerate(tile_ids):  # tile by tile, in tile order: the sums do not see the grouping
                 dj = operands(d[i * tiles.tile:(i + 1) * tiles.tile])
                 if needs.weight:
-                    add_matmul(gw, dj.t(), operands(tiles[j]))
+                    add_matmul(gw, dj.t(), operands(tiles[j]) if h_acc is None else h_acc)
                 if needs.bias:
                     gb.add_(dj.sum(dim=0, dtype=acc))
                 if needs.hidden:
@@ -376,7 +381,7 @@ def gathered_backward(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional
         return grad_hidden, grad_weight, grad_bias
     k = ids.shape[1]
     chunk = max(1, budget // (4 * h_size))  # entries per index_add
-    for v0, v1 in vocab_blocks(weight.shape[0], block_width(weight.shape[0])):
+    for v0, v1 in vocab_blocks(weight.shape[0], block_width(weight.shape[0], h_size)):
         entries = (own & (ids >= v0) & (ids < v1)).flatten().nonzero().squeeze(1)
         if entries.numel() == 0:
             continue

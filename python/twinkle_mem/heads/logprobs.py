@@ -17,7 +17,7 @@ Backward, per block and group (engine.backward_sweep): the op's in-place backwar
 grad_weight, grad_bias and grad_hidden.
 
 Batch invariance (docs/linear.md): every matmul and merge is cut from engine.ROW_TILE and
-engine.VOCAB_BLOCK alone; ``chunk_bytes`` only decides how many tiles share one op call
+engine.block_width (V and H) alone; ``chunk_bytes`` only decides how many tiles share one op call
 (engine.tiles_in_flight). Memory (beyond inputs, outputs and gradients: the block buffer within
 ``chunk_bytes``, O(N) statistics, nothing [N, V]) and tensor parallelism (``weight`` is this rank's vocab
 shard; ``grad_hidden`` is this rank's partial sum, Megatron's ColumnParallelLinear convention): see
@@ -66,7 +66,7 @@ class LogprobOptions(NamedTuple):
 def _plan(hidden: Tensor, shard: int, chunk_bytes: int, backward: bool) -> Plan:
     """Vocab blocks of block_width columns, as many row tiles per op call as chunk_bytes holds, logits in the
     input dtype (the op reads them as the model's layer would give them)."""
-    cols = block_width(shard)
+    cols = block_width(shard, hidden.shape[1])
     return Plan(cols, tiles_in_flight(cols, hidden.shape[1], hidden.dtype, chunk_bytes, backward), hidden.dtype)
 
 
@@ -253,7 +253,7 @@ def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *,
                         DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
     h_size = hidden.shape[-1]
     n = math.prod(hidden.shape[:-1])
-    cols = block_width(weight.shape[0])
+    cols = block_width(weight.shape[0], h_size)
     if chunk_bytes is None:
         chunk_bytes = default_chunk_bytes(cols, h_size, hidden.dtype)
     # Refuse, before any work, a chunk_bytes below one row tile of a vocab block (the backward's need,

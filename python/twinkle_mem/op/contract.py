@@ -26,9 +26,15 @@ def ignore_value(ignore_index: Optional[int]) -> int:
     return NO_IGNORE_INDEX if ignore_index is None else int(ignore_index)
 
 
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype for inputs of ``dtype``: fp32, fp64 for fp64 (the one rule: the op's statistics and
+    outputs, the fused heads' sums and outputs, linear_argmax's maxima)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def stats_dtype(logits: torch.Tensor) -> torch.dtype:
-    """The dtype of every output and statistic: fp32, fp64 for fp64 logits."""
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+    """The dtype of every output and statistic: acc_dtype of the logits' dtype."""
+    return acc_dtype(logits.dtype)
 
 
 class OpOptions(NamedTuple):

@@ -92,7 +92,7 @@ def _check_chunk_bytes(model, layers, chunk_bytes: int) -> None:
     error = None
     for weight in fused_eligibility.megatron_output_weights(model.model) if layers else []:
         try:
-            tiles_in_flight(block_width(weight.shape[0]), weight.shape[1], weight.dtype, chunk_bytes, backward=True)
+            tiles_in_flight(block_width(*weight.shape), weight.shape[1], weight.dtype, chunk_bytes, backward=True)
         except ValueError as e:
             error = str(e)
     group = _pipeline_group()
