@@ -48,10 +48,15 @@ inline int64_t count_of_scalar(const acc_t* p, int64_t n, acc_t value) {
 // second sweep computes on an L1 buffer without touching memory; it asks for the
 // row kPrefetchAhead ahead meanwhile, so that memory and arithmetic overlap (one
 // block ahead into L1 kept a 6 GB/s stream waiting at each block's first sweep).
+// Past the segment's end too: a thread's next task is the row's next segment
+// (parallel_for hands each thread a contiguous range of tasks); bounding the hint
+// by the segment left half of each segment's blocks to the hardware prefetcher.
 template <typename scalar_t>
 inline void prefetch_range(const scalar_t* x, int64_t from, int64_t to) {
-  const char* end = reinterpret_cast<const char*>(x + to);
-  for (const char* p = reinterpret_cast<const char*>(x + from); p < end; p += 64) __builtin_prefetch(p, 0, 2);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(x);  // an address past the row is only a hint: never read
+  for (uintptr_t p = base + from * sizeof(scalar_t); p < base + to * sizeof(scalar_t); p += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 2);
+  }
 }
 
 // Online softmax state of x[0, n) (see online_softmax.h), in double. Each block
@@ -125,7 +130,7 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
       const Vec v_neg_shift(-shift), v_a(a), v_y_floor(exp2_floor<acc_t>()), v_block_max(block_max);
       for (int64_t i = 0, b = 0; i < body; i += kSub, ++b) {
         const int64_t end = std::min(body, i + kSub);
-        prefetch_range(x_block, kPrefetchAhead + i, std::min(kPrefetchAhead + i + kSub, n - start));
+        prefetch_range(x_block, kPrefetchAhead + i, kPrefetchAhead + i + kSub);
         Vec v_sum(acc_t(0)), v_zsum(acc_t(0));
         auto run = [&](auto may_hold_max) {  // only a sub-block whose max is the block's pays for the test
           for (int64_t j = i; j < end; j += W) {
