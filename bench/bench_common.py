@@ -1,8 +1,9 @@
 """What the benchmarks in bench/ share: the run's metadata record, how loaded the machine was (MachineLoad),
-writing results as JSON, running one measurement in a fresh process and reading back its JSON line, numbered progress
-lines, Markdown tables, matplotlib figures written as PNG files, and the step table of the device
-checks (gpu_check.sh, npu_check.sh: ``python bench/bench_common.py steps ...``). Measuring itself
-(peak RSS, the CPU's name) lives in ``twinkle_mem.measure``, which the tests use too.
+writing results as JSON, running one measurement in a fresh process and reading back its JSON line, numbered
+progress lines, the command line's common options (bench_parser), Markdown tables, matplotlib figures written
+as PNG files, and the step table of the device checks (gpu_check.sh, npu_check.sh:
+``python bench/bench_common.py steps ...``). Measuring itself (peak RSS, the CPU's name) lives in
+``twinkle_mem.measure``, which the tests use too.
 
 The scripts import it as ``bench_common`` (Python puts a script's own folder on ``sys.path``); it puts
 the repository root there too, so that the twinkle-kit benchmarks import ``cpu_harness`` (the CPU
@@ -11,6 +12,7 @@ standard library: the device checks run it before anything is built.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -23,6 +25,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.append(ROOT)  # last: the script's folder and PYTHONPATH come first (the package is under python/)
+
+
+# ------------------------------------------------------------------ the command line
+def bench_parser(doc: str, out: str | None = None, **ints: int) -> argparse.ArgumentParser:
+    """A benchmark's parser: described by its docstring's first line, an int option ``--name`` for each
+    keyword (its default, in the order given), and ``--out`` (a results file stem, default
+    bench/results/OUT) when ``out`` is given. The script adds its other options."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for name, default in ints.items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+    if out is not None:
+        parser.add_argument("--out", default=os.path.join(HERE, "results", out),
+                            help="results file stem: writes OUT.json and OUT.png")
+    return parser
 
 
 # ------------------------------------------------------------------ the run's record

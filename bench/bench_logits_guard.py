@@ -11,11 +11,10 @@ the logits' storages), the most logits bytes alive at once, the rise of the
 resident-set high-water mark over the call, and its time.
 Writes bench/results/bench_logits_guard.json and .png (another stem: --out).
 """
-import argparse
 import os
 import statistics
 
-from bench_common import HERE, new_figure, run_metadata, save_png, write_json
+from bench_common import HERE, bench_parser, new_figure, run_metadata, save_png, write_json
 from cpu_harness import memory  # importable once bench_common has put the repository root on sys.path
 
 VARIANTS = [
@@ -51,13 +50,7 @@ return out
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--hidden", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_logits_guard"),
-                        help="results file stem: writes OUT.json and OUT.png")
+    parser = bench_parser(__doc__, "bench_logits_guard", seq=4096, vocab=32000, hidden=16, reps=2)
     args = parser.parse_args()
 
     import megatron.core

@@ -9,11 +9,10 @@ the dense path, tensors on the CPU). Peak = rise of the resident-set high-water 
 during one call (``/proc/self/status`` VmHWM, reset through ``clear_refs``).
 Writes bench/results/bench_mask.json and .png (another stem: --out).
 """
-import argparse
 import os
 import statistics
 
-from bench_common import HERE, new_figure, run_metadata, save_png, write_json
+from bench_common import HERE, bench_parser, new_figure, run_metadata, save_png, write_json
 from cpu_harness import memory  # importable once bench_common has put the repository root on sys.path
 
 BUILDER_SETUP = """
@@ -60,12 +59,7 @@ CASES = [
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=16384)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "bench_mask"),
-                        help="results file stem: writes OUT.json and OUT.png")
+    parser = bench_parser(__doc__, "bench_mask", batch=1, seq=16384, reps=5)
     args = parser.parse_args()
 
     import twinkle.version

@@ -24,7 +24,8 @@ import sys
 import tempfile
 import time
 
-from bench_common import HERE, Progress, markdown_table, peak_and_time_figure, read_json, run_metadata, write_json
+from bench_common import (HERE, bench_parser, Progress, markdown_table,
+                          peak_and_time_figure, read_json, run_metadata, write_json)
 
 MODES = {"unset": "twinkle-kit 0.5.1 as shipped (unset)", "1": "`TWINKLE_MEM_INSTALL=1`",
          "fused_lm_head": "`TWINKLE_MEM_INSTALL=fused_lm_head`"}
@@ -131,13 +132,7 @@ def child(mode, ckpt, args):
 
 # --- the parent -----------------------------------------------------------------------------------------------------
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--k", type=int, default=64)
+    parser = bench_parser(__doc__, vocab=151936, seq=4096, prompt=512, hidden=64, layers=2, k=64)
     parser.add_argument("--recipes", default="grpo,gkd")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", default=os.path.join(HERE, "results", "recipe"), help="results stem")

@@ -22,11 +22,11 @@ logits (the gather is exact; only the k-wide math changes), whose loss is the ex
 against. Writes bench/results/twinkle_gkd.*. ``--teacher local``: a local teacher's whole-vocab logits
 (``teacher_logits=``, [2, S, V] fp32) instead; writes bench/results/twinkle_gkd_local.*.
 """
-import argparse
 import os
 import statistics
 
-from bench_common import HERE, Progress, markdown_table, new_figure, read_json, run_metadata, save_png, write_json
+from bench_common import (HERE, bench_parser, Progress, markdown_table,
+                          new_figure, read_json, run_metadata, save_png, write_json)
 from cpu_harness import memory  # importable once bench_common has put the repository root on sys.path
 
 CASES = [
@@ -87,11 +87,7 @@ return out
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--prompt", type=int, default=0)
+    parser = bench_parser(__doc__, vocab=151936, seq=4096, hidden=64, prompt=0)
     parser.add_argument("--loss", choices=sorted(LOSSES), default="grpo")
     parser.add_argument("--topk", type=int, default=64, help="the GKD teacher's k")
     parser.add_argument("--teacher", choices=["topk", "local"], default="topk",

@@ -15,7 +15,6 @@ built and wrapped before, after one warm-up step) and the step's time; the loss 
 the loss mask (the cases must agree). Writes bench/results/twinkle_mcore_bridge.{json,md,png};
 ``--replot`` redraws the table and the PNG from the JSON.
 """
-import argparse
 import copy
 import datetime
 import json
@@ -24,7 +23,8 @@ import subprocess
 import tempfile
 import time
 
-from bench_common import HERE, Progress, markdown_table, peak_and_time_figure, read_json, run_metadata, write_json
+from bench_common import (HERE, bench_parser, Progress, markdown_table,
+                          peak_and_time_figure, read_json, run_metadata, write_json)
 
 CASES = {"shipped": ("twinkle-kit 0.5.1", None), "install": ("install()", dict()),
          "fused": ("install(fused_lm_head=True)", dict(fused_lm_head=True))}
@@ -93,12 +93,7 @@ def run_case(ckpt, case, args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--prompt", type=int, default=0)
+    parser = bench_parser(__doc__, vocab=151936, seq=4096, hidden=64, layers=2, prompt=0)
     parser.add_argument("--cases", default="shipped,install,fused")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "twinkle_mcore_bridge"), help="results stem")
     parser.add_argument("--replot", action="store_true", help="redraw the table and the PNG from the JSON only")

@@ -83,6 +83,8 @@ inline namespace TWINKLE_MEM_ISA {
 // Scalar primitives; vector types provide their own overloads.
 TM_HOST_DEVICE float exp_(float v) { return ::expf(v); }
 TM_HOST_DEVICE double exp_(double v) { return ::exp(v); }
+TM_HOST_DEVICE float exp2_(float v) { return ::exp2f(v); }
+TM_HOST_DEVICE double exp2_(double v) { return ::exp2(v); }
 TM_HOST_DEVICE float expm1_(float v) { return ::expm1f(v); }
 TM_HOST_DEVICE double expm1_(double v) { return ::expm1(v); }
 TM_HOST_DEVICE float log1p_(float v) { return ::log1pf(v); }

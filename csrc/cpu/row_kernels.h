@@ -28,10 +28,14 @@
 
 constexpr int64_t kBlock = 2048;  // elements per L1-resident block of a row
 constexpr int64_t kSubVectors = 16;  // vectors summed in acc_t before their sum joins a double
+constexpr int64_t kPrefetchAhead = 4 * kBlock;  // how far ahead of the block in hand sweep 2 asks for the row
+constexpr double kLog2e = 1.4426950408889634;
+constexpr double kLn2 = 0.6931471805599453;
 
-// Asks for x[from, to) to be brought into the cache: no fault, no wait. The
-// forward's second sweep computes on an L1 buffer without touching memory; it
-// fetches the next block meanwhile, so that memory and arithmetic overlap.
+// The y below which 2^y is 0 in acc_t (rounded to nearest): sweep 2 clamps at it.
+template <typename acc_t>
+constexpr acc_t exp2_floor() { return sizeof(acc_t) == 4 ? acc_t(-160) : acc_t(-1100); }
+
 // How many of p[0, n) equal value (the tails of the vector count_of).
 template <typename acc_t>
 inline int64_t count_of_scalar(const acc_t* p, int64_t n, acc_t value) {
@@ -40,10 +44,19 @@ inline int64_t count_of_scalar(const acc_t* p, int64_t n, acc_t value) {
   return count;
 }
 
+// Asks for x[from, to) to be brought into L2: no fault, no wait. The forward's
+// second sweep computes on an L1 buffer without touching memory; it asks for the
+// row kPrefetchAhead ahead meanwhile, so that memory and arithmetic overlap (one
+// block ahead into L1 kept a 6 GB/s stream waiting at each block's first sweep).
+// Past the segment's end too: a thread's next task is the row's next segment
+// (parallel_for hands each thread a contiguous range of tasks); bounding the hint
+// by the segment left half of each segment's blocks to the hardware prefetcher.
 template <typename scalar_t>
 inline void prefetch_range(const scalar_t* x, int64_t from, int64_t to) {
-  const char* end = reinterpret_cast<const char*>(x + to);
-  for (const char* p = reinterpret_cast<const char*>(x + from); p < end; p += 64) __builtin_prefetch(p, 0, 3);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(x);  // an address past the row is only a hint: never read
+  for (uintptr_t p = base + from * sizeof(scalar_t); p < base + to * sizeof(scalar_t); p += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 2);
+  }
 }
 
 // Online softmax state of x[0, n) (see online_softmax.h), in double. Each block
@@ -71,7 +84,8 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
   constexpr bool kConverts = !std::is_same_v<scalar_t, acc_t>;
   alignas(64) acc_t x_buf[kConverts ? kBlock : 1];
   acc_t sub_max[kBlock / kSub + 1];
-  const Vec v_inv_T(inv_T);
+  // log2(e) / T, rounded once (as 1 / T itself is): sweep 2's scale
+  const acc_t a = static_cast<acc_t>(static_cast<double>(inv_T) * kLog2e);
   OnlineSoftmax<double> state = empty_state<double>();
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t len = std::min(kBlock, n - start);
@@ -107,22 +121,24 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
     }
     if (tail_max == block_max) at_max += count_of_scalar(xs + body, len - body, block_max);
 
-    // sweep 2: the sums, t = (x - shift) / T (no product at T = 1: the same bits)
-    double sum = 0, zsum = 0;
-    auto sweep = [&](auto unit_temperature, auto entropy) {
-      constexpr bool kUnit = decltype(unit_temperature)::value, kEntropy = decltype(entropy)::value;
-      const Vec v_neg_shift(-shift), v_block_max(block_max);
+    // sweep 2: the sums in base 2. y = (x - shift) a with a = log2(e) / T rounded once, so that exp(t) = 2^y:
+    // the exponential needs no reduction by ln2, and the entropy term sums y 2^y (in units of ln2). y is
+    // clamped from below where 2^y is 0 in acc_t (a -inf logit: y 2^y stays 0, not NaN; NaN passes through).
+    double sum = 0, zsum_log2 = 0;
+    auto sweep = [&](auto entropy) {
+      constexpr bool kEntropy = decltype(entropy)::value;
+      const Vec v_neg_shift(-shift), v_a(a), v_y_floor(exp2_floor<acc_t>()), v_block_max(block_max);
       for (int64_t i = 0, b = 0; i < body; i += kSub, ++b) {
         const int64_t end = std::min(body, i + kSub);
-        prefetch_range(x_block, kBlock + i, std::min(kBlock + i + kSub, n - start));  // the next block's part
+        prefetch_range(x_block, kPrefetchAhead + i, kPrefetchAhead + i + kSub);
         Vec v_sum(acc_t(0)), v_zsum(acc_t(0));
         auto run = [&](auto may_hold_max) {  // only a sub-block whose max is the block's pays for the test
           for (int64_t j = i; j < end; j += W) {
             const Vec xv = load_vec(xs + j);
-            const Vec t = kUnit ? xv + v_neg_shift : scaled_gap(xv, v_neg_shift, v_inv_T);
-            const Vec e = exp_(t);
+            const Vec y = max_(v_y_floor, (xv + v_neg_shift) * v_a);
+            const Vec e = exp2_for_sums(y);
             v_sum = decltype(may_hold_max)::value ? add_below(v_sum, e, xv, v_block_max) : v_sum + e;
-            if constexpr (kEntropy) v_zsum = add_entropy_term<Vec, acc_t>(v_zsum, t, e);
+            if constexpr (kEntropy) v_zsum = fma_(y, e, v_zsum);
           }
         };
         if (sub_max[b] == block_max) {
@@ -130,16 +146,12 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
         } else {
           run(std::false_type{});
         }
-        if constexpr (kEntropy) zsum += hsum(v_zsum);
+        if constexpr (kEntropy) zsum_log2 += hsum(v_zsum);
         sum += hsum(v_sum);
       }
     };
-    const bool unit = inv_T == acc_t(1);
-    if (with_entropy) {
-      unit ? sweep(std::true_type{}, std::true_type{}) : sweep(std::false_type{}, std::true_type{});
-    } else {
-      unit ? sweep(std::true_type{}, std::false_type{}) : sweep(std::false_type{}, std::false_type{});
-    }
+    with_entropy ? sweep(std::true_type{}) : sweep(std::false_type{});
+    double zsum = zsum_log2 * kLn2;
     for (int64_t i = body; i < len; ++i) {
       if (xs[i] == block_max) continue;  // counted in at_max
       const acc_t t = scaled_gap(xs[i], -shift, inv_T);
@@ -155,14 +167,27 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
 
 // d[0, n) = the off-label gradient p (a + b (u + entropy)) of logits x[0, n) (the caller
 // rewrites the elements that hold labels). d may alias x (in-place backward):
-// each vector is read before it is written.
+// each vector is read before it is written. A 16-bit gradient takes p in base 2,
+// p = 2^y with y = (x - shift) log2(e) / T - log_sum log2(e) and u = y ln2, like the
+// forward's sums: fewer instructions, and its rounding (p within ~1e-6 relative,
+// from log_sum log2(e) in fp32) is far below a bf16 or fp16 ulp. fp32 gradients keep
+// u and exp(u) as the contract writes them: 2 fp32 ulp would not hold the base-2 form.
 template <typename Vec, typename scalar_t>
 void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, const RowGrad<typename VecTraits<Vec>::acc_t>& g) {
+  using acc_t = typename VecTraits<Vec>::acc_t;
   constexpr int64_t W = VecTraits<Vec>::W;
   const Vec v_neg_shift(g.neg_shift), v_inv_T(g.inv_temperature), v_neg_log_sum(g.neg_log_sum),
       v_entropy(g.entropy), v_a(g.a), v_b(g.b), v_u_floor(g.u_floor);
+  const Vec v_a2(static_cast<acc_t>(static_cast<double>(g.inv_temperature) * kLog2e)),
+      v_c2(static_cast<acc_t>(static_cast<double>(g.neg_log_sum) * kLog2e)), v_y_floor(exp2_floor<acc_t>()),
+      v_ln2(static_cast<acc_t>(kLn2));
   auto grad = [&](Vec xv) {
-    return grad_off_label(xv, v_neg_shift, v_inv_T, v_neg_log_sum, v_entropy, v_a, v_b, v_u_floor);
+    if constexpr (sizeof(scalar_t) == 2 && !std::is_same_v<Vec, acc_t>) {
+      const Vec y = max_(v_y_floor, fma_(xv + v_neg_shift, v_a2, v_c2));
+      return exp2_for_grads(y) * fma_(v_b, fma_(y, v_ln2, v_entropy), v_a);
+    } else {
+      return grad_off_label(xv, v_neg_shift, v_inv_T, v_neg_log_sum, v_entropy, v_a, v_b, v_u_floor);
+    }
   };
   int64_t i = 0;
   for (; i + 2 * W <= n; i += 2 * W) {  // two vectors per store: one full-width 16-bit store

@@ -59,6 +59,8 @@ template <typename V>
 inline int64_t count_of(const V* p, int64_t n, V value) { return std::count(p, p + n, value); }
 template <typename V>
 inline V add_below(V sum, V e, V x, V max) { return x != max ? sum + e : sum; }
+template <typename V>
+inline V exp2_for_sums(V y) { return exp2_(y); }  // (16-bit gradients take exp_ here: no exp2_for_grads)
 using RowVec = float;
 using bf16_t = bf16;
 using fp16_t = fp16;
