@@ -32,6 +32,11 @@ constexpr int64_t kPrefetchAhead = 4 * kBlock;  // how far ahead of the block in
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2 = 0.6931471805599453;
 
+// The base-2 scale log2(e) / T: the acc_t 1 / T times log2(e) in double, rounded
+// to acc_t (within two roundings of the true scale: 1.2e-7 relative in fp32).
+template <typename acc_t>
+inline acc_t log2e_over_T(acc_t inv_T) { return static_cast<acc_t>(static_cast<double>(inv_T) * kLog2e); }
+
 // The y below which 2^y is 0 in acc_t (rounded to nearest): sweep 2 clamps at it.
 template <typename acc_t>
 constexpr acc_t exp2_floor() { return sizeof(acc_t) == 4 ? acc_t(-160) : acc_t(-1100); }
@@ -84,8 +89,7 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
   constexpr bool kConverts = !std::is_same_v<scalar_t, acc_t>;
   alignas(64) acc_t x_buf[kConverts ? kBlock : 1];
   acc_t sub_max[kBlock / kSub + 1];
-  // log2(e) / T, rounded once (as 1 / T itself is): sweep 2's scale
-  const acc_t a = static_cast<acc_t>(static_cast<double>(inv_T) * kLog2e);
+  const acc_t a = log2e_over_T(inv_T);  // sweep 2's scale
   OnlineSoftmax<double> state = empty_state<double>();
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t len = std::min(kBlock, n - start);
@@ -121,7 +125,7 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
     }
     if (tail_max == block_max) at_max += count_of_scalar(xs + body, len - body, block_max);
 
-    // sweep 2: the sums in base 2. y = (x - shift) a with a = log2(e) / T rounded once, so that exp(t) = 2^y:
+    // sweep 2: the sums in base 2. y = (x - shift) a with a = log2e_over_T(inv_T), so that exp(t) = 2^y:
     // the exponential needs no reduction by ln2, and the entropy term sums y 2^y (in units of ln2). y is
     // clamped from below where 2^y is 0 in acc_t (a -inf logit: y 2^y stays 0, not NaN; NaN passes through).
     double sum = 0, zsum_log2 = 0;
@@ -178,7 +182,7 @@ void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, const RowGrad<typen
   constexpr int64_t W = VecTraits<Vec>::W;
   const Vec v_neg_shift(g.neg_shift), v_inv_T(g.inv_temperature), v_neg_log_sum(g.neg_log_sum),
       v_entropy(g.entropy), v_a(g.a), v_b(g.b), v_u_floor(g.u_floor);
-  const Vec v_a2(static_cast<acc_t>(static_cast<double>(g.inv_temperature) * kLog2e)),
+  const Vec v_a2(log2e_over_T(g.inv_temperature)),
       v_c2(static_cast<acc_t>(static_cast<double>(g.neg_log_sum) * kLog2e)), v_y_floor(exp2_floor<acc_t>()),
       v_ln2(static_cast<acc_t>(kLn2));
   auto grad = [&](Vec xv) {
