@@ -126,8 +126,9 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
     if (tail_max == block_max) at_max += count_of_scalar(xs + body, len - body, block_max);
 
     // sweep 2: the sums in base 2. y = (x - shift) a with a = log2e_over_T(inv_T), so that exp(t) = 2^y:
-    // the exponential needs no reduction by ln2, and the entropy term sums y 2^y (in units of ln2). y is
-    // clamped from below where 2^y is 0 in acc_t (a -inf logit: y 2^y stays 0, not NaN; NaN passes through).
+    // the exponential needs no reduction by ln2, and the entropy term sums y 2^y (in units of ln2). For
+    // the entropy, y is clamped from below where 2^y is 0 in acc_t (a -inf logit: y 2^y stays 0, not NaN;
+    // NaN passes through); the sum alone needs no clamp (every path's exp2_for_sums takes -inf to 0).
     double sum = 0, zsum_log2 = 0;
     auto sweep = [&](auto entropy) {
       constexpr bool kEntropy = decltype(entropy)::value;
@@ -139,7 +140,9 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
         auto run = [&](auto may_hold_max) {  // only a sub-block whose max is the block's pays for the test
           for (int64_t j = i; j < end; j += W) {
             const Vec xv = load_vec(xs + j);
-            const Vec y = max_(v_y_floor, (xv + v_neg_shift) * v_a);
+            const Vec y_raw = (xv + v_neg_shift) * v_a;
+            // exp2_for_sums takes -inf to 0; the entropy term needs y finite (y 2^y: -inf times 0 is NaN).
+            const Vec y = kEntropy ? max_(v_y_floor, y_raw) : y_raw;
             const Vec e = exp2_for_sums(y);
             v_sum = decltype(may_hold_max)::value ? add_below(v_sum, e, xv, v_block_max) : v_sum + e;
             if constexpr (kEntropy) v_zsum = fma_(y, e, v_zsum);
