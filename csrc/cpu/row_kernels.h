@@ -7,11 +7,12 @@
 // The including namespace provides: RowVec (its fp32 Vec) and the tag types
 // bf16_t, fp16_t of 16-bit logits (for kRowKernels, isa.h's table of entry
 // points, defined at the end), VecTraits<Vec>, load_vec(const T*) -> Vec,
-// store_vec(T*, Vec), store_pair(T*, Vec, Vec) (2 W elements), load_scalar(const T*)
-// -> acc_t, store_scalar(T*, acc_t), hmax(Vec), hsum(Vec), count_of(const acc_t*,
-// n, acc_t) (how many of n elements, n a whole number of vectors, equal a value; p unaligned),
+// load_pair(const T*, Vec&, Vec&) (2 W elements, in any fixed lane order), max_of(const T*, n)
+// -> acc_t (the max of n elements, n a whole number of vector pairs), store_vec(T*, Vec),
+// store_pair(T*, Vec, Vec) (2 W elements, in order), load_scalar(const T*) -> acc_t,
+// store_scalar(T*, acc_t), hsum(Vec), count_equal(Vec, Vec) (how many lanes are equal),
 // add_below(sum, e, x, max) (sum + e in the lanes where x != max: below it, or
-// NaN), and the exp_/max_/fma_ overloads that online_softmax.h's templates call.
+// NaN), and the exp_/exp2_for_sums/max_/fma_ overloads that the templates call.
 //
 // Deliberately no include guard, and no #include: the file is a body of
 // templates to be compiled once per instruction set, inside the namespace of
@@ -41,11 +42,18 @@ inline acc_t log2e_over_T(acc_t inv_T) { return static_cast<acc_t>(static_cast<d
 template <typename acc_t>
 constexpr acc_t exp2_floor() { return sizeof(acc_t) == 4 ? acc_t(-160) : acc_t(-1100); }
 
-// How many of p[0, n) equal value (the tails of the vector count_of).
-template <typename acc_t>
-inline int64_t count_of_scalar(const acc_t* p, int64_t n, acc_t value) {
+// How many of x[0, n) equal value: n a whole number of vector pairs (load_pair), or any n with W = 0
+// (the row tails, element by element).
+template <typename Vec, typename scalar_t, typename acc_t>
+inline int64_t count_equal_in(const scalar_t* x, int64_t n, acc_t value) {
+  constexpr int64_t W = VecTraits<Vec>::W;
+  const Vec v_value(value);
   int64_t count = 0;
-  for (int64_t i = 0; i < n; ++i) count += p[i] == value;
+  for (int64_t i = 0; i < n; i += 2 * W) {
+    Vec lo, hi;
+    load_pair(x + i, lo, hi);
+    count += count_equal(lo, v_value) + count_equal(hi, v_value);
+  }
   return count;
 }
 
@@ -65,13 +73,18 @@ inline void prefetch_range(const scalar_t* x, int64_t from, int64_t to) {
 }
 
 // Online softmax state of x[0, n) (see online_softmax.h), in double. Each block
-// of the row is read from memory once: a first sweep converts it to acc_t into
-// an L1 buffer (16-bit logits) and finds its max (and each sub-block's), a second accumulates
-// exp(t) and the entropy term with t = (x - max) / T. The state leaves out one
+// of the row is read from memory once: a first sweep finds its max (and each
+// sub-block's: max_of, which for 16-bit logits on x86 works on integer keys
+// without converting), a second reads the block again from L1 and accumulates
+// exp(t) and the entropy term with t = (x - max) / T. (It used to convert 16-bit
+// logits into an fp32 L1 buffer in the first sweep: a conversion and a store per
+// vector that cost more than converting again in the second.) The second sweep
+// takes the block by vector pairs (load_pair), in an order of the instruction
+// set's own: sums do not depend on the order within a path. The state leaves out one
 // element holding the max (its exp is the state's implicit 1): the second sweep
 // sums exp over the elements below the max only, and the k elements equal to it
 // (counted in the sub-blocks whose max it is) add k - 1 exactly, in double. (The
-// first max element's buffer copy was set to -inf before: that store, at an
+// first max element's copy was once set to -inf instead: that store, at an
 // address known only after a search, held up the second sweep's loads, 15% of
 // the AVX-512 forward; and ties added their 1s in fp32 among small terms.) The
 // entropy term of an element at the max is 0 whichever way. Sums run in acc_t
@@ -82,48 +95,32 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
                                     bool with_entropy) {
   using acc_t = typename VecTraits<Vec>::acc_t;
   constexpr int64_t W = VecTraits<Vec>::W;
-  constexpr int64_t kSub = kSubVectors * W;  // elements per sub-block
+  constexpr int64_t kSub = kSubVectors * W;  // elements per sub-block, a whole number of vector pairs
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  // 16-bit logits are converted once into an L1 buffer that the second sweep reads; logits of the
-  // accumulation type are read there from the block itself (L1-resident after the first sweep).
-  constexpr bool kConverts = !std::is_same_v<scalar_t, acc_t>;
-  alignas(64) acc_t x_buf[kConverts ? kBlock : 1];
   acc_t sub_max[kBlock / kSub + 1];
   const acc_t a = log2e_over_T(inv_T);  // sweep 2's scale
   OnlineSoftmax<double> state = empty_state<double>();
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t len = std::min(kBlock, n - start);
-    const int64_t body = len - len % W;  // whole vectors
+    const int64_t body = len - len % (2 * W);  // whole vector pairs
     const scalar_t* x_block = x + start;
-    const acc_t* xs = kConverts ? x_buf : reinterpret_cast<const acc_t*>(x_block);  // the block, as acc_t
 
-    // sweep 1: convert, block max, sub-block maxima
+    // sweep 1: block max, sub-block maxima
     int64_t subs = 0;
-    for (int64_t i = 0; i < body; i += kSub, ++subs) {
-      const int64_t end = std::min(body, i + kSub);
-      Vec v_max(kNegInf);
-      for (int64_t j = i; j < end; j += W) {
-        const Vec xv = load_vec(x_block + j);
-        if constexpr (kConverts) store_vec(x_buf + j, xv);
-        v_max = max_(v_max, xv);
-      }
-      sub_max[subs] = hmax(v_max);
-    }
+    for (int64_t i = 0; i < body; i += kSub, ++subs) sub_max[subs] = max_of(x_block + i, std::min(kSub, body - i));
     acc_t tail_max = kNegInf;
-    for (int64_t i = body; i < len; ++i) {
-      const acc_t xi = load_scalar(x_block + i);
-      if constexpr (kConverts) x_buf[i] = xi;
-      tail_max = max_(tail_max, xi);
-    }
+    for (int64_t i = body; i < len; ++i) tail_max = max_(tail_max, acc_t(load_scalar(x_block + i)));
     acc_t block_max = tail_max;
     for (int64_t b = 0; b < subs; ++b) block_max = max_(block_max, sub_max[b]);
     const acc_t shift = finite_shift(block_max);
     // The elements equal to the max (none for a NaN max; a block of -inf gets the empty state below).
     int64_t at_max = 0;
     for (int64_t b = 0; b < subs; ++b) {
-      if (sub_max[b] == block_max) at_max += count_of(xs + b * kSub, std::min(kSub, body - b * kSub), block_max);
+      if (sub_max[b] == block_max) {
+        at_max += count_equal_in<Vec>(x_block + b * kSub, std::min(kSub, body - b * kSub), block_max);
+      }
     }
-    if (tail_max == block_max) at_max += count_of_scalar(xs + body, len - body, block_max);
+    for (int64_t i = body; i < len; ++i) at_max += acc_t(load_scalar(x_block + i)) == block_max;
 
     // sweep 2: the sums in base 2. y = (x - shift) a with a = log2e_over_T(inv_T), so that exp(t) = 2^y:
     // the exponential needs no reduction by ln2, and the entropy term sums y 2^y (in units of ln2). For
@@ -136,16 +133,21 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
       for (int64_t i = 0, b = 0; i < body; i += kSub, ++b) {
         const int64_t end = std::min(body, i + kSub);
         prefetch_range(x_block, kPrefetchAhead + i, kPrefetchAhead + i + kSub);
-        Vec v_sum(acc_t(0)), v_zsum(acc_t(0));
+        Vec v_sum[2] = {acc_t(0), acc_t(0)}, v_zsum[2] = {acc_t(0), acc_t(0)};  // a pair's halves apart
         auto run = [&](auto may_hold_max) {  // only a sub-block whose max is the block's pays for the test
-          for (int64_t j = i; j < end; j += W) {
-            const Vec xv = load_vec(xs + j);
+          auto add = [&](Vec xv, int half) {
             const Vec y_raw = (xv + v_neg_shift) * v_a;
             // exp2_for_sums takes -inf to 0; the entropy term needs y finite (y 2^y: -inf times 0 is NaN).
             const Vec y = kEntropy ? max_(v_y_floor, y_raw) : y_raw;
             const Vec e = exp2_for_sums(y);
-            v_sum = decltype(may_hold_max)::value ? add_below(v_sum, e, xv, v_block_max) : v_sum + e;
-            if constexpr (kEntropy) v_zsum = fma_(y, e, v_zsum);
+            v_sum[half] = decltype(may_hold_max)::value ? add_below(v_sum[half], e, xv, v_block_max) : v_sum[half] + e;
+            if constexpr (kEntropy) v_zsum[half] = fma_(y, e, v_zsum[half]);
+          };
+          for (int64_t j = i; j < end; j += 2 * W) {
+            Vec lo, hi;
+            load_pair(x_block + j, lo, hi);
+            add(lo, 0);
+            add(hi, 1);
           }
         };
         if (sub_max[b] == block_max) {
@@ -153,15 +155,16 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
         } else {
           run(std::false_type{});
         }
-        if constexpr (kEntropy) zsum_log2 += hsum(v_zsum);
-        sum += hsum(v_sum);
+        if constexpr (kEntropy) zsum_log2 += hsum(v_zsum[0] + v_zsum[1]);
+        sum += hsum(v_sum[0] + v_sum[1]);
       }
     };
     with_entropy ? sweep(std::true_type{}) : sweep(std::false_type{});
     double zsum = zsum_log2 * kLn2;
     for (int64_t i = body; i < len; ++i) {
-      if (xs[i] == block_max) continue;  // counted in at_max
-      const acc_t t = scaled_gap(xs[i], -shift, inv_T);
+      const acc_t xi = load_scalar(x_block + i);
+      if (xi == block_max) continue;  // counted in at_max
+      const acc_t t = scaled_gap(xi, -shift, inv_T);
       const acc_t e = exp_(t);
       sum += e;
       if (with_entropy) zsum += add_entropy_term<acc_t, acc_t>(acc_t(0), t, e);

@@ -52,11 +52,17 @@ inline void store_scalar(T* p, V v) { *p = static_cast<T>(v); }
 template <typename T, typename V>
 inline void store_pair(T* p, V a, V b) { p[0] = static_cast<T>(a); p[1] = static_cast<T>(b); }
 template <typename V>
-inline V hmax(V v) { return v; }
-template <typename V>
 inline V hsum(V v) { return v; }
 template <typename V>
-inline int64_t count_of(const V* p, int64_t n, V value) { return std::count(p, p + n, value); }
+inline int64_t count_equal(V x, V value) { return x == value; }
+template <typename T, typename V>
+inline void load_pair(const T* p, V& a, V& b) { a = load_vec(p); b = load_vec(p + 1); }
+template <typename T>
+inline auto max_of(const T* p, int64_t n) {
+  auto m = load_vec(p);
+  for (int64_t i = 1; i < n; ++i) m = max_(m, load_vec(p + i));
+  return m;
+}
 template <typename V>
 inline V add_below(V sum, V e, V x, V max) { return x != max ? sum + e : sum; }
 template <typename V>

@@ -144,15 +144,43 @@ inline void store_pair(fp16_bits* p, Vec8f a, Vec8f b) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_set_m128i(hi, lo));
 }
 
-inline float hmax(Vec8f v) { return fold8<FoldMax>(v.v); }
 inline float hsum(Vec8f v) { return fold8<FoldAdd>(v.v); }
 
-// How many of p[0, n) equal value (n a multiple of 8).
-inline int64_t count_of(const float* p, int64_t n, float value) {
-  const __m256 v = _mm256_set1_ps(value);
-  int64_t count = 0;
-  for (int64_t i = 0; i < n; i += 8) count += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + i), v, _CMP_EQ_OQ)));
-  return count;
+inline int64_t count_equal(Vec8f x, Vec8f value) {
+  return __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(x.v, value.v, _CMP_EQ_OQ)));
+}
+
+// 16 logits as two vectors, for the forward's second sweep (from L1); bf16 as on the AVX-512 path:
+// the odd elements masked in place, the even ones shifted up.
+inline void load_pair(const bf16_bits* p, Vec8f& odd, Vec8f& even) {
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(int(0xFFFF0000u))));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
+inline void load_pair(const fp16_bits* p, Vec8f& lo, Vec8f& hi) {
+  lo = load_vec(p);
+  hi = load_vec(p + 8);
+}
+inline void load_pair(const float* p, Vec8f& lo, Vec8f& hi) {
+  lo = load_vec(p);
+  hi = load_vec(p + 8);
+}
+
+// The max of p[0, n) (n a multiple of 16); 16-bit floats on integer keys (x86_common.h), as on AVX-512.
+template <typename T16>
+inline float max_of(const T16* p, int64_t n) {
+  const __m256i magnitude = _mm256_set1_epi16(0x7FFF);
+  __m256i keys = _mm256_set1_epi16(INT16_MIN);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+    keys = _mm256_max_epi16(keys, _mm256_xor_si256(bits, _mm256_and_si256(_mm256_srai_epi16(bits, 15), magnitude)));
+  }
+  return value_of_key<T16>(max_key8(_mm_max_epi16(_mm256_castsi256_si128(keys), _mm256_extracti128_si256(keys, 1))));
+}
+inline float max_of(const float* p, int64_t n) {
+  __m256 v_max = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 8) v_max = _mm256_max_ps(v_max, _mm256_loadu_ps(p + i));
+  return fold8<FoldMax>(v_max);
 }
 
 // sum + e in the lanes where x != max (NaN included).

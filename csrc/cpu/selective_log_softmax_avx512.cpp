@@ -157,20 +157,49 @@ inline void store_pair(fp16_bits* p, Vec16f a, Vec16f b) {
   _mm512_storeu_si512(p, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
 }
 
-// Horizontal max and sum: the halves folded to 8 lanes, then as on the AVX2 path.
-inline float hmax(Vec16f v) {
-  return fold8<FoldMax>(_mm256_max_ps(_mm512_castps512_ps256(v.v), _mm512_extractf32x8_ps(v.v, 1)));
-}
+// The horizontal sum: the halves folded to 8 lanes, then as on the AVX2 path.
 inline float hsum(Vec16f v) {
   return fold8<FoldAdd>(_mm256_add_ps(_mm512_castps512_ps256(v.v), _mm512_extractf32x8_ps(v.v, 1)));
 }
 
-// How many of p[0, n) equal value (n a multiple of 16).
-inline int64_t count_of(const float* p, int64_t n, float value) {
-  const __m512 v = _mm512_set1_ps(value);
-  int64_t count = 0;
-  for (int64_t i = 0; i < n; i += 16) count += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_loadu_ps(p + i), v, _CMP_EQ_OQ));
-  return count;
+inline int64_t count_equal(Vec16f x, Vec16f value) { return __builtin_popcount(_mm512_cmp_ps_mask(x.v, value.v, _CMP_EQ_OQ)); }
+
+// 32 logits as two vectors, for the forward's second sweep (from L1). bf16: the odd elements are the
+// high halves of the 32-bit words as they are, the even ones the low halves shifted up: one
+// instruction per vector, against two for load_vec's zero extension and shift.
+inline void load_pair(const bf16_bits* p, Vec16f& odd, Vec16f& even) {
+  const __m512i words = _mm512_loadu_si512(p);
+  odd = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(int(0xFFFF0000u))));
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+}
+inline void load_pair(const fp16_bits* p, Vec16f& lo, Vec16f& hi) {
+  lo = load_vec(p);
+  hi = load_vec(p + 16);
+}
+inline void load_pair(const float* p, Vec16f& lo, Vec16f& hi) {
+  lo = load_vec(p);
+  hi = load_vec(p + 16);
+}
+
+// The max of p[0, n) (n a multiple of 32). 16-bit floats: on order-preserving integer keys, the
+// bits with the magnitude flipped where the sign is set (key_of_bits, x86_common.h), 32 per vector
+// and 3 instructions, without converting to fp32.
+template <typename T16>
+inline float max_of(const T16* p, int64_t n) {
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+  __m512i keys = _mm512_set1_epi16(INT16_MIN);
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512i bits = _mm512_loadu_si512(p + i);
+    // bits ^ ((bits >> 15) & 0x7FFF): the ternary-logic table of a ^ (b & c)
+    keys = _mm512_max_epi16(keys, _mm512_ternarylogic_epi32(bits, _mm512_srai_epi16(bits, 15), magnitude, 0x78));
+  }
+  const __m256i half = _mm256_max_epi16(_mm512_castsi512_si256(keys), _mm512_extracti64x4_epi64(keys, 1));
+  return value_of_key<T16>(max_key8(_mm_max_epi16(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1))));
+}
+inline float max_of(const float* p, int64_t n) {
+  Vec16f v_max(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) v_max = max_(v_max, load_vec(p + i));
+  return fold8<FoldMax>(_mm256_max_ps(_mm512_castps512_ps256(v_max.v), _mm512_extractf32x8_ps(v_max.v, 1)));
 }
 
 // sum + e in the lanes where x != max (NaN included): one masked add.

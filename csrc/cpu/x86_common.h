@@ -39,6 +39,20 @@ inline void store_scalar(bf16_bits* p, float v) {
 }
 inline void store_scalar(fp16_bits* p, float v) { p->bits = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
 
+// Order-preserving integer keys of 16-bit floats (bf16, fp16: sign and magnitude): the bits with the
+// magnitude flipped where the sign is set, bits ^ ((bits >> 15) & 0x7FFF) as int16, order as the values
+// do (-0 just below +0, NaN beyond +-inf); the same expression takes a key back to its bits.
+// max_key8: the largest of 8 keys, by PHMINPOSUW on their complements as unsigned words.
+inline int16_t max_key8(__m128i keys) {
+  const __m128i flipped = _mm_xor_si128(keys, _mm_set1_epi16(0x7FFF));  // signed max -> unsigned min
+  return int16_t(_mm_cvtsi128_si32(_mm_minpos_epu16(flipped)) ^ 0x7FFF);
+}
+template <typename T16>
+inline float value_of_key(int16_t key) {
+  const T16 bits{uint16_t(key ^ ((key >> 15) & 0x7FFF))};
+  return load_scalar(&bits);
+}
+
 // The max or sum of 8 lanes: halves folded, 256 -> 128 -> 64 -> 32 bits (lane 0 holds the result).
 struct FoldMax {
   static __m128 op(__m128 a, __m128 b) { return _mm_max_ps(a, b); }
