@@ -12,7 +12,8 @@
 // store_pair(T*, Vec, Vec) (2 W elements, in order), load_scalar(const T*) -> acc_t,
 // store_scalar(T*, acc_t), hsum(Vec), count_equal(Vec, Vec) (how many lanes are equal),
 // add_below(sum, e, x, max) (sum + e in the lanes where x != max: below it, or
-// NaN), and the exp_/exp2_for_sums/max_/fma_ overloads that the templates call.
+// NaN), the exp_/exp2_for_sums/max_/fma_ overloads that the templates call, and
+// kExp2TakesNegInf (whether exp2_for_sums gives 0 for -inf; else y is clamped first).
 //
 // Deliberately no include guard, and no #include: the file is a body of
 // templates to be compiled once per instruction set, inside the namespace of
@@ -125,7 +126,7 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
     // sweep 2: the sums in base 2. y = (x - shift) a with a = log2e_over_T(inv_T), so that exp(t) = 2^y:
     // the exponential needs no reduction by ln2, and the entropy term sums y 2^y (in units of ln2). For
     // the entropy, y is clamped from below where 2^y is 0 in acc_t (a -inf logit: y 2^y stays 0, not NaN;
-    // NaN passes through); the sum alone needs no clamp (every path's exp2_for_sums takes -inf to 0).
+    // NaN passes through); the sum alone needs no clamp where exp2_for_sums takes -inf to 0 (kExp2TakesNegInf).
     double sum = 0, zsum_log2 = 0;
     auto sweep = [&](auto entropy) {
       constexpr bool kEntropy = decltype(entropy)::value;
@@ -137,8 +138,9 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
         auto run = [&](auto may_hold_max) {  // only a sub-block whose max is the block's pays for the test
           auto add = [&](Vec xv, int half) {
             const Vec y_raw = (xv + v_neg_shift) * v_a;
-            // exp2_for_sums takes -inf to 0; the entropy term needs y finite (y 2^y: -inf times 0 is NaN).
-            const Vec y = kEntropy ? max_(v_y_floor, y_raw) : y_raw;
+            // The entropy term needs y finite (y 2^y: -inf times 0 is NaN); the sum alone only where the
+            // instruction set's exp2_for_sums does not take -inf to 0.
+            const Vec y = kEntropy || !kExp2TakesNegInf ? max_(v_y_floor, y_raw) : y_raw;
             const Vec e = exp2_for_sums(y);
             v_sum[half] = decltype(may_hold_max)::value ? add_below(v_sum[half], e, xv, v_block_max) : v_sum[half] + e;
             if constexpr (kEntropy) v_zsum[half] = fma_(y, e, v_zsum[half]);

@@ -65,6 +65,7 @@ inline auto max_of(const T* p, int64_t n) {
 }
 template <typename V>
 inline V add_below(V sum, V e, V x, V max) { return x != max ? sum + e : sum; }
+constexpr bool kExp2TakesNegInf = true;  // exp2f(-inf) is 0
 template <typename V>
 inline V exp2_for_sums(V y) { return exp2_(y); }  // (16-bit gradients take exp_ here: no exp2_for_grads)
 using RowVec = float;

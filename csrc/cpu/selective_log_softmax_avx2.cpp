@@ -76,13 +76,13 @@ inline Vec8f exp_(Vec8f x) {
 // (ROUNDPS) and r = y - n in [0, 1] (1 only where y is a tiny negative: 1 - |y| rounds to 1), 2^r by
 // one of x86_common.h's polynomials, times 2^n as exp_ applies it (subnormals kept; 0 below -150).
 // The AVX-512 path's VREDUCEPS and VSCALEFPS give the same r and n, so the two agree lane for lane.
-// y is clamped at -160 first (2^-160 is 0 in fp32): -inf would make r NaN. No reduction by ln2: the
-// callers work in base 2 (row_kernels.h).
+// y must not be -inf (r would be NaN): the callers clamp it at -160, where 2^y is 0 in fp32
+// (kExp2TakesNegInf). No reduction by ln2: the callers work in base 2 (row_kernels.h).
+constexpr bool kExp2TakesNegInf = false;
 template <int kTerms>
 inline Vec8f exp2_(Vec8f y, const float (&poly)[kTerms]) {
-  const __m256 yc = _mm256_max_ps(_mm256_set1_ps(-160.0f), y.v);  // NaN passes through
-  const __m256 n = _mm256_floor_ps(yc);
-  const __m256 r = _mm256_sub_ps(yc, n);
+  const __m256 n = _mm256_floor_ps(y.v);
+  const __m256 r = _mm256_sub_ps(y.v, n);
   __m256 p = _mm256_set1_ps(poly[kTerms - 1]);
   for (int k = kTerms - 2; k >= 0; --k) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(poly[k]));
   // (n + 127 + 64) << 23 from the bits of n + 1.5 2^23 (exact: n is an integer); garbage for NaN, which p carries.

@@ -80,6 +80,7 @@ inline Vec16f exp_(Vec16f x) {
 // the same bits. VREDUCEPS (rounding down) gives r = y - floor(y) in [0, 1], VSCALEFPS multiplies by
 // 2^floor(y) itself (one rounding, subnormals kept): no subtraction, and no clamp, since VREDUCEPS
 // takes -inf to 0 and VSCALEFPS then gives 0 (checked by the numerics suite's masked rows).
+constexpr bool kExp2TakesNegInf = true;
 template <int kTerms>
 inline Vec16f exp2_(Vec16f y, const float (&poly)[kTerms]) {
   const __m512 r = _mm512_reduce_ps(y.v, _MM_FROUND_TO_NEG_INF);
