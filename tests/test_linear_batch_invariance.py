@@ -25,7 +25,7 @@ import torch
 import twinkle_mem
 from twinkle_mem.op import composite
 from twinkle_mem.heads import engine
-from twinkle_mem.heads.engine import ROW_TILE, block_width, tile_bytes
+from twinkle_mem.heads.engine import ROW_TILE, VOCAB_BLOCK, block_width, tile_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "check_linear_invariance.py")
@@ -61,9 +61,10 @@ def test_rows_bitwise_whatever_the_batch_composite(dtype):
 
 @pytest.mark.parametrize("h", [64, 1024])
 def test_matmul_shapes_whatever_n_and_chunk_bytes(monkeypatch, h):
-    # The (hidden tile, weight block) shapes of every logits matmul, forward and backward: [ROW_TILE, H] and
-    # [block_width(V, H) or the ragged rest, H], the same set at N = 1 and 1500 and at the smallest chunk_bytes
-    # and 1 GiB (a width chosen from N or chunk_bytes would change it, and with it a row's bits).
+    # The (hidden tile, weight piece) shapes of every logits matmul, forward and backward: [ROW_TILE, H] and
+    # [VOCAB_BLOCK-column pieces of the block_width(V, H) blocks, or the ragged rest, H], the same set at N = 1
+    # and 1500 and at the smallest chunk_bytes and 1 GiB (a width chosen from N or chunk_bytes would change it,
+    # and with it a row's bits).
     v = block_width(1 << 20, h) + 100
     seen, logits_into = set(), engine.logits_into
 
@@ -83,7 +84,8 @@ def test_matmul_shapes_whatever_n_and_chunk_bytes(monkeypatch, h):
         shapes.append(sorted(seen))
         seen.clear()
     cols = block_width(v, h)
-    assert shapes[0] == sorted({((ROW_TILE, h), (cols, h)), ((ROW_TILE, h), (v - cols, h))}), shapes[0]
+    pieces = {min(VOCAB_BLOCK, v1 - v0 - c0) for v0, v1 in ((0, cols), (cols, v)) for c0 in range(0, v1 - v0, VOCAB_BLOCK)}
+    assert shapes[0] == sorted({((ROW_TILE, h), (c, h)) for c in pieces}), shapes[0]
     assert shapes[1] == shapes[0] and shapes[2] == shapes[0], shapes
 
 
