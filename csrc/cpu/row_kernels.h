@@ -43,8 +43,7 @@ inline acc_t log2e_over_T(acc_t inv_T) { return static_cast<acc_t>(static_cast<d
 template <typename acc_t>
 constexpr acc_t exp2_floor() { return sizeof(acc_t) == 4 ? acc_t(-160) : acc_t(-1100); }
 
-// How many of x[0, n) equal value: n a whole number of vector pairs (load_pair), or any n with W = 0
-// (the row tails, element by element).
+// How many of x[0, n) equal value (n a whole number of vector pairs: load_pair).
 template <typename Vec, typename scalar_t, typename acc_t>
 inline int64_t count_equal_in(const scalar_t* x, int64_t n, acc_t value) {
   constexpr int64_t W = VecTraits<Vec>::W;

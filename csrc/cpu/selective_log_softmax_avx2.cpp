@@ -72,7 +72,7 @@ inline Vec8f exp_(Vec8f x) {
   return _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n64)), _mm256_set1_ps(0x1p-64f));
 }
 
-// 2^y for y <= 0, -inf and NaN (the forward's sums and 16-bit gradients): y = n + r with n = floor(y)
+// 2^y for finite y <= 0 and NaN (the forward's sums and 16-bit gradients): y = n + r with n = floor(y)
 // (ROUNDPS) and r = y - n in [0, 1] (1 only where y is a tiny negative: 1 - |y| rounds to 1), 2^r by
 // one of x86_common.h's polynomials, times 2^n as exp_ applies it (subnormals kept; 0 below -150).
 // The AVX-512 path's VREDUCEPS and VSCALEFPS give the same r and n, so the two agree lane for lane.

@@ -183,7 +183,7 @@ inline void load_pair(const float* p, Vec16f& lo, Vec16f& hi) {
 }
 
 // The max of p[0, n) (n a multiple of 32). 16-bit floats: on order-preserving integer keys, the
-// bits with the magnitude flipped where the sign is set (key_of_bits, x86_common.h), 32 per vector
+// bits with the magnitude flipped where the sign is set (x86_common.h), 32 per vector
 // and 3 instructions, without converting to fp32.
 template <typename T16>
 inline float max_of(const T16* p, int64_t n) {
