@@ -24,7 +24,7 @@ import torch
 
 import twinkle_mem
 from twinkle_mem.op import composite
-from twinkle_mem.heads import engine
+from twinkle_mem.heads import matmul
 from twinkle_mem.heads.engine import ROW_TILE, VOCAB_BLOCK, block_width, tile_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,12 +66,12 @@ def test_matmul_shapes_whatever_n_and_chunk_bytes(monkeypatch, h):
     # and 1500 and at the smallest chunk_bytes and 1 GiB (a width chosen from N or chunk_bytes would change it,
     # and with it a row's bits).
     v = block_width(1 << 20, h) + 100
-    seen, logits_into = set(), engine.logits_into
+    seen, product_into = set(), matmul.product_into
 
     def spy(out, hidden_tile, w, b):
         seen.add((tuple(hidden_tile.shape), tuple(w.shape)))
-        logits_into(out, hidden_tile, w, b)
-    monkeypatch.setattr(engine, "logits_into", spy)
+        product_into(out, hidden_tile, w, b)
+    monkeypatch.setattr(matmul, "product_into", spy)
     gen = torch.Generator().manual_seed(3)
     weight = (torch.randn(v, h, generator=gen) * 0.05).requires_grad_()
     smallest = sum(tile_bytes(block_width(v, h), h, torch.float32, True))

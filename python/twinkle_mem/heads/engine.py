@@ -252,15 +252,9 @@ def _group_logits(tiles: RowTiles, tile_ids: range, x: Tensor, w: Tensor, b: Opt
                   operand: Optional[Callable[[Tensor], Tensor]]) -> Tensor:
     """x = the logits of a group's row tiles, each hidden tile as ``operand`` makes it (None: as it is); returns
     the last tile's operand."""
-    cols = w.shape[0]
     for i, j in enumerate(tile_ids):
         h = tiles[j] if operand is None else operand(tiles[j])
-        out = x[i * tiles.tile:(i + 1) * tiles.tile]
-        # One product per VOCAB_BLOCK columns of a widened block (into column slices of the tile's logits): the
-        # BLAS packs the weight operand whole, and a 4x wider one held 12 MiB more (fp32, H = 256, measured).
-        for c0 in range(0, cols, VOCAB_BLOCK):
-            c1 = min(c0 + VOCAB_BLOCK, cols)
-            logits_into(out[:, c0:c1], h, w[c0:c1], None if b is None else b[c0:c1])
+        logits_into(x[i * tiles.tile:(i + 1) * tiles.tile], h, w, b, VOCAB_BLOCK)  # a widened block: in pieces
     return h
 
 

@@ -8,12 +8,21 @@ import torch
 from torch import Tensor
 
 
-def logits_into(out: Tensor, hidden_tile: Tensor, w: Tensor, b: Optional[Tensor]) -> None:
-    """out [rows, cols] = hidden_tile @ w.T (+ b), w [cols, H] a weight block, all of one dtype."""
+def product_into(out: Tensor, hidden_tile: Tensor, w: Tensor, b: Optional[Tensor]) -> None:
+    """out [rows, cols] = hidden_tile @ w.T (+ b), w [cols, H], all of one dtype: one product."""
     if b is None:
         torch.mm(hidden_tile, w.t(), out=out)
     else:
         torch.addmm(b, hidden_tile, w.t(), out=out)
+
+
+def logits_into(out: Tensor, hidden_tile: Tensor, w: Tensor, b: Optional[Tensor], piece: int) -> None:
+    """out [rows, cols] = hidden_tile @ w.T (+ b), w [cols, H] a weight block: one product per ``piece`` columns,
+    into column slices of out. The BLAS packs a product's weight operand whole: at H = 256, fp32, one of 32768
+    columns held 11 MiB more scratch than one of 8192 (measured, docs/cpu.md)."""
+    for c0 in range(0, w.shape[0], piece):
+        c = slice(c0, c0 + piece)
+        product_into(out[:, c], hidden_tile, w[c], None if b is None else b[c])
 
 
 _mixed_addmm_ok: dict = {}  # device type -> whether torch.addmm(bf16, bf16, out_dtype=fp32) runs there
