@@ -12,7 +12,7 @@
 // store_pair(T*, Vec, Vec) (2 W elements, in order), load_scalar(const T*) -> acc_t,
 // store_scalar(T*, acc_t), hsum(Vec), count_equal(Vec, Vec) (how many lanes are equal),
 // add_below(sum, e, x, max) (sum + e in the lanes where x != max: below it, or
-// NaN), the exp_/exp2_for_sums/max_/fma_ overloads that the templates call, and
+// NaN), the exp_/exp2_for_sums/exp2_for_grads/max_/fma_ overloads that the templates call, and
 // kExp2TakesNegInf (whether exp2_for_sums gives 0 for -inf; else y is clamped first).
 //
 // Deliberately no include guard, and no #include: the file is a body of
@@ -39,7 +39,8 @@ constexpr double kLn2 = 0.6931471805599453;
 template <typename acc_t>
 inline acc_t log2e_over_T(acc_t inv_T) { return static_cast<acc_t>(static_cast<double>(inv_T) * kLog2e); }
 
-// The y below which 2^y is 0 in acc_t (rounded to nearest): sweep 2 clamps at it.
+// The y below which 2^y is 0 in acc_t (rounded to nearest): the entropy term and the 16-bit gradients
+// clamp y at it, and the sums do where exp2_for_sums needs y finite (kExp2TakesNegInf).
 template <typename acc_t>
 constexpr acc_t exp2_floor() { return sizeof(acc_t) == 4 ? acc_t(-160) : acc_t(-1100); }
 
