@@ -122,6 +122,30 @@ def test_x86_paths_backward_bit_for_bit(dtype):
         assert subnormals > 0, "no subnormal gradient among the cases: the test lost its bite"
 
 
+@pytest.mark.skipif(len(X86_PATHS) < 2, reason="one x86 path on this CPU: nothing to compare")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("with_entropy", [False, True], ids=["logp", "entropy"])
+def test_x86_paths_exp2_bit_for_bit(dtype, with_entropy):
+    """The x86 paths' exp2 terms are the same bits: rows of one term below the max (the rest -inf), so that no
+    summation order is left to differ, with y = (x - max) log2(e) / T spread over (-1, 0], where 1 + y is not
+    always an fp32 and a reduction rounded one way on one path and another on the other shows (AVX-512's
+    VREDUCEPS rounds y - floor(y) down; AVX2 must too)."""
+    n, v = 512, 64  # the whole row in vector pairs on both paths: no scalar tail
+    gen = torch.Generator().manual_seed(11)
+    x = torch.full((n, v), float("-inf"))
+    x[:, 0] = 0.0
+    x[torch.arange(n), torch.randint(1, v, (n,), generator=gen)] = -torch.rand(n, generator=gen) * 0.69
+    x = x.to(dtype)
+    labels = torch.zeros(n, dtype=torch.long)
+    outs = {path: on_cpu_path(path, ops.selective_log_softmax_fwd)(x, labels, 1.0, NO_IGNORE, 0, v, with_entropy)
+            for path in X86_PATHS}
+    first = outs[X86_PATHS[0]]
+    for path, out in outs.items():
+        for name, a, b in zip(("logp", "entropy", "shift", "log_sum"), out, first):
+            if name != "entropy" or with_entropy:
+                _assert_same_bits(a, b, f"{name}: {path} vs {X86_PATHS[0]}")
+
+
 # ------------------------------------------------------------------ what the library's code may run
 # In 64-bit code an instruction whose first opcode byte (after segment or address-size prefixes) is
 # 0x62 is EVEX-encoded (AVX-512); 0xC4 or 0xC5, VEX-encoded (AVX, AVX2, FMA, F16C).
