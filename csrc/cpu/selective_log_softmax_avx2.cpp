@@ -72,26 +72,20 @@ inline Vec8f exp_(Vec8f x) {
   return _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n64)), _mm256_set1_ps(0x1p-64f));
 }
 
-// 2^y for finite y <= 0 and NaN (the forward's sums and 16-bit gradients): y = n + r with n = floor(y)
-// (ROUNDPS) and r = y - n in [0, 1] rounded down, as AVX-512's VREDUCEPS rounds it: y - n rounded to
-// nearest is exact but for 1 + y with y in (-1/2, 0), where its error y - (s + n) (exact there) says
-// whether it was rounded up, and then the next fp32 below is taken (the bits minus 1). 2^r by one of
-// x86_common.h's polynomials, times 2^n as exp_ applies it (subnormals kept; 0 below -150): the same
-// bits as the AVX-512 path (checked against VREDUCEPS over 32M draws during development: equal but for
-// the sign of a zero r, which the polynomial does not see). y must not be -inf (r would be NaN): the
-// callers clamp it at -160 (kExp2TakesNegInf). No reduction by ln2: the callers work in base 2.
+// 2^y for the y in [-160, 0] (and NaN) the forward's sums and 16-bit gradients feed them: y = n + r,
+// n = y rounded to the nearest integer as exp_ rounds it (ties to even; VREDUCEPS on AVX-512 gives the
+// same r), 2^r on [-1/2, 1/2] by one of x86_common.h's polynomials, times 2^n as exp_ applies it
+// (subnormals kept; 0 below -150). No reduction by ln2: the callers work in base 2 (row_kernels.h).
+// y must not be -inf (r would be NaN): the callers clamp it (kExp2TakesNegInf).
 constexpr bool kExp2TakesNegInf = false;
 template <int kTerms>
 inline Vec8f exp2_(Vec8f y, const float (&poly)[kTerms]) {
-  const __m256 n = _mm256_floor_ps(y.v);
-  const __m256 s = _mm256_sub_ps(y.v, n);
-  const __m256 rounded_up = _mm256_cmp_ps(_mm256_sub_ps(y.v, _mm256_add_ps(s, n)), _mm256_setzero_ps(), _CMP_LT_OQ);
-  const __m256 r = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(s), _mm256_castps_si256(rounded_up)));
+  const __m256 shifted = _mm256_add_ps(y.v, _mm256_set1_ps(kRoundToInt));
+  const __m256 r = _mm256_sub_ps(y.v, _mm256_sub_ps(shifted, _mm256_set1_ps(kRoundToInt)));
   __m256 p = _mm256_set1_ps(poly[kTerms - 1]);
   for (int k = kTerms - 2; k >= 0; --k) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(poly[k]));
-  // (n + 127 + 64) << 23 from the bits of n + 1.5 2^23 (exact: n is an integer); garbage for NaN, which p carries.
-  const __m256i shifted = _mm256_castps_si256(_mm256_add_ps(n, _mm256_set1_ps(kRoundToInt)));
-  const __m256i two_n64 = _mm256_slli_epi32(_mm256_add_epi32(shifted, _mm256_set1_epi32(127 + 64 - 0x4B400000)), 23);
+  const __m256i biased = _mm256_add_epi32(_mm256_castps_si256(shifted), _mm256_set1_epi32(127 + 64 - 0x4B400000));
+  const __m256i two_n64 = _mm256_slli_epi32(biased, 23);
   return _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(two_n64)), _mm256_set1_ps(0x1p-64f));
 }
 

@@ -77,18 +77,18 @@ inline Vec16f exp_(Vec16f x) {
 }
 
 // 2^y for y <= 0, -inf (0) and NaN: the AVX2 path's exp2_ (its comment says how), lane for lane the
-// same bits. VREDUCEPS rounding down gives r = y - floor(y) in [0, 1], the subtraction rounded down too
-// (1 + y for y in (-1/2, 0) is not always an fp32; AVX2 rounds it the same way), and VSCALEFPS
-// multiplies by 2^floor(y) itself (one rounding, subnormals kept): no y - n. For y = -inf, VREDUCEPS
-// gives 0 and VSCALEFPS 0: the sums need no clamp (kExp2TakesNegInf; the logp-only calls on -inf
-// logits in the op's tests take this path).
+// same bits. VREDUCEPS gives r = y - round(y) in [-1/2, 1/2], exactly (it rounds its subtraction in the
+// mode it rounds y in, so rounding down would round r down too: 1 + y for y in (-1/2, 0) is not always
+// an fp32, and AVX2's y - floor(y) rounds to nearest); VSCALEFPS multiplies by 2^(y - r) (one rounding,
+// subnormals kept). For y = -inf, VREDUCEPS gives 0 and VSCALEFPS of -inf gives 0: the sums need no
+// clamp here (kExp2TakesNegInf; row_kernels.h's logp-only calls on -inf logits are tested).
 constexpr bool kExp2TakesNegInf = true;
 template <int kTerms>
 inline Vec16f exp2_(Vec16f y, const float (&poly)[kTerms]) {
-  const __m512 r = _mm512_reduce_ps(y.v, _MM_FROUND_TO_NEG_INF);
+  const __m512 r = _mm512_reduce_ps(y.v, _MM_FROUND_TO_NEAREST_INT);
   __m512 p = _mm512_set1_ps(poly[kTerms - 1]);
   for (int k = kTerms - 2; k >= 0; --k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(poly[k]));
-  return _mm512_scalef_ps(p, y.v);
+  return _mm512_scalef_ps(p, _mm512_sub_ps(y.v, r));
 }
 
 inline Vec16f exp2_for_sums(Vec16f y) { return exp2_(y, kExp2Poly5); }

@@ -8,15 +8,14 @@
 #error "x86_common.h: include it inside a per-ISA namespace, before row_kernels.h"
 #endif
 
-// 2^r on [0, 1]: the polynomials of each path's exp2_ (coefficients of r^0, r^1, ...), fitted here
-// (least squares weighted toward the largest relative error, rounded to fp32, then nudged by an ulp
-// where that lowered it). Max relative error evaluated in fp32 Horner over [0, 1]: 1.5e-7 for the
-// forward's sums (degree 5: the 1e-6 bounds on logp and entropy keep ~6x margin), 2.7e-6 for 16-bit
-// gradients (degree 4: 1/1400 of a bf16 ulp, 1/360 of fp16's).
-constexpr float kExp2Poly5[6] = {0.9999999403953552f, 0.6931530237197876f, 0.24015356600284576f,
-                                 0.05582646280527115f, 0.008989167399704456f, 0.0018776481738314033f};
-constexpr float kExp2Poly4[5] = {1.0000026226043701f, 0.6930037140846252f, 0.24144355952739716f,
-                                 0.05201008543372154f, 0.013534887693822384f};
+// 2^r on [-1/2, 1/2]: the polynomials of each path's exp2_ (coefficients of r^0, r^1, ...), fitted
+// here (least squares weighted toward the largest relative error, rounded to fp32). Max relative
+// error evaluated in fp32: 2.1e-7 for the forward's sums (degree 5: the 1e-6 bounds on logp and
+// entropy keep ~5x margin), 2.7e-6 for 16-bit gradients (degree 4: 1/1400 of a bf16 ulp, 1/360 of fp16's).
+constexpr float kExp2Poly5[6] = {1.0000001192092896f, 0.6931469440460205f, 0.24022118747234344f,
+                                 0.05550709739327431f, 0.00967555120587349f, 0.001327760168351233f};
+constexpr float kExp2Poly4[5] = {0.9999992847442627f, 0.6931217908859253f, 0.24024717509746552f,
+                                 0.05591795593500137f, 0.009571239352226257f};
 
 // bf16 and fp16 are both 16-bit patterns; tags tell the loads apart.
 struct bf16_bits { uint16_t bits; };
