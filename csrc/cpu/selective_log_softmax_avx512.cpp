@@ -81,7 +81,7 @@ inline Vec16f exp_(Vec16f x) {
 // mode it rounds y in, so rounding down would round r down too: 1 + y for y in (-1/2, 0) is not always
 // an fp32, and AVX2's y - floor(y) rounds to nearest); VSCALEFPS multiplies by 2^(y - r) (one rounding,
 // subnormals kept). For y = -inf, VREDUCEPS gives 0 and VSCALEFPS of -inf gives 0: the sums need no
-// clamp here (kExp2TakesNegInf; row_kernels.h's logp-only calls on -inf logits are tested).
+// clamp here (kExp2TakesNegInf; the op tests' logp-only calls on -inf logits take this path).
 constexpr bool kExp2TakesNegInf = true;
 template <int kTerms>
 inline Vec16f exp2_(Vec16f y, const float (&poly)[kTerms]) {
