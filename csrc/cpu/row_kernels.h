@@ -7,7 +7,7 @@
 // The including namespace provides: RowVec (its fp32 Vec) and the tag types
 // bf16_t, fp16_t of 16-bit logits (for kRowKernels, isa.h's table of entry
 // points, defined at the end), VecTraits<Vec>, load_vec(const T*) -> Vec,
-// load_pair(const T*, Vec&, Vec&) (2 W elements, in any fixed lane order), max_of(const T*, n)
+// load_pair(const T*, Vec&, Vec&) where it has its own (2 W elements, in any fixed lane order), max_of(const T*, n)
 // -> acc_t (the max of n elements, n a whole number of vector pairs), store_vec(T*, Vec),
 // store_pair(T*, Vec, Vec) (2 W elements, in order), load_scalar(const T*) -> acc_t,
 // store_scalar(T*, acc_t), hsum(Vec), count_equal(Vec, Vec) (how many lanes are equal),
@@ -43,6 +43,14 @@ inline acc_t log2e_over_T(acc_t inv_T) { return static_cast<acc_t>(static_cast<d
 // clamp y at it, and the sums do where exp2_for_sums needs y finite (kExp2TakesNegInf).
 template <typename acc_t>
 constexpr acc_t exp2_floor() { return sizeof(acc_t) == 4 ? acc_t(-160) : acc_t(-1100); }
+
+// 2 W elements as two vectors, in order: what every logit type takes where its instruction set has no
+// load_pair of its own (x86 bf16 has: the odd and even elements apart).
+template <typename T, typename Vec>
+inline void load_pair(const T* p, Vec& lo, Vec& hi) {
+  lo = load_vec(p);
+  hi = load_vec(p + VecTraits<Vec>::W);
+}
 
 // How many of x[0, n) equal value (n a whole number of vector pairs: load_pair).
 template <typename Vec, typename scalar_t, typename acc_t>

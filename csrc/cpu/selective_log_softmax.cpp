@@ -55,8 +55,6 @@ template <typename V>
 inline V hsum(V v) { return v; }
 template <typename V>
 inline int64_t count_equal(V x, V value) { return x == value; }
-template <typename T, typename V>
-inline void load_pair(const T* p, V& a, V& b) { a = load_vec(p); b = load_vec(p + 1); }
 template <typename T>
 inline auto max_of(const T* p, int64_t n) {
   auto m = load_vec(p);

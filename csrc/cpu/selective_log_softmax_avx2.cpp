@@ -155,14 +155,6 @@ inline void load_pair(const bf16_bits* p, Vec8f& odd, Vec8f& even) {
   odd = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(int(0xFFFF0000u))));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
 }
-inline void load_pair(const fp16_bits* p, Vec8f& lo, Vec8f& hi) {
-  lo = load_vec(p);
-  hi = load_vec(p + 8);
-}
-inline void load_pair(const float* p, Vec8f& lo, Vec8f& hi) {
-  lo = load_vec(p);
-  hi = load_vec(p + 8);
-}
 
 // The max of p[0, n) (n a multiple of 16); 16-bit floats on integer keys (x86_common.h), as on AVX-512.
 template <typename T16>

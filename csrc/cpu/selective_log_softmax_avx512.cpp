@@ -175,14 +175,6 @@ inline void load_pair(const bf16_bits* p, Vec16f& odd, Vec16f& even) {
   odd = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(int(0xFFFF0000u))));
   even = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
 }
-inline void load_pair(const fp16_bits* p, Vec16f& lo, Vec16f& hi) {
-  lo = load_vec(p);
-  hi = load_vec(p + 16);
-}
-inline void load_pair(const float* p, Vec16f& lo, Vec16f& hi) {
-  lo = load_vec(p);
-  hi = load_vec(p + 16);
-}
 
 // The max of p[0, n) (n a multiple of 32). 16-bit floats: on order-preserving integer keys, the
 // bits with the magnitude flipped where the sign is set (x86_common.h), 32 per vector
