@@ -234,6 +234,15 @@ def check_case(impl: Impl, case: Case, inplace=False):
 
 
 # ------------------------------------------------------------------ the cases
+def quiet_nan(dtype: torch.dtype, negative: bool) -> torch.Tensor:
+    """A quiet NaN of ``dtype`` with its sign bit set or clear (a cast of float("nan") does not keep the sign)."""
+    bits = {torch.bfloat16: (0x7FC0, torch.int16), torch.float16: (0x7E00, torch.int16),
+            torch.float32: (0x7FC00000, torch.int32), torch.float64: (0x7FF8000000000000, torch.int64)}
+    magnitude, int_type = bits[dtype]
+    sign_bit = 1 << (torch.iinfo(int_type).bits - 1)
+    return torch.tensor(magnitude - sign_bit if negative else magnitude, dtype=int_type).view(dtype)  # as signed
+
+
 def _labels(gen, shape, v, low=0):
     return torch.randint(low, v, shape, generator=gen)
 
@@ -280,6 +289,17 @@ def make_cases(n: int, v: int, dtype: torch.dtype, seed: int = 0) -> list[Case]:
     x = randn()
     x[:, : v - 5] = float("-inf")
     cases.append(Case("-inf all but 5", cast(x), _labels(gen, (n,), v, v - 5)))
+    # A NaN of either sign among -inf (issue 41): in a whole -inf block, or in a -inf tail after a few finite
+    # logits (the last tile of any tiling holds only -inf and it). A max that misses the NaN must not make
+    # the block empty: the row's outputs and gradient are NaN, as torch's.
+    x = cast(randn())
+    for r in range(n):
+        lo = 2048 * max(1, v // 8192)  # a whole CPU block, or more, inside the row
+        lo, hi = (lo, min(v, 2 * lo)) if r % 4 < 2 and 2 * lo <= v else (64, v)
+        x[r, lo:hi] = float("-inf")
+        x[r, lo + (hi - lo) // 3 if hi < v else v - 7] = quiet_nan(dtype, negative=r % 2 == 1)
+    cases.append(Case("NaN of either sign among -inf", x, y))
+    cases.append(Case("NaN of either sign among -inf, no entropy", x, y, with_entropy=False))
     # peaked rows: the label at the argmax, and elsewhere
     for gap in (30.0, 60.0, 100.0):
         x = randn()

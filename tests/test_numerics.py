@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from impls import IMPLS
-from numerics import Case, check_case, check_outputs, make_cases, run_impl, upstream
+from numerics import Case, check_case, check_outputs, make_cases, quiet_nan, run_impl, upstream
 
 from twinkle_mem.op.reference import log_probs_ref, selective_log_softmax_grad_ref
 
@@ -40,7 +40,7 @@ def test_numerics_long_rows(impl):
         pytest.skip(f"{impl.name} is an emulation limited to {impl.max_elements} elements")
     for case in make_cases(n, v, torch.bfloat16, seed=7):
         if case.name.startswith(("randn", "finfo.min first half", "finfo.min all but 3", "peaked 60", "offset 1e4",
-                                 "T=0.05", "k=4")):
+                                 "T=0.05", "k=4", "NaN of either sign")):
             check_case(impl, case)
 
 
@@ -161,3 +161,30 @@ def test_the_bound_still_catches_a_temperature_off_by_16_roundings():
     with pytest.raises(AssertionError, match="grad"):
         check_outputs("temperature off", case.logits, case.labels, case.temperature, None, g_logp, g_entropy, logp,
                       entropy, grad)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda i: i.name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nan_among_neg_inf_is_not_lost(impl, dtype):
+    """Issue 41's rows: 20000 logits, columns 8192-16383 at -inf and one NaN at 9000, of either sign (rows 0, 1);
+    and a -inf tail after 64 finite logits with a NaN near the end (rows 2, 3: whatever the tiling, the last
+    tile holds only -inf and the NaN, e.g. the AscendC kernel's). A max that passes over the NaN leaves that
+    block's max at -inf; the block must count as NaN, not as empty: logp, entropy and the whole row's
+    gradient NaN, as torch gives. Row 4 (the -inf block, no NaN) stays finite."""
+    v = 20000
+    x = (torch.randn(5, v, generator=torch.Generator().manual_seed(41)) * 2).to(dtype)
+    x[[0, 1, 4], 8192:16384] = float("-inf")
+    x[[2, 3], 64:] = float("-inf")
+    for row, col in ((0, 9000), (1, 9000), (2, v - 7), (3, v - 7)):
+        x[row, col] = quiet_nan(dtype, negative=row % 2 == 1)
+    labels = torch.tensor([5, 17000, 9001, 3, 17])
+    for with_entropy in (True, False):
+        case = Case("NaN among -inf", x, labels, with_entropy=with_entropy)
+        for inplace in (False, True):
+            g_logp, g_entropy = upstream(case)
+            logp, entropy, _shift, _log_sum, grad = run_impl(impl, case, g_logp, g_entropy, inplace)
+            assert logp[:4].isnan().all() and grad[:4].isnan().all(), (impl.name, with_entropy, inplace)
+            assert not with_entropy or entropy[:4].isnan().all(), (impl.name, inplace)
+            assert logp[4].isfinite() and grad[4].isfinite().all(), (impl.name, with_entropy, inplace)
+            check_outputs(f"{impl.name} {case.name}", x, labels, 1.0, None, g_logp, g_entropy, logp,
+                          entropy if with_entropy else None, grad)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import twinkle_mem
 from twinkle_mem.op import composite
+from numerics import quiet_nan
 from helpers import (assert_stats_close, check_against_reference, check_inplace_backward_matches, make_case,
                      opcheck_op_schemas, saved_for_backward)
 from twinkle_mem.op.reference import selective_log_softmax_ref
@@ -69,6 +70,26 @@ def test_nan_propagates(device):
     logp, entropy = twinkle_mem.selective_log_softmax(logits, labels, True)
     assert torch.isnan(logp[1]) and torch.isnan(entropy[1]) and torch.isnan(logp[2])
     assert torch.isfinite(logp[[0, 3]]).all() and torch.isfinite(entropy[[0, 3]]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_nan_among_neg_inf_through_autograd(device, dtype, inplace):
+    # Issue 41: a NaN of either sign in a block that is otherwise -inf, the rest of the row finite. torch gives
+    # NaN log-prob, entropy and gradient for the row; so must the public function, through autograd.
+    base, labels = make_case(3, 20000, dtype, device)
+    base[:, 8192:16384] = float("-inf")
+    base[0, 9000] = quiet_nan(dtype, negative=False).to(device)
+    base[1, 9000] = quiet_nan(dtype, negative=True).to(device)
+    leaf = base.clone().requires_grad_()
+    logits = leaf * 1  # an intermediate, as an LM head's output is
+    logp, entropy = twinkle_mem.selective_log_softmax(logits, labels, True, inplace_backward=inplace)
+    (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), logits)
+    want_logp, want_entropy = (base.float().log_softmax(-1).gather(-1, labels[:, None])[:, 0],
+                               -(base.float().softmax(-1) * base.float().log_softmax(-1)).sum(-1))
+    assert want_logp[:2].isnan().all() and want_entropy[:2].isnan().all()  # torch's answer
+    assert logp[:2].isnan().all() and entropy[:2].isnan().all() and grad[:2].isnan().all()
+    assert logp[2].isfinite() and entropy[2].isfinite() and grad[2].isfinite().all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

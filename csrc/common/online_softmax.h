@@ -108,11 +108,19 @@ TM_HOST_DEVICE OnlineSoftmax<acc_t> empty_state() {
 
 // A block's state from its max and the sums of exp(t) and t exp(t) over all
 // its elements except one that holds the max (a kernel leaves that one out,
-// e.g. by treating it as -inf). A block of only -inf has no max element.
+// e.g. by treating it as -inf), t taken against finite_shift(max).
+// A block whose max is -inf has no max element: it is empty, its sums are
+// exp(-inf) = 0 ... unless it holds a NaN that the max did not see. A max can
+// miss one: x86 MAXPS keeps a NaN of its second operand only (a running max
+// drops it at the next element), the CPU's integer keys of 16-bit logits put a
+// NaN with the sign set below -inf, and a vector unit's reduction (AscendC's
+// ReduceMax) may skip it. Its exp(NaN - 0) still reaches the sum: a NaN sum
+// makes the block NaN, never empty (a NaN among -inf gives NaN, as torch does).
 template <typename acc_t>
 TM_HOST_DEVICE OnlineSoftmax<acc_t> block_state(acc_t max, acc_t sum_but_max, acc_t zsum) {
-  const bool empty = max == -std::numeric_limits<acc_t>::infinity();
-  return {max, empty ? acc_t(-1) : sum_but_max, zsum};
+  if (!(max == -std::numeric_limits<acc_t>::infinity())) return {max, sum_but_max, zsum};
+  if (sum_but_max == sum_but_max) return empty_state<acc_t>();
+  return {sum_but_max, sum_but_max, sum_but_max};  // NaN
 }
 
 // The shift that exponentials of a block are taken against: its max, or 0 when

@@ -250,14 +250,12 @@ class ForwardKernel : public RowStream<T> {
     Sync<HardEvent::V_S>();
     const float m = s_max.GetValue(0);
     const uint32_t at_max = tm_npu::bits_of_float(s_max.GetValue(1));  // the index, stored as the value's bits
-    if (m == tm_npu::neg_inf()) {  // only -inf: no max element, an empty state
-      Sync<HardEvent::S_V>();  // the slot's reads are done before a vector instruction rewrites it
-      this->ReleaseX();
-      return {m, -1.0f, 0.0f};
-    }
-    if (at_max < static_cast<uint32_t>(len)) x.SetValue(at_max, tm_npu::neg_inf());  // the max leaves the sum
-    Sync<HardEvent::S_V>();
-    Adds(a, x, -m, len);  // (in place for bf16 / fp16)
+    // A max of -inf: no max element, the exponentials taken against 0 (finite_shift), and the sums decide
+    // (block_state): 0 for a tile of only -inf, NaN where ReduceMax passed over a NaN.
+    const bool no_max = m == tm_npu::neg_inf();
+    if (!no_max && at_max < static_cast<uint32_t>(len)) x.SetValue(at_max, tm_npu::neg_inf());  // the max leaves the sum
+    Sync<HardEvent::S_V>();  // (also: the slot's reads are done before a vector instruction rewrites it)
+    Adds(a, x, no_max ? 0.0f : -m, len);  // (in place for bf16 / fp16)
     PipeBarrier<PIPE_V>();
     this->ReleaseX();
     if (this->inv_t_ != 1.0f) {  // x * 1 = x: nothing to do at T = 1
@@ -275,7 +273,9 @@ class ForwardKernel : public RowStream<T> {
     }
     Sum(s_sum, e, work, len);
     Sync<HardEvent::V_S>();
-    return {m, s_sum.GetValue(0), this->t_.with_entropy ? s_zsum.GetValue(0) : 0.0f};
+    const float sum = s_sum.GetValue(0), zsum = this->t_.with_entropy ? s_zsum.GetValue(0) : 0.0f;
+    if (!no_max) return {m, sum, zsum};
+    return sum == sum ? State{m, -1.0f, 0.0f} : State{sum, sum, sum};  // block_state(): empty, or NaN
   }
 
   // dst[0] = the sum of v[0, len), v destroyed. ReduceSum adds its 256-byte
