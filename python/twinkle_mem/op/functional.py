@@ -32,7 +32,8 @@ def selective_log_softmax(logits, index, return_entropy=False, *, temperature=1.
     a reference to the logits. With ``inplace_backward=True`` the gradient is
     written over the logits, which then hold the gradient (their version counter
     is bumped, so any other autograd use of them raises instead of reading wrong
-    values). With ``process_group`` (world size > 1), ``logits`` are this rank's
+    values; where autograd keeps the gradient in a ``.grad``, of leaf logits, that
+    is the same memory, not a copy). With ``process_group`` (world size > 1), ``logits`` are this rank's
     vocab shard ``[rank * V/tp, (rank + 1) * V/tp)`` and ``index`` holds global
     ids: the outputs are the full-vocab ones, the same on every rank
     (``twinkle_mem.vocab_parallel``; docs/vocab_parallel.md).

@@ -73,8 +73,8 @@ class _NotTwiceDifferentiable(torch.autograd.Function):
 
 
 def backward_into_logits(logits, labels, shift, log_sum, entropy, grad_logp, grad_entropy, options: OpOptions):
-    """One native backward call; returns the gradient (the logits themselves with
-    ``options.inplace_backward``; ``grad_entropy`` is used only with ``options.with_entropy``).
+    """One native backward call; returns the gradient (with ``options.inplace_backward``, an alias of the
+    logits' storage, which holds it; ``grad_entropy`` is used only with ``options.with_entropy``).
 
     Under ``create_graph=True`` the gradient is computed without a graph and returned through an alias
     whose backward raises, so that a second backward fails loudly instead of seeing a zero derivative."""
@@ -102,7 +102,10 @@ def _native_backward(logits, labels, shift, log_sum, entropy, grad_logp, grad_en
         # mutates: do it, so that any other saved use of the logits raises
         # (bwd_t_, a Python custom op, bumps it itself; once more is harmless).
         torch.autograd.graph.increment_version(logits)
-        return logits
+        # A new tensor over the same storage, not the logits tensor itself: where the gradient lands in a
+        # .grad (leaf logits, retain_grad), autograd takes a tensor no one else holds as it is, but copies
+        # one still referenced (by the caller, by the graph), a whole fresh [N, V] buffer (issue 41).
+        return logits.detach()
     return (bwd_t if tensor_temperature else bwd)(*args, logits, *rest)
 
 
