@@ -52,6 +52,13 @@ inline void load_pair(const T* p, Vec& lo, Vec& hi) {
   hi = load_vec(p + VecTraits<Vec>::W);
 }
 
+// The way back: two vectors in load_pair's lane order stored to their 2 W elements. In order, store_pair; x86
+// bf16 has its own (the odd and even elements apart).
+template <typename T, typename Vec>
+inline void store_loaded_pair(T* p, Vec lo, Vec hi) {
+  store_pair(p, lo, hi);
+}
+
 // How many of x[0, n) equal value (n a whole number of vector pairs: load_pair).
 template <typename Vec, typename scalar_t, typename acc_t>
 inline int64_t count_equal_in(const scalar_t* x, int64_t n, acc_t value) {
@@ -66,19 +73,20 @@ inline int64_t count_equal_in(const scalar_t* x, int64_t n, acc_t value) {
   return count;
 }
 
-// Asks for x[from, to) to be brought into L2: no fault, no wait. The forward's
+// Asks for x[from, from + kCount) to be brought into L2: no fault, no wait. The forward's
 // second sweep computes on an L1 buffer without touching memory; it asks for the
 // row kPrefetchAhead ahead meanwhile, so that memory and arithmetic overlap (one
 // block ahead into L1 kept a 6 GB/s stream waiting at each block's first sweep).
 // Past the segment's end too: a thread's next task is the row's next segment
 // (parallel_for hands each thread a contiguous range of tasks); bounding the hint
 // by the segment left half of each segment's blocks to the hardware prefetcher.
-template <typename scalar_t>
-inline void prefetch_range(const scalar_t* x, int64_t from, int64_t to) {
-  const uintptr_t base = reinterpret_cast<uintptr_t>(x);  // an address past the row is only a hint: never read
-  for (uintptr_t p = base + from * sizeof(scalar_t); p < base + to * sizeof(scalar_t); p += 64) {
-    __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 2);
-  }
+// kCount is a constant (a sub-block): one hint per 64-byte line, unrolled (a loop
+// over them cost three more instructions per line, ~2 per 16 logits on AVX-512).
+template <int64_t kCount, typename scalar_t>
+inline void prefetch_range(const scalar_t* x, int64_t from) {
+  constexpr int64_t kLines = (kCount * int64_t(sizeof(scalar_t)) + 63) / 64;
+  const uintptr_t at = reinterpret_cast<uintptr_t>(x) + from * sizeof(scalar_t);  // past the row: only a hint
+  for (int64_t line = 0; line < kLines; ++line) __builtin_prefetch(reinterpret_cast<const void*>(at + 64 * line), 0, 2);
 }
 
 // Online softmax state of x[0, n) (see online_softmax.h), in double. Each block
@@ -141,7 +149,7 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
       const Vec v_neg_shift(-shift), v_a(a), v_y_floor(exp2_floor<acc_t>()), v_block_max(block_max);
       for (int64_t i = 0, b = 0; i < body; i += kSub, ++b) {
         const int64_t end = std::min(body, i + kSub);
-        prefetch_range(x_block, kPrefetchAhead + i, kPrefetchAhead + i + kSub);
+        prefetch_range<kSub>(x_block, kPrefetchAhead + i);
         Vec v_sum[2] = {acc_t(0), acc_t(0)}, v_zsum[2] = {acc_t(0), acc_t(0)};  // a pair's halves apart
         auto run = [&](auto may_hold_max) {  // only a sub-block whose max is the block's pays for the test
           auto add = [&](Vec xv, int half) {
@@ -187,15 +195,20 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
 
 // d[0, n) = the off-label gradient p (a + b (u + entropy)) of logits x[0, n) (the caller
 // rewrites the elements that hold labels). d may alias x (in-place backward):
-// each vector is read before it is written. A 16-bit gradient takes p in base 2,
+// each vector pair is read before it is written. A 16-bit gradient takes p in base 2,
 // p = 2^y with y = (x - shift) log2(e) / T - log_sum log2(e) and u = y ln2, like the
 // forward's sums: fewer instructions, and its rounding (p within ~1e-6 relative,
 // from log_sum log2(e) in fp32) is far below a bf16 or fp16 ulp. fp32 gradients keep
 // u and exp(u) as the contract writes them: 2 fp32 ulp would not hold the base-2 form.
+// One pass, by vector pairs in load_pair's order (x86 bf16: the odd and even elements
+// apart, put back in place by one blend per pair), asking for the row kPrefetchAhead
+// ahead as the forward's second sweep does: with the arithmetic between its loads the
+// pass issues too few of them to keep memory streaming on its own (issue 41).
 template <typename Vec, typename scalar_t>
 void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, const RowGrad<typename VecTraits<Vec>::acc_t>& g) {
   using acc_t = typename VecTraits<Vec>::acc_t;
   constexpr int64_t W = VecTraits<Vec>::W;
+  constexpr int64_t kSub = kSubVectors * W;  // elements per prefetch hint, a whole number of vector pairs
   const Vec v_neg_shift(g.neg_shift), v_inv_T(g.inv_temperature), v_neg_log_sum(g.neg_log_sum),
       v_entropy(g.entropy), v_a(g.a), v_b(g.b), v_u_floor(g.u_floor);
   const Vec v_a2(log2e_over_T(g.inv_temperature)),
@@ -209,10 +222,17 @@ void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, const RowGrad<typen
       return grad_off_label(xv, v_neg_shift, v_inv_T, v_neg_log_sum, v_entropy, v_a, v_b, v_u_floor);
     }
   };
-  int64_t i = 0;
-  for (; i + 2 * W <= n; i += 2 * W) {  // two vectors per store: one full-width 16-bit store
-    store_pair(d + i, grad(load_vec(x + i)), grad(load_vec(x + i + W)));
+  const int64_t body = n - n % (2 * W);  // whole vector pairs
+  for (int64_t i = 0; i < body; i += kSub) {
+    prefetch_range<kSub>(x, kPrefetchAhead + i);
+    const int64_t end = std::min(body, i + kSub);
+    for (int64_t j = i; j < end; j += 2 * W) {
+      Vec lo, hi;
+      load_pair(x + j, lo, hi);
+      store_loaded_pair(d + j, grad(lo), grad(hi));
+    }
   }
+  int64_t i = body;
   for (; i + W <= n; i += W) store_vec(d + i, grad(load_vec(x + i)));
   for (; i < n; ++i) store_scalar(d + i, grad_off_label(load_scalar(x + i), g));
 }

@@ -109,16 +109,17 @@ inline Vec8f load_vec(const fp16_bits* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline void store_vec(float* p, Vec8f v) { _mm256_storeu_ps(p, v.v); }
-// fp32 -> bf16 rounding to nearest even; NaN becomes a quiet NaN.
-inline __m256i bf16_round(__m256 v) {
+// fp32 -> bf16 rounding to nearest even, in the high 16 bits of each lane (subnormals kept); NaN becomes the
+// quiet NaN 0x7FC0, as on the AVX-512 path.
+inline __m256i bf16_round_high(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
   const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), is_nan), 16);
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), is_nan);
 }
 inline void store_vec(bf16_bits* p, Vec8f v) {
-  const __m256i high = bf16_round(v.v);
+  const __m256i high = _mm256_srli_epi32(bf16_round_high(v.v), 16);
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0b1000);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
@@ -126,15 +127,10 @@ inline void store_vec(fp16_bits* p, Vec8f v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v.v, _MM_FROUND_TO_NEAREST_INT));
 }
 
-// 16 elements at once: the 16-bit results of two vectors in one 256-bit store.
+// Two vectors' 16 elements, in order (16-bit ones in one 256-bit store).
 inline void store_pair(float* p, Vec8f a, Vec8f b) {
   _mm256_storeu_ps(p, a.v);
   _mm256_storeu_ps(p + 8, b.v);
-}
-inline void store_pair(bf16_bits* p, Vec8f a, Vec8f b) {
-  // packus interleaves 128-bit lanes (a0-3 b0-3 a4-7 b4-7); the permute restores order.
-  const __m256i packed = _mm256_packus_epi32(bf16_round(a.v), bf16_round(b.v));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0b11011000));
 }
 inline void store_pair(fp16_bits* p, Vec8f a, Vec8f b) {
   const __m128i lo = _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT);
@@ -154,6 +150,13 @@ inline void load_pair(const bf16_bits* p, Vec8f& odd, Vec8f& even) {
   const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   odd = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(int(0xFFFF0000u))));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
+
+// And back (the backward's stores): the odd elements' bf16 are the high halves of their rounded lanes as they
+// are, the even ones' are moved down into the low halves; one blend of 16-bit words puts the 16 in place.
+inline void store_loaded_pair(bf16_bits* p, Vec8f odd, Vec8f even) {
+  const __m256i low = _mm256_srli_epi32(bf16_round_high(even.v), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_blend_epi16(low, bf16_round_high(odd.v), 0b10101010));
 }
 
 // The max of p[0, n) (n a multiple of 16); 16-bit floats on integer keys (x86_common.h), as on AVX-512.
