@@ -22,8 +22,13 @@ The floors, measured in each peer's process, alternating with its calls: one str
 logits (torch.max over their int16 view) and one in-place read + write (bitwise_xor_(0) on it);
 each call's time is divided by the floor measured just before it, and the median of those ratios is
 reported with their quartiles. twinkle_mem_inplace@<path> also times the op itself against them
-(--op-reps alternating calls each, the ratios of issue 34): forward without entropy / read, forward
-with entropy / read, forward with entropy + in-place backward / (read + read-write).
+(--op-reps alternating calls each; issue 34's ratios and issue 41's): forward without entropy / read,
+forward with entropy / read, forward with entropy + in-place backward / (read + read-write) (the raw
+ops), the in-place backward alone / read-write, and the public path: selective_log_softmax(...,
+inplace_backward=True) and .backward() through autograd, on logits that are an intermediate (a view of
+a leaf: its own backward costs nothing) and on leaf logits (the gradient kept in their .grad), each /
+(read + read-write). Every twinkle_mem row says which backend ran (the native CPU kernels or the
+composite) and on which CPU kernel path.
 
   python bench/bench_selective_log_softmax.py                      # N=512,1024,2048, V=151936
   python bench/bench_selective_log_softmax.py --sizes 2048 --peers twinkle_mem_inplace --op-reps 31
@@ -46,7 +51,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = ["naive", "twinkle_loop", "chunked_fp32", "compiled", "twinkle_mem", "twinkle_mem_inplace"]
 PATH_PEERS = ("twinkle_mem", "twinkle_mem_inplace")  # run once per CPU kernel path, as peer@path
 CPU_ISA_ENV = "TWINKLE_MEM_CPU_ISA"  # the cap of the CPU kernel path (twinkle_mem.op.native)
-OP_TARGETS = {"fwd": 1.6, "fwd_entropy": 2.0, "fwd_entropy_bwd_inplace": 2.0}  # issue 34, N=2048, 2 threads
+# The op against its floors (issues 34 and 41, N=2048, 2 threads): name -> (target, floor it is divided by).
+OP_TARGETS = {"fwd": 1.6, "fwd_entropy": 2.0, "fwd_entropy_bwd_inplace": 2.0, "bwd_inplace": 2.0,
+              "public_intermediate": 2.0, "public_leaf": 2.0}
+OP_FLOORS = {"fwd": "read", "fwd_entropy": "read", "fwd_entropy_bwd_inplace": "read+rw", "bwd_inplace": "rw",
+             "public_intermediate": "read+rw", "public_leaf": "read+rw"}
 NAME = "selective_log_softmax"
 RECORDED = os.path.join(HERE, "results", NAME)  # the committed results: --record
 LOCAL = os.path.join(HERE, "results", "local", NAME)  # a user's run (bench/results/local/ is not tracked)
@@ -157,36 +166,59 @@ def timed(fn) -> float:
 
 
 def op_ratios(base_logits, labels, reps):
-    """The op itself against its floors, alternating (issue 34's three ratios): per call, the ratio to
-    the floor timed just before it; their median and quartiles, and the floors' median times."""
+    """The op itself against its floors, alternating (OP_TARGETS: issue 34's ratios and issue 41's): per
+    call, the ratio to the floor timed just before it; their median and quartiles, and the floors'
+    median times. The raw ops (torch.ops.twinkle_mem) and the public function through autograd."""
     import torch
+
+    import twinkle_mem
     ops = torch.ops.twinkle_mem
     n, v = base_logits.shape
     x = base_logits.clone()
     read, read_write = floor_functions(x)
     g_logp, g_entropy = torch.randn(n), torch.randn(n) * 0.01
     no_ignore = -(2**63)
+    leaf = x.detach().requires_grad_()  # x's storage as a leaf: what the public path's backward writes over
 
     def forward(with_entropy):
         return ops.selective_log_softmax_fwd(x, labels, 1.0, no_ignore, 0, v, with_entropy)
 
-    def forward_backward_inplace():
-        _, entropy, shift, log_sum = forward(True)
+    stats = {}
+
+    def backward_inplace():
+        _, entropy, shift, log_sum = stats["fwd"]
         ops.selective_log_softmax_bwd_(g_logp, g_entropy, x, labels, shift, log_sum, entropy, 1.0, no_ignore, 0)
+
+    def forward_backward_inplace():
+        stats["fwd"] = forward(True)
+        backward_inplace()
+
+    def public(intermediate):
+        def run():
+            logits = leaf.view(n, v) if intermediate else leaf  # a view: a non-leaf, as an LM head's output is
+            logp, entropy = twinkle_mem.selective_log_softmax(logits, labels, True, inplace_backward=True)
+            ((logp * g_logp).sum() + (entropy * g_entropy).sum()).backward()
+        return run
 
     ratios = {name: [] for name in OP_TARGETS}
     floors = {"read_s": [], "read_write_s": []}
     for fn in (read, read_write, lambda: forward(True)):  # warm-up
         fn()
+    variants = (("fwd", lambda: forward(False)), ("fwd_entropy", lambda: forward(True)),
+                ("fwd_entropy_bwd_inplace", forward_backward_inplace), ("bwd_inplace", backward_inplace),
+                ("public_intermediate", public(True)), ("public_leaf", public(False)))
     for _ in range(reps):
-        for name, fn in (("fwd", lambda: forward(False)), ("fwd_entropy", lambda: forward(True))):
-            t_read = timed(read)
-            ratios[name].append(timed(fn) / t_read)
-            floors["read_s"].append(t_read)
-        x.copy_(base_logits)  # the in-place backward wrote gradients over them
-        t_floor = timed(read) + timed(read_write)
-        ratios["fwd_entropy_bwd_inplace"].append(timed(forward_backward_inplace) / t_floor)
-        floors["read_write_s"].append(t_floor - floors["read_s"][-1])
+        for name, fn in variants:  # (bwd_inplace takes the statistics of the call before, of the same logits)
+            x.copy_(base_logits)  # an in-place backward wrote gradients over them
+            leaf.grad = None
+            t_read = timed(read) if "read" in OP_FLOORS[name] else 0.0
+            t_rw = timed(read_write) if "rw" in OP_FLOORS[name] else 0.0
+            ratios[name].append(timed(fn) / (t_read + t_rw))
+            if t_read:
+                floors["read_s"].append(t_read)
+            if t_rw:
+                floors["read_write_s"].append(t_rw)
+    x.copy_(base_logits)
     return {**{name: ratio_summary(r) for name, r in ratios.items()},
             **{name: ratio_summary(t)["median"] for name, t in floors.items()}}
 
@@ -254,11 +286,20 @@ def child(peer, n, v, reps, op_reps=0):
     if peer == "twinkle_loop":
         out["source"] = twinkle_loop_source()
     if peer in PATH_PEERS:
-        from twinkle_mem.op import native as _native
-        out["cpu_path"] = _native.cpu_kernel_path()
+        out.update(backend_ran())
         if peer == "twinkle_mem_inplace" and op_reps:
             out["op"] = op_ratios(base_logits, labels, op_reps)
     return out
+
+
+def backend_ran() -> dict:
+    """Which implementation the twinkle_mem peers ran on the CPU: the native kernels and their path
+    (op/native.py), or the composite where the native library did not load (and why)."""
+    from twinkle_mem.op import native as _native
+    status = _native.status.get("cpu", "unknown")
+    if status != "loaded":
+        return {"backend": f"composite ({status})", "cpu_path": None}
+    return {"backend": "native CPU kernels", "cpu_path": _native.cpu_kernel_path()}
 
 
 def time_summary(times) -> dict:
@@ -389,6 +430,9 @@ def render_table(results, meta) -> str:
                          f"{peak:>24s} {r['saved_bytes']:12d} {r['err_logp']:9.1e} {r['err_entropy']:9.1e}")
     lines.append("vs floor: each call over one read + one in-place read/write of the logits timed just before it "
                  "(median)")
+    note = backend_note(results)
+    if note:
+        lines.append(note)
     if copies:
         lines.append(f"* twinkle_loop: {TWINKLE_LOOP_COPY}; install twinkle-kit (`.[test]`) to time its own function")
     return "\n".join(lines)
@@ -396,22 +440,38 @@ def render_table(results, meta) -> str:
 
 def render_op_table(results, meta) -> str:
     """The op itself against its floors, per CPU kernel path and N (twinkle_mem_inplace@path runs):
-    median ratio of alternating calls [quartiles], the target of issue 34, and the floors' times."""
+    median ratio of alternating calls [quartiles], the targets (issues 34 and 41), and the floors' times.
+    Columns a run did not measure (results recorded before issue 41) show as -."""
     rows = [r for r in results if "op" in r]
     if not rows:
         return ""
-    cols = [("fwd", "fwd / read"), ("fwd_entropy", "fwd+H / read"), ("fwd_entropy_bwd_inplace", "fwd+H+bwd_ / (read+rw)")]
-    lines = [f"the op against one pass over the logits (bf16, V={meta['vocab']}, {meta['threads']} threads): median "
-             f"of {meta.get('op_reps')} alternating calls [q1, q3]"]
+    cols = [("fwd", "fwd / read"), ("fwd_entropy", "fwd+H / read"), ("fwd_entropy_bwd_inplace", "fwd+H+bwd_ / (r+rw)"),
+            ("bwd_inplace", "bwd_ / rw"), ("public_intermediate", "public, intermediate"),
+            ("public_leaf", "public, leaf .grad")]
+    lines = [f"the op against one pass over the logits (bf16, V={meta.get('vocab')}, {meta.get('threads')} threads): "
+             f"median of {meta.get('op_reps')} alternating calls [q1, q3]; public: selective_log_softmax(..., "
+             "inplace_backward=True) + .backward(), / (read + rw)"]
     header = f"{'N':>6s} {'path':12s} " + " ".join(f"{title:>22s}" for _, title in cols) + f" {'read ms':>8s} {'rw ms':>8s}"
     lines += [header, "-" * len(header)]
+
+    def cell(op, key):
+        if key not in op:
+            return "-"
+        return f"{op[key]['median']:.2f} [{op[key]['q1']:.2f}, {op[key]['q3']:.2f}]"
     for r in rows:
-        cells = [f"{r['op'][k]['median']:.2f} [{r['op'][k]['q1']:.2f}, {r['op'][k]['q3']:.2f}]" for k, _ in cols]
-        lines.append(f"{r['n']:6d} {r.get('cpu_path', '?'):12s} " + " ".join(f"{c:>22s}" for c in cells) +
+        cells = [cell(r["op"], k) for k, _ in cols]
+        lines.append(f"{r['n']:6d} {r.get('cpu_path') or '?':12s} " + " ".join(f"{c:>22s}" for c in cells) +
                      f" {r['op']['read_s'] * 1e3:8.1f} {r['op']['read_write_s'] * 1e3:8.1f}")
     lines.append(f"{'':6s} {'target':12s} " + " ".join(f"{'<= ' + str(OP_TARGETS[k]):>22s}" for k, _ in cols) +
-                 "   (issue 34: N=2048, 2 threads)")
-    return "\n".join(lines)
+                 "   (issues 34 and 41: N=2048, 2 threads)")
+    note = backend_note(rows)
+    return "\n".join(lines + ([note] if note else []))
+
+
+def backend_note(results) -> str:
+    """One line: which backend each twinkle_mem run took, by CPU kernel path ("" where none says)."""
+    backends = sorted({f"{r.get('cpu_path')}: {r['backend']}" for r in results if "backend" in r})
+    return "twinkle_mem ran: " + "; ".join(backends) if backends else ""
 
 
 # ----------------------------------------------------------------- figure

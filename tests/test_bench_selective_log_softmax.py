@@ -140,11 +140,20 @@ def test_op_ratios_time_each_variant_against_its_floor(bench):
     logits = (torch.randn(8, 4096) * 2).bfloat16()
     before = logits.clone()
     op = bench.op_ratios(logits, torch.randint(0, 4096, (8,)), reps=3)
-    assert set(op) == set(bench.OP_TARGETS) | {"read_s", "read_write_s"}
+    assert set(op) == set(bench.OP_TARGETS) | {"read_s", "read_write_s"} and set(bench.OP_FLOORS) == set(bench.OP_TARGETS)
+    assert {"bwd_inplace", "public_intermediate", "public_leaf"} <= set(op)  # issue 41: the backward, the public path
     for name in bench.OP_TARGETS:
         assert op[name]["n"] == 3 and 0 < op[name]["q1"] <= op[name]["median"] <= op[name]["q3"]
     assert op["read_s"] > 0 and op["read_write_s"] > 0
     assert torch.equal(logits, before)  # the in-place backward ran on a copy
+
+
+def test_twinkle_mem_rows_say_which_backend_and_path_ran(bench):
+    from twinkle_mem.op import native
+    ran = bench.backend_ran()
+    assert ran["cpu_path"] == native.cpu_kernel_path() and ran["backend"] == "native CPU kernels"
+    rows = [{"peer": "twinkle_mem@avx2", "n": 8, **ran}]
+    assert bench.backend_note(rows) == f"twinkle_mem ran: {ran['cpu_path']}: native CPU kernels"
 
 
 def test_op_table_shows_each_path_with_the_targets(bench):
@@ -156,6 +165,12 @@ def test_op_table_shows_each_path_with_the_targets(bench):
     lines = table.splitlines()
     assert "median of 15 alternating calls" in lines[0]
     assert lines[3].split() == ["2048", "avx2", "1.50", "[1.40,", "1.70]", "1.90", "[1.80,", "2.10]", "2.10", "[2.00,",
-                                "2.30]", "36.0", "37.0"]
+                                "2.30]", "-", "-", "-", "36.0", "37.0"]  # (a run recorded before issue 41's columns)
     assert lines[4].split()[:4] == ["target", "<=", "1.6", "<="]
+    row["op"].update(bwd_inplace=summary(1.8), public_intermediate=summary(1.95), public_leaf=summary(1.97))
+    row["backend"] = "native CPU kernels"
+    lines = bench.render_op_table([row], {"vocab": 8, "threads": 2, "op_reps": 15}).splitlines()
+    assert lines[3].split()[11:] == ["1.80", "[1.70,", "2.00]", "1.95", "[1.85,", "2.15]", "1.97", "[1.87,", "2.17]",
+                                     "36.0", "37.0"]
+    assert lines[-1] == "twinkle_mem ran: avx2: native CPU kernels"
     assert bench.render_op_table([{"peer": "compiled", "n": 2048}], {}) == ""
