@@ -7,7 +7,8 @@
 // The including namespace provides: RowVec (its fp32 Vec) and the tag types
 // bf16_t, fp16_t of 16-bit logits (for kRowKernels, isa.h's table of entry
 // points, defined at the end), VecTraits<Vec>, load_vec(const T*) -> Vec,
-// load_pair(const T*, Vec&, Vec&) where it has its own (2 W elements, in any fixed lane order), max_of(const T*, n)
+// load_pair(const T*, Vec&, Vec&) where it has its own (2 W elements, in any fixed lane order) and with it
+// store_loaded_pair(T*, Vec, Vec) (the way back, the same order), max_of(const T*, n)
 // -> acc_t (the max of n elements, n a whole number of vector pairs), store_vec(T*, Vec),
 // store_pair(T*, Vec, Vec) (2 W elements, in order), load_scalar(const T*) -> acc_t,
 // store_scalar(T*, acc_t), hsum(Vec), count_equal(Vec, Vec) (how many lanes are equal),
