@@ -1,13 +1,17 @@
-"""Every fused head, this tree against another checkout's, side by side in one run: time and peak memory.
+"""Every fused head, this tree against another checkout's (and the unfused equivalent), side by side in one run:
+time and peak memory.
 
     PYTHONPATH=python python bench/bench_heads.py --base-python /path/to/other/checkout/python \\
-        [--n 512] [--h 1024] [--vocab 151936] [--k 64] [--dtypes bfloat16 float32] [--reps 2] [--out DIR]
+        [--n 512] [--h 1024] [--vocab 151936] [--k 64] [--dtypes bfloat16 float32] [--reps 2] [--out DIR] \\
+        [--head trainable|frozen] [--unfused]
 
 The heads: ``linear_selective_log_softmax`` (log-probs and entropy), ``linear_gkd_topk`` (a top-k teacher,
 k = --k) and ``linear_gkd_full`` (a whole-vocab teacher), each one forward + backward (gradients of hidden
-and weight; a quarter of the rows ignored, the prompt) in a fresh process, after a small warm-up call there.
-``this tree`` imports python/ of this checkout, ``base`` the --base-python directory (its own native library,
-built in place). The reps alternate base / this tree, so that the machine's load falls on both; the table
+and weight, or of hidden alone for a ``--head frozen``, LoRA's; a quarter of the rows ignored, the prompt) in a
+fresh process, after a small warm-up call there. ``this tree`` imports python/ of this checkout, ``base`` the
+--base-python directory (its own native library, built in place); with ``--unfused``, ``unfused`` is this tree's
+same loss from the logits ``hidden @ weight.T`` (``selective_log_softmax``, ``gkd_topk_from_logits``,
+``gkd_from_logits``). The reps alternate the trees, so that the machine's load falls on all; the table
 gives the fastest time and the largest peak. Peak: the rise of the resident set's high-water mark over the
 call (glibc's mmap threshold fixed, so that freed buffers go back to the OS); "beyond" subtracts the
 outputs and the gradients: the head's working memory. Writes DIR/heads.{json,md,png} (DIR: --out,
@@ -23,7 +27,7 @@ from bench_common import (MachineLoad, Progress, ROOT, load_warning, markdown_ta
                           run_child, run_metadata, write_json)
 
 HEADS = ("logprobs", "gkd_topk", "gkd_full")
-TREES = ("base", "this tree")
+TREES = ("base", "this tree", "unfused")
 MIB = 1 << 20
 
 
@@ -44,20 +48,29 @@ def child(cfg: dict) -> dict:
     teacher_all = (torch.randn(n, v) * 2).to(dtype) if cfg["head"] == "gkd_full" else None
 
     def leaves(rows, vocab):  # the call's inputs, made before the measured block
-        hidden, weight = hidden_all[:rows].clone().requires_grad_(), weight_all[:vocab].clone().requires_grad_()
+        hidden = hidden_all[:rows].clone().requires_grad_()
+        weight = weight_all[:vocab].clone().requires_grad_(cfg["train_head"])
         labels = labels_all[:rows] % vocab
         labels[::4] = -100
         teacher = None if teacher_all is None else teacher_all[:rows, :vocab].contiguous()
         return hidden, weight, labels, ids_all[:rows] % vocab, logprobs_all[:rows], teacher
 
     def once(hidden, weight, labels, ids, logprobs, teacher):
-        if cfg["head"] == "logprobs":
+        if cfg["unfused"]:  # the same loss from the logits
+            logits = hidden @ weight.t()
+            if cfg["head"] == "logprobs":
+                outs = twinkle_mem.selective_log_softmax(logits, labels, True, ignore_index=-100)
+            elif cfg["head"] == "gkd_topk":
+                outs = (twinkle_mem.gkd_topk_from_logits(logits, ids, logprobs, labels),)
+            else:
+                outs = (twinkle_mem.gkd_from_logits(logits, teacher, labels),)
+        elif cfg["head"] == "logprobs":
             outs = twinkle_mem.linear_selective_log_softmax(hidden, weight, labels, True, ignore_index=-100)
         elif cfg["head"] == "gkd_topk":
             outs = (twinkle_mem.linear_gkd_topk(hidden, weight, ids, logprobs, labels),)
         else:
             outs = (twinkle_mem.linear_gkd_full(hidden, weight, teacher, labels),)
-        grads = torch.autograd.grad(sum(o.float().sum() for o in outs), (hidden, weight))
+        grads = torch.autograd.grad(sum(o.float().sum() for o in outs), [t for t in (hidden, weight) if t.requires_grad])
         return (*outs, *grads)
 
     once(*leaves(16, 1024))  # warm-up: imports, first allocations
@@ -81,6 +94,9 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=HEADS)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--head", choices=["trainable", "frozen"], default="trainable",
+                    help="frozen: the weight needs no gradient (LoRA's LM head), grad_hidden alone")
+    ap.add_argument("--unfused", action="store_true", help="also this tree's same loss from the logits")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "local"))
     ap.add_argument("--child")
     args = ap.parse_args()
@@ -90,15 +106,18 @@ def main():
     if not args.base_python:
         ap.error("--base-python is required")
     load = MachineLoad()
-    src = {"base": os.path.abspath(args.base_python), "this tree": os.path.join(ROOT, "python")}
-    env = {t: dict(os.environ, PYTHONPATH=src[t], MALLOC_MMAP_THRESHOLD_="65536") for t in TREES}
+    trees = TREES if args.unfused else TREES[:2]
+    src = {"base": os.path.abspath(args.base_python), "this tree": os.path.join(ROOT, "python"),
+           "unfused": os.path.join(ROOT, "python")}
+    env = {t: dict(os.environ, PYTHONPATH=src[t], MALLOC_MMAP_THRESHOLD_="65536") for t in trees}
     cases = [(head, dtype) for head in args.heads for dtype in args.dtypes]
-    runs = {f"{head} {dtype}": {t: [] for t in TREES} for head, dtype in cases}
-    progress = Progress(args.reps * len(cases) * len(TREES), stream=sys.stderr)
+    runs = {f"{head} {dtype}": {t: [] for t in trees} for head, dtype in cases}
+    progress = Progress(args.reps * len(cases) * len(trees), stream=sys.stderr)
     for rep in range(args.reps):
         for head, dtype in cases:
-            for tree in TREES if rep % 2 == 0 else TREES[::-1]:
-                cfg = dict(head=head, dtype=dtype, n=args.n, h=args.h, vocab=args.vocab, k=args.k)
+            for tree in trees if rep % 2 == 0 else trees[::-1]:
+                cfg = dict(head=head, dtype=dtype, n=args.n, h=args.h, vocab=args.vocab, k=args.k,
+                           train_head=args.head == "trainable", unfused=tree == "unfused")
                 progress.step(f"{head} {dtype} {tree}")
                 r = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env[tree])
                 runs[f"{head} {dtype}"][tree].append(r)
@@ -106,21 +125,26 @@ def main():
     best = {case: {t: {"seconds": min(r["seconds"] for r in rs), "peak_mib": max(r["peak_mib"] for r in rs),
                        "beyond_mib": max(r["beyond_mib"] for r in rs), "checksum": rs[0]["checksum"]}
                    for t, rs in by_tree.items()} for case, by_tree in runs.items()}
+    unfused = (lambda b: [f"{b['unfused']['seconds']:.2f}", f"{b['this tree']['seconds'] / b['unfused']['seconds']:.2f}",
+                          f"{b['unfused']['peak_mib']:.0f}"]) if args.unfused else (lambda b: [])  # noqa: E731
     rows = [[case, f"{b['base']['seconds']:.2f}", f"{b['this tree']['seconds']:.2f}",
-             f"{b['base']['seconds'] / b['this tree']['seconds']:.2f}", f"{b['base']['peak_mib']:.0f}",
+             f"{b['base']['seconds'] / b['this tree']['seconds']:.2f}", *unfused(b), f"{b['base']['peak_mib']:.0f}",
              f"{b['this tree']['peak_mib']:.0f}", f"{b['base']['beyond_mib']:.0f}", f"{b['this tree']['beyond_mib']:.0f}",
              "yes" if b["base"]["checksum"] == b["this tree"]["checksum"] else "no"] for case, b in best.items()]
-    table = markdown_table(["head dtype", "base s", "this tree s", "base / this", "base peak MiB", "this peak MiB",
-                            "base beyond MiB", "this beyond MiB", "bitwise same sums"], rows, "lrrrrrrrc")
+    header = ["head dtype", "base s", "this tree s", "base / this",
+              *(["unfused s", "this / unfused", "unfused peak MiB"] if args.unfused else []), "base peak MiB",
+              "this peak MiB", "base beyond MiB", "this beyond MiB", "bitwise same sums"]
+    table = (f"{args.head} head, N = {args.n}, H = {args.h}, V = {args.vocab}, k = {args.k}, fastest of {args.reps}\n\n"
+             + markdown_table(header, rows, "l" + "r" * (len(header) - 2) + "c"))
     record = run_metadata(n=args.n, h=args.h, vocab=args.vocab, k=args.k, reps=args.reps, base=src["base"],
-                          load=load.record())
+                          head=args.head, load=load.record())
     warning = load_warning(record["load"])
     print(table + (f"\n{warning}\n" if warning else ""))
     os.makedirs(args.out, exist_ok=True)
     write_json(os.path.join(args.out, "heads.json"), {"meta": record, "runs": runs, "best": best})
     with open(os.path.join(args.out, "heads.md"), "w") as f:
         f.write(table + (f"\n{warning}\n" if warning else ""))
-    series = {t: ([best[c][t]["peak_mib"] for c in best], [best[c][t]["seconds"] for c in best]) for t in TREES}
+    series = {t: ([best[c][t]["peak_mib"] for c in best], [best[c][t]["seconds"] for c in best]) for t in trees}
     try:
         peak_and_time_figure(list(best), series, args.n * args.vocab * 4 / MIB, "fused heads: base vs this tree",
                              os.path.join(args.out, "heads.png"), peak_label="peak RSS rise over the call (MiB)")

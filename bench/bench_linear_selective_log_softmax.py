@@ -6,17 +6,24 @@ twinkle-mem's fused path against the unfused path and the chunked peers, side by
     /tmp/linear-peers-venv/bin/pip install --no-deps verl      # its torch module only (no Ray)
     PYTHONPATH=python /tmp/linear-peers-venv/bin/python bench/bench_linear_selective_log_softmax.py \\
         [--n 1024 4096] [--h 1024] [--vocab 151936] [--dtype fp32|bf16] [--reps 2] [--chunk-mib 256] \\
-        [--rss-n 4096 16384] [--device cpu|cuda|npu]
+        [--rss-n 4096 16384] [--device cpu|cuda|npu] [--head trainable|frozen] [--no-entropy-grad] \\
+        [--warm-reps 5]
 
 Every timed call runs in its own subprocess, after one warm-up call (compiles what compiles) at a
-small vocab: forward + backward (gradients of hidden and weight from logp, and from entropy where
-the peer gives it). The --reps calls of each peer go round robin with the other peers' (a shared
-machine's load falls on all alike); the table gives the fastest. Peak memory is the rise of the
+small vocab: forward + backward (gradients of hidden, and of weight for a trainable --head, from logp,
+and from entropy where the peer gives it, unless --no-entropy-grad: the entropy a metric). ``--head
+frozen`` is LoRA's case: the LM head needs no gradient (twinkle-mem's fused head then sums grad_hidden's
+vectors in its forward; heads/frozen.py). The --reps calls of each peer go round robin with the other
+peers' (a shared machine's load falls on all alike); the table gives the fastest. Then, with --warm-reps,
+one more process runs every peer of this tree (not --base-tree's) alternating, after a warm-up call of each
+at the full size, and the table adds each one's median and quartiles there: the figure of a training
+loop's warm process, where a whole product can run faster than in a fresh one. Peak memory is the rise of the
 resident set's high-water mark over the call (CPU; glibc's mmap threshold is fixed so that freed
 buffers go back to the OS), or the device allocator's peak, the largest over the reps; "beyond" subtracts the outputs and
 the gradients of hidden and weight, so it is the peer's working memory. Log-probs and entropy are
 compared with the unfused path's (same inputs, fp32 logits). Peers, imported from their installed
 packages:
+- one ``hidden @ weight.T``, forward only (the unit: a matmul of the logits' size);
 - twinkle-mem fused: ``twinkle_mem.linear_selective_log_softmax`` (chunk_bytes = --chunk-mib),
   and again with 3/4 of the rows ignored (the prompt tokens of RL);
 - with ``--base-tree DIR`` (another checkout of twinkle-mem, built in place): its fused path, the same
@@ -29,7 +36,7 @@ packages:
 - Cut Cross-Entropy ``linear_cross_entropy(..., impl="torch_compile", reduction="none")``, its
   implementation off CUDA (log-probs only, no entropy).
 --rss-n runs twinkle-mem's fused path alone at those N (one timed call) for the memory figures.
-Writes bench/results/linear_selective_log_softmax.{json,md,png}; progress on stderr.
+Writes bench/results/local/linear_selective_log_softmax.{json,md,png} (--out, --name); progress on stderr.
 """
 import argparse
 import json
@@ -46,6 +53,7 @@ from bench_common import (HERE, ROOT, ChildFailed, Progress, markdown_table, new
 IGNORE = -100
 
 PEERS = {
+    "one matmul hidden @ weight.T (forward)": "matmul",
     "twinkle-mem fused": "fused",
     "twinkle-mem fused, --base-tree": "fused_base",
     "twinkle-mem fused, 3/4 rows ignored": "fused_ignored",
@@ -58,15 +66,17 @@ CHUNKED = ("trl", "verl")
 
 
 # ------------------------------------------------------------------ the peers (run in the child)
-def _make_step(kind, hidden, weight, labels, chunk_bytes, elem):
-    """A function running one forward + backward: returns (logp, entropy or None, grad_hidden, grad_weight)."""
+def _make_step(kind, hidden, weight, labels, chunk_bytes, elem, entropy_grad=True):
+    """A function running one forward + backward: returns (logp, entropy or None, grad_hidden[, grad_weight]:
+    the weight's where it requires grad)."""
     import torch
 
     n, v = hidden.shape[0], weight.shape[0]
+    leaves = tuple(t for t in (hidden, weight) if t.requires_grad)
 
     def grads(logp, entropy):
-        loss = logp.sum() + (entropy.sum() if entropy is not None else 0)
-        return torch.autograd.grad(loss, (hidden, weight))
+        loss = logp.sum() + (entropy.sum() if entropy is not None and entropy_grad else 0)
+        return torch.autograd.grad(loss, leaves)
 
     if kind in ("fused", "fused_base", "fused_ignored", "unfused"):
         import twinkle_mem
@@ -76,11 +86,17 @@ def _make_step(kind, hidden, weight, labels, chunk_bytes, elem):
             raise RuntimeError(f"twinkle_mem's native kernels are not loaded here: {status}")
 
     if kind in ("fused", "fused_base", "fused_ignored"):
+        # (a base tree before the option has no entropy_grad: its entropy is then left out of the loss alone)
+        metric = {} if entropy_grad or kind == "fused_base" else {"entropy_grad": False}
 
         def step():
             logp, ent = twinkle_mem.linear_selective_log_softmax(hidden, weight, labels, True, ignore_index=IGNORE,
-                                                                 chunk_bytes=chunk_bytes)
+                                                                 chunk_bytes=chunk_bytes, **metric)
             return (logp, ent, *grads(logp, ent))
+    elif kind == "matmul":
+        def step():
+            with torch.no_grad():
+                return (hidden @ weight.t(),)
     elif kind == "unfused":
         def step():
             logp, ent = twinkle_mem.selective_log_softmax(hidden @ weight.t(), labels, True, ignore_index=IGNORE)
@@ -126,18 +142,22 @@ def child(cfg):
     n, h, v = cfg["n"], cfg["h"], cfg["vocab"]
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(n, h, generator=gen).to(dtype).to(device).requires_grad_()
-    weight = (torch.randn(v, h, generator=gen) * h**-0.5 * 2).to(dtype).to(device).requires_grad_()
+    weight = (torch.randn(v, h, generator=gen) * h**-0.5 * 2).to(dtype).to(device).requires_grad_(
+        cfg["head"] == "trainable")
     labels = torch.randint(0, v, (n,), generator=gen).to(device)
     if cfg["kind"] == "fused_ignored":
         labels[torch.arange(n, device=device) % 4 != 3] = IGNORE  # 3/4 of the rows
     elem = hidden.element_size()
+    if cfg.get("warm"):
+        return warm_child(cfg, hidden, weight, labels, elem)
     try:
-        step = _make_step(cfg["kind"], hidden, weight, labels, cfg["chunk_bytes"], elem)
+        step = _make_step(cfg["kind"], hidden, weight, labels, cfg["chunk_bytes"], elem, cfg["entropy_grad"])
         # Warm-up at a small vocab: code paths, thread pools, compilation (CCE recompiles for new
         # shapes with dynamic=True only where it must; its first full-size call is timed).
-        small_w = weight[:4096].detach().requires_grad_()
+        small_w = weight[:4096].detach().requires_grad_(weight.requires_grad)
         small = _make_step(cfg["kind"], hidden, small_w, labels % 4096 if cfg["kind"] != "fused_ignored" else
-                           torch.where(labels == IGNORE, labels, labels % 4096), cfg["chunk_bytes"], elem)
+                           torch.where(labels == IGNORE, labels, labels % 4096), cfg["chunk_bytes"], elem,
+                           cfg["entropy_grad"])
         small()
     except ImportError as e:
         print(json.dumps({"error": f"not installed: {e}"}))
@@ -166,11 +186,34 @@ def child(cfg):
             if rep == 0 and accel is not None:
                 peak = accel.max_memory_allocated() - base
         held = sum(t.numel() * t.element_size() for t in out if t is not None)
-        if rep == 0:
+        if rep == 0 and cfg["kind"] != "matmul":
             logp, ent = out[0].detach().float().cpu(), (None if out[1] is None else out[1].detach().float().cpu())
             torch.save({"logp": logp, "entropy": ent}, cfg["out"])
         del out
     print(json.dumps({"times": times, "peak": peak, "held": held, "threads": torch.get_num_threads()}))
+
+
+def warm_child(cfg, hidden, weight, labels, elem):
+    """Every kind of cfg["kinds"] in this one process: a full-size warm-up call of each, then cfg["reps"] rounds
+    of one call of each in turn; prints JSON {kind: [seconds, ...]} (CPU: no device sync needed)."""
+    import torch
+    steps = {}
+    for kind in cfg["kinds"]:
+        try:
+            steps[kind] = _make_step(kind, hidden, weight, labels, cfg["chunk_bytes"], elem, cfg["entropy_grad"])
+            steps[kind]()
+        except ImportError:
+            continue
+    times = {kind: [] for kind in steps}
+    sync = torch.cuda.synchronize if hidden.device.type == "cuda" else (lambda: None)
+    for _ in range(cfg["reps"]):
+        for kind, step in steps.items():
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            times[kind].append(time.perf_counter() - t0)
+    print(json.dumps({"times": times, "threads": torch.get_num_threads()}))
 
 
 # ------------------------------------------------------------------ the parent
@@ -207,7 +250,13 @@ def main(argv=None):
     p.add_argument("--peers", nargs="+", default=[k for k in PEERS.values() if k != "fused_base"],
                    choices=list(PEERS.values()))
     p.add_argument("--device", default="cpu")
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--head", choices=["trainable", "frozen"], default="trainable",
+                   help="frozen: the LM head needs no gradient (LoRA), grad_hidden alone")
+    p.add_argument("--no-entropy-grad", dest="entropy_grad", action="store_false",
+                   help="the entropy a metric: the loss is sum(logp) (twinkle-mem: entropy_grad=False)")
+    p.add_argument("--warm-reps", type=int, default=0,
+                   help="then one process running every peer of this tree this many times, alternating")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "local"))
     p.add_argument("--name", default="linear_selective_log_softmax", help="file stem of the results in --out")
     p.add_argument("--base-tree", help="another twinkle-mem checkout (built in place): the fused_base peer")
     p.add_argument("--replot", action="store_true", help="redraw the table and PNG from the JSON in --out")
@@ -233,13 +282,13 @@ def main(argv=None):
     plan += [(n, "fused", 0) for n in args.rss_n if n not in args.n]
     results = {}
     load_before = _loadavg()
-    progress = Progress(len(plan), stream=sys.stderr)
+    progress = Progress(len(plan) + (len(args.n) if args.warm_reps else 0), stream=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         for n, kind, rep in plan:
             progress.step(f"{names[kind]}, N={n}, H={args.h}, V={args.vocab}, {args.dtype}, rep {rep + 1}")
             cfg = {"kind": kind, "n": n, "h": args.h, "vocab": args.vocab, "dtype": args.dtype, "reps": 1,
                    "chunk_bytes": args.chunk_mib << 20, "device": args.device, "base_tree": args.base_tree,
-                   "out": os.path.join(tmp, f"{kind}_{n}.pt")}
+                   "out": os.path.join(tmp, f"{kind}_{n}.pt"), "head": args.head, "entropy_grad": args.entropy_grad}
             res = _run(cfg)
             acc = results.setdefault((n, kind), {"peer": names[kind], "kind": kind, "n": n, "times": [],
                                                  "peaks": [], "wall_s": 0.0})
@@ -253,6 +302,21 @@ def main(argv=None):
             acc["held"], acc["threads"] = res["held"], res["threads"]
             progress.done(f"{res['times'][0]:.2f} s, peak rise {(res['peak'] or 0) / 2**20:.0f} MiB, beyond outputs+grads "
                           f"{((res['peak'] or 0) - res['held']) / 2**20:.0f} MiB")
+        for n in args.n if args.warm_reps else ():
+            kinds = [k for k in args.peers if k != "fused_base"]
+            progress.step(f"warm process: {', '.join(kinds)} alternating, {args.warm_reps} rounds, N={n}")
+            res = _run({"kind": "warm", "warm": True, "kinds": kinds, "n": n, "h": args.h, "vocab": args.vocab,
+                        "dtype": args.dtype, "reps": args.warm_reps, "chunk_bytes": args.chunk_mib << 20,
+                        "device": args.device, "head": args.head, "entropy_grad": args.entropy_grad})
+            if res.get("error"):
+                progress.done(f"failed: {res['error'][:200]}")
+                continue
+            for kind, ts in res["times"].items():
+                q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
+                results.setdefault((n, kind), {"peer": names[kind], "kind": kind, "n": n, "times": [], "peaks": [],
+                                               "wall_s": 0.0}).update(warm_times=ts, warm_median_s=q[1],
+                                                                      warm_quartiles=[q[0], q[2]])
+            progress.done("medians " + ", ".join(f"{k} {statistics.median(t):.2f} s" for k, t in res["times"].items()))
         rows = list(results.values())
         for row in rows:
             if row["times"]:
@@ -266,8 +330,10 @@ def main(argv=None):
             base = next((r for r in rows if r["kind"] == "unfused" and r["n"] == row["n"] and r.get("time_s")), None)
             if row.get("time_s") and base:
                 row["vs_unfused"] = row["time_s"] / base["time_s"]
+            if row.get("warm_median_s") and base and base.get("warm_median_s"):
+                row["warm_vs_unfused"] = row["warm_median_s"] / base["warm_median_s"]
             f, fb = os.path.join(tmp, f"{row['kind']}_{row['n']}.pt"), os.path.join(tmp, f"unfused_{row['n']}.pt")
-            if row.get("time_s") and base and os.path.exists(f) and row["kind"] != "fused_ignored":
+            if row.get("time_s") and base and os.path.exists(f) and row["kind"] not in ("fused_ignored", "matmul"):
                 a, b = torch.load(f), torch.load(fb)
                 row["max_dlogp"] = (a["logp"] - b["logp"]).abs().max().item()
                 if a["entropy"] is not None:
@@ -280,13 +346,15 @@ def main(argv=None):
             if row["kind"] == "fused_ignored" and row.get("time_s") and full:
                 row["vs_all_rows"] = row["time_s"] / full["time_s"]
     meta = run_metadata(h=args.h, vocab=args.vocab, dtype=args.dtype, reps=args.reps, chunk_mib=args.chunk_mib,
-                        device=args.device, loadavg_before=load_before, loadavg_after=_loadavg(),
+                        device=args.device, head=args.head, entropy_grad=args.entropy_grad,
+                        warm_reps=args.warm_reps, loadavg_before=load_before, loadavg_after=_loadavg(),
                         total_s=progress.elapsed(), command=" ".join([os.path.basename(sys.executable)] + sys.argv),
                         base_tree=args.base_tree)
     if args.base_tree:
         meta["base_commit"] = subprocess.run(["git", "-C", args.base_tree, "rev-parse", "--short", "HEAD"],
                                              capture_output=True, text=True).stdout.strip()
     stem = os.path.join(args.out, args.name)
+    os.makedirs(args.out, exist_ok=True)
     write_json(stem + ".json", {"meta": meta, "rows": rows}, indent=1)
     table = _table(rows, meta)
     with open(stem + ".md", "w") as f:
@@ -303,25 +371,36 @@ def _mib(x):
 
 
 def _table(rows, meta):
+    head = meta.get("head", "trainable")
+    grad = "logp and entropy" if meta.get("entropy_grad", True) else "logp (the entropy a metric)"
     title = (f"fwd+bwd of log-probs (+ entropy) from hidden [N, {meta['h']}] and weight [{meta['vocab']}, "
-             f"{meta['h']}], {meta['dtype']}, {meta['device']} ({meta['cpu']}, {meta['threads']} threads), "
-             f"chunk {meta['chunk_mib']} MiB, min of {meta['reps']}; torch {meta['torch']}")
+             f"{meta['h']}], a {head} head (gradients to hidden{'' if head == 'frozen' else ' and weight'} from "
+             f"{grad}), {meta['dtype']}, {meta['device']} ({meta['cpu']}, {meta['threads']} threads), "
+             f"chunk {meta['chunk_mib']} MiB, fresh processes: min of {meta['reps']}"
+             f"{'; one warm process: median [q1, q3] of ' + str(meta['warm_reps']) if meta.get('warm_reps') else ''}"
+             f"; torch {meta['torch']}")
     cells = []
     for r in rows:
         if r.get("error"):
-            cells.append([r["peer"], r["n"], "", r["error"][:60], "", "", "", "", ""])
+            cells.append([r["peer"], r["n"], "", r["error"][:60], "", "", "", "", "", ""])
             continue
         ratio = f"{r['vs_unfused']:.2f}x" if r.get("vs_unfused") else ""
         if r.get("vs_all_rows"):
             ratio += f" ({r['vs_all_rows']:.2f}x of all rows)"
         if r.get("vs_base_tree"):
             ratio += f" ({r['vs_base_tree']:.2f}x of the base tree)"
-        cells.append([r["peer"], r["n"], "no" if r["kind"] == "cce" else "yes", f"{r['time_s']:.2f}", ratio,
-                      _mib(r.get("peak")), _mib(r.get("beyond")), f"{r.get('max_dlogp', float('nan')):.2g}",
-                      f"{r.get('max_dentropy', float('nan')):.2g}"])
-    header = ["peer", "N", "entropy", "time (s)", "vs unfused", "peak rise (MiB)", "beyond outputs + grads (MiB)",
-              "max abs dlogp vs unfused", "max abs dentropy"]
-    return title + "\n\n" + markdown_table(header, cells, align="lrcrrrrrr")
+        warm = ""
+        if r.get("warm_median_s"):
+            q1, q3 = r["warm_quartiles"]
+            warm = f"{r['warm_median_s']:.2f} [{q1:.2f}, {q3:.2f}]" + (
+                f", {r['warm_vs_unfused']:.2f}x" if r.get("warm_vs_unfused") else "")
+        cells.append([r["peer"], r["n"], "no" if r["kind"] in ("cce", "matmul") else "yes",
+                      f"{r['time_s']:.2f}" if r.get("time_s") else "",
+                      ratio, warm, _mib(r.get("peak")), _mib(r.get("beyond")),
+                      f"{r.get('max_dlogp', float('nan')):.2g}", f"{r.get('max_dentropy', float('nan')):.2g}"])
+    header = ["peer", "N", "entropy", "time (s)", "vs unfused", "warm process (s), vs unfused", "peak rise (MiB)",
+              "beyond outputs + grads (MiB)", "max abs dlogp vs unfused", "max abs dentropy"]
+    return title + "\n\n" + markdown_table(header, cells, align="lrcrrrrrrr")
 
 
 def _plot(rows, meta, path):

@@ -2,7 +2,12 @@
 ``1`` and ``fused_lm_head``: each worker's peak memory, the step time, the loss.
 
     PYTHONPATH=python python bench/bench_recipe.py [--vocab 151936] [--seq 4096] [--prompt 512] [--hidden 64]
-        [--layers 2] [--k 64] [--recipes grpo,gkd] [--modes unset,1,fused_lm_head]
+        [--layers 2] [--k 64] [--recipes grpo,gkd] [--modes unset,1,fused_lm_head] [--base-tree DIR]
+
+``--base-tree DIR`` (another twinkle-mem checkout, built in place) adds the mode ``base:fused_lm_head``: the variable
+``fused_lm_head`` with DIR/python first on the driver's and the workers' path, so that the step of another version of
+the fused head is measured beside this tree's (LoRA leaves the output layer frozen: this tree's fused head sums its
+gradient vectors in the forward, heads/frozen.py).
 
 The step as the recipes take it (cpu_harness/recipes.py: short_math_grpo.py's Megatron branch, gkd_off_policy.py):
 twinkle's ``MegatronModel`` with a LoRA adapter (``target_modules='all-linear'``, r = 8) in twinkle's Ray mode, 2 CPU
@@ -14,7 +19,7 @@ vocab, as the recipe's vLLM teacher gives them). A local Qwen3 (V = ``--vocab``,
 fp32. Each mode in a fresh driver process (the variable set before Ray starts), each recipe a model of its own, one
 warm-up step, then the measured step: the rise of each worker's resident-set high-water mark over the step, read in
 the worker (``/proc/self/clear_refs`` before, ``VmHWM`` after), and the step's wall time in the driver. The loss of
-both steps (the first from the same weights in every mode). Writes bench/results/recipe.{json,md,png};
+both steps (the first from the same weights in every mode). Writes bench/results/local/recipe.{json,md,png} (--out);
 ``--replot`` redraws the table and the PNG from the JSON. Progress on stderr.
 """
 import argparse
@@ -28,7 +33,8 @@ from bench_common import (HERE, bench_parser, Progress, markdown_table,
                           peak_and_time_figure, read_json, run_metadata, write_json)
 
 MODES = {"unset": "twinkle-kit 0.5.1 as shipped (unset)", "1": "`TWINKLE_MEM_INSTALL=1`",
-         "fused_lm_head": "`TWINKLE_MEM_INSTALL=fused_lm_head`"}
+         "fused_lm_head": "`TWINKLE_MEM_INSTALL=fused_lm_head`",
+         "base:fused_lm_head": "`TWINKLE_MEM_INSTALL=fused_lm_head`, --base-tree's twinkle-mem"}
 VAR = "TWINKLE_MEM_INSTALL"
 
 
@@ -134,8 +140,9 @@ def child(mode, ckpt, args):
 def main():
     parser = bench_parser(__doc__, vocab=151936, seq=4096, prompt=512, hidden=64, layers=2, k=64)
     parser.add_argument("--recipes", default="grpo,gkd")
-    parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "recipe"), help="results stem")
+    parser.add_argument("--modes", default="unset,1,fused_lm_head")
+    parser.add_argument("--base-tree", help="another checkout: adds the mode base:fused_lm_head")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "local", "recipe"), help="results stem")
     parser.add_argument("--replot", action="store_true", help="redraw the table and the PNG from the JSON only")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "CKPT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -148,19 +155,23 @@ def main():
         return
     from cpu_harness import mcore_bridge as mb
     from cpu_harness.twinkle_ray import run_driver
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-recipe-qwen3-") as ckpt:  # (removed whatever happens)
         mb.save_tiny_qwen3(ckpt, vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2)
-        modes = args.modes.split(",")
+        modes = args.modes.split(",") + (["base:fused_lm_head"] if args.base_tree else [])
         progress = Progress(len(modes), stream=sys.stderr)
         results = {}
         for mode in modes:
             progress.step(f"{MODES[mode]}: a fresh driver, Ray, 2 workers per recipe")
             env = {k: v for k, v in os.environ.items() if k != VAR}
             if mode != "unset":
-                env[VAR] = mode
+                env[VAR] = mode.split(":")[-1]
+            if mode.startswith("base:"):
+                env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.abspath(args.base_tree), "python"),
+                                                     *filter(None, [env.get("PYTHONPATH")])])
             cmd = [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--child", mode, ckpt] + [
                 f"--{name}={getattr(args, name)}" for name in ("vocab", "seq", "prompt", "hidden", "layers", "k", "recipes")]
-            log = args.out + f".{mode}.log"  # the driver's and its workers' messages (Ray forwards them)
+            log = args.out + f".{mode.replace(':', '_')}.log"  # the driver's and its workers' messages
             with open(log, "w") as err:
                 returncode, output = run_driver(cmd, env, 3600, stderr=err)
             if returncode != 0:
@@ -169,7 +180,7 @@ def main():
             results[mode] = json.loads(output.strip().splitlines()[-1])
             progress.done(", ".join(f"{r}: " + (res.get("error") or " / ".join(
                 f"{p / 2**20:,.0f}" for p in res["peak_bytes"]) + " MiB") for r, res in results[mode].items()))
-    meta = run_metadata(vocab=args.vocab, seq=args.seq, prompt=args.prompt, hidden=args.hidden, layers=args.layers,
+    meta = run_metadata(base_tree=args.base_tree, vocab=args.vocab, seq=args.seq, prompt=args.prompt, hidden=args.hidden, layers=args.layers,
                         k=args.k, world=2, tp=2, dtype="float32", threads=1, threads_per_worker=1, lora_r=8,
                         one_micro_batch_logits_shard_mib=args.seq * (args.vocab // 2) * 4 / 2**20)
     write_json(args.out + ".json", dict(meta=meta, results=results), indent=1)

@@ -21,19 +21,23 @@ import torch
 IGNORE = -100
 
 
-def _chunks(vocab, h, dtype):
-    from twinkle_mem.heads.engine import block_width, tile_bytes
-    smallest = sum(tile_bytes(block_width(vocab, h), h, dtype, True))
+def _chunks(vocab, h, dtype, vectors):
+    """The smallest chunk_bytes that holds one row tile of the widest blocks (a smaller one narrows the blocks:
+    other bits), one in between, 1 GiB."""
+    from twinkle_mem.heads.engine import block_width, tile_budget
+    smallest = tile_budget(block_width(vocab, h), h, dtype, vectors)
     return [smallest, 3 * smallest + 12345, 1 << 30]
 
 
-def _call(hidden, weight, bias, labels, g_logp, g_ent, *, entropy, temperature, chunk_bytes, want_params=False):
-    """One forward + backward; returns (logp, entropy or None, grad_hidden[, grad_weight, grad_bias])."""
+def _call(hidden, weight, bias, labels, g_logp, g_ent, *, entropy, temperature, chunk_bytes, frozen,
+          want_params=False):
+    """One forward + backward; returns (logp, entropy or None, grad_hidden[, grad_weight, grad_bias]). ``frozen``:
+    weight and bias need no gradient (the head differentiated in its forward), unless ``want_params``."""
     import twinkle_mem
     h = hidden.detach().clone().requires_grad_()
     params = [h]
-    w = weight.detach().clone().requires_grad_(want_params)
-    b = None if bias is None else bias.detach().clone().requires_grad_(want_params)
+    w = weight.detach().clone().requires_grad_(want_params or not frozen)
+    b = None if bias is None else bias.detach().clone().requires_grad_(want_params or not frozen)
     if want_params:
         params += [w] + ([b] if b is not None else [])
     out = twinkle_mem.linear_selective_log_softmax(h, w, labels, entropy, bias=b, temperature=temperature,
@@ -62,8 +66,9 @@ def _layouts(n_list, probes, seed):
 
 
 def check(device="cpu", dtype=torch.bfloat16, h=1024, vocab=151936, n_list=(1, 7, 333, 4096), chunk_list=None,
-          entropy=True, temperature=1.0, k=None, bias=False, seed=0, log=print):
-    """Returns a list of mismatch descriptions (empty: bitwise invariant)."""
+          entropy=True, temperature=1.0, k=None, bias=False, seed=0, log=print, frozen=True):
+    """Returns a list of mismatch descriptions (empty: bitwise invariant). ``frozen``: the rows' checks with a
+    frozen head (LoRA's; its forward sums the gradient vectors), else a trainable one."""
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     probes = 5
@@ -76,8 +81,8 @@ def check(device="cpu", dtype=torch.bfloat16, h=1024, vocab=151936, n_list=(1, 7
         p_labels[0, -1] = IGNORE  # an ignored label inside a kept row
     p_g_logp = torch.randn(lab_shape, generator=gen).to(dev)
     p_g_ent = torch.randn(probes, generator=gen).to(dev)
-    chunk_list = chunk_list or _chunks(vocab, h, dtype)
-    kw = dict(entropy=entropy, temperature=temperature)
+    given, chunk_list = chunk_list, chunk_list or _chunks(vocab, h, dtype, (1 + entropy) if frozen else 0)
+    kw = dict(entropy=entropy, temperature=temperature, frozen=frozen)
 
     alone = [_call(p_hidden[i:i + 1], weight, b, p_labels[i:i + 1], p_g_logp[i:i + 1], p_g_ent[i:i + 1],
                    chunk_bytes=chunk_list[0], **kw) for i in range(probes)]
@@ -113,6 +118,7 @@ def check(device="cpu", dtype=torch.bfloat16, h=1024, vocab=151936, n_list=(1, 7
     labels = torch.randint(0, vocab, (n,) if k is None else (n, k), generator=gen).to(dev)
     labels[torch.rand(n, generator=gen).to(dev) < 0.25] = IGNORE
     g_logp, g_ent = torch.randn(labels.shape, generator=gen).to(dev), torch.randn(n, generator=gen).to(dev)
+    chunk_list = given or _chunks(vocab, h, dtype, 0)  # a trainable head's
     runs = [_call(hidden, weight, b, labels, g_logp, g_ent, chunk_bytes=c, want_params=True, **kw)[3:]
             for c in chunk_list]
     for c, r in zip(chunk_list[1:], runs[1:]):
@@ -137,6 +143,7 @@ def main(argv=None):
     p.add_argument("--k", type=int, default=None, help="labels per row ([..., k]); default: one")
     p.add_argument("--no-entropy", action="store_true")
     p.add_argument("--bias", action="store_true")
+    p.add_argument("--trainable", action="store_true", help="the rows' checks with a trainable head (default: frozen)")
     args = p.parse_args(argv)
     if args.device.startswith("npu"):
         import torch_npu  # noqa: F401  (registers the npu device)
@@ -146,9 +153,10 @@ def main(argv=None):
     print(f"torch {torch.__version__}, device {dev}"
           f"{' (' + torch.cuda.get_device_name(dev) + ')' if dev.type == 'cuda' else ''}, backends "
           f"{twinkle_mem.backends()}; {args.dtype}, H={args.h}, V={args.vocab}, T={args.temperature}, "
-          f"k={args.k}, entropy={not args.no_entropy}, bias={args.bias}", flush=True)
+          f"k={args.k}, entropy={not args.no_entropy}, bias={args.bias}, "
+          f"{'trainable' if args.trainable else 'frozen'} head", flush=True)
     bad = check(args.device, dtype, args.h, args.vocab, args.n, args.chunk_bytes, not args.no_entropy,
-                args.temperature, args.k, args.bias, log=lambda s: print(s, flush=True))
+                args.temperature, args.k, args.bias, log=lambda s: print(s, flush=True), frozen=not args.trainable)
     for line in bad[:20]:
         print("MISMATCH:", line)
     print(f"{len(bad)} mismatch(es)")

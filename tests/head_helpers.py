@@ -68,13 +68,14 @@ def vocab_shard(t, rank, world):
     return t[rank * s:(rank + 1) * s]
 
 
-def tp_head_leaves(hidden, weight, bias, rank, world, through_megatron):
+def tp_head_leaves(hidden, weight, bias, rank, world, through_megatron, frozen=False):
     """Leaves for one rank's vocab-parallel head: (hidden, weight shard, bias shard or None, the op's input).
     ``through_megatron``: the op's input goes through Megatron's copy_to_tensor_model_parallel_region
-    (identity; its backward all-reduces grad_hidden over the TP group), as a ColumnParallelLinear's does."""
+    (identity; its backward all-reduces grad_hidden over the TP group), as a ColumnParallelLinear's does.
+    ``frozen``: the shards need no gradient (LoRA's head)."""
     hp = hidden.clone().requires_grad_()
-    w = vocab_shard(weight, rank, world).clone().requires_grad_()
-    bb = vocab_shard(bias, rank, world).clone().requires_grad_() if bias is not None else None
+    w = vocab_shard(weight, rank, world).clone().requires_grad_(not frozen)
+    bb = vocab_shard(bias, rank, world).clone().requires_grad_(not frozen) if bias is not None else None
     x = hp
     if through_megatron:
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region

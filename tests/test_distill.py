@@ -110,11 +110,13 @@ def twinkle_reference(hidden, weight, bias, ids, lp, labels, beta, temperature):
     return avg.detach(), per_token, grads, d_entries
 
 
-def run_op(hidden, weight, bias, ids, lp, labels, beta, temperature):
-    h, w, b = (t.detach().clone().requires_grad_() for t in (hidden, weight, bias))
+def run_op(hidden, weight, bias, ids, lp, labels, beta, temperature, frozen=False):
+    """frozen: weight and bias need no gradient (the head differentiated in its forward), grad_hidden alone."""
+    h = hidden.detach().clone().requires_grad_()
+    w, b = (t.detach().clone().requires_grad_(not frozen) for t in (weight, bias))
     per_token = twinkle_mem.linear_gkd_topk(h, w, ids, lp, labels, bias=b, beta=beta, temperature=temperature)
     avg = twinkle_mem.gkd_average(per_token, labels)
-    grads = torch.autograd.grad(avg, (h, w, b))
+    grads = torch.autograd.grad(avg, (h,) if frozen else (h, w, b))
     return avg.detach(), per_token.detach(), grads
 
 
@@ -154,10 +156,10 @@ def assert_grads_close(got, ref, bounds, dtype):
         assert ratio <= 1.0, f"grad_{name}: error {ratio:.3g} x the bound (max abs error {(g - r).abs().max():.3g})"
 
 
-def check_case(kind, k, dtype, beta, temperature, seed=0, n=24, h=32, v=300):
+def check_case(kind, k, dtype, beta, temperature, seed=0, n=24, h=32, v=300, frozen=False):
     args = make_case(kind, n, h, v, k, dtype, beta, seed)
     avg_ref, per_ref, grads_ref, d_entries = twinkle_reference(*args, beta, temperature)
-    avg, per, grads = run_op(*args, beta, temperature)
+    avg, per, grads = run_op(*args, beta, temperature, frozen)
     assert_loss_close(per, per_ref, dtype, "per-token loss")
     assert_loss_close(avg.view(1), avg_ref.view(1), dtype, "average")
     assert_grads_close(grads, grads_ref, gradient_bounds(args[0], args[1], args[3], args[5], d_entries, dtype,
@@ -173,6 +175,14 @@ def test_against_twinkle_float64(kind, k, dtype):
     for beta in BETAS:
         for temperature in (0.7, 1.0):
             check_case(kind, k, dtype, beta, temperature, seed=KINDS.index(kind) * 10 + k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_frozen_head_against_twinkle_float64(kind, dtype):
+    # LoRA's frozen head: dL/dhidden summed in the forward from the row tile's gathered weight rows
+    for beta in BETAS:
+        check_case(kind, 8, dtype, beta, 0.7, seed=KINDS.index(kind) * 10 + 5, frozen=True)
 
 
 def test_close_teacher_is_a_small_divergence():
@@ -243,11 +253,14 @@ def test_ignored_rows_and_no_labels():
     assert zero.item() == 0 and not g.any()
 
 
-def test_ignored_rows_cost_no_gather(monkeypatch):
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_ignored_rows_cost_no_gather(monkeypatch, frozen):
     # The rows whose label is ignore_index never reach a gather or a matmul: one row kept of 64, tiles of 4
-    # rows: one tile in the forward and one in the backward.
+    # rows: one tile in the forward and one in the backward; a frozen head gathers the tile once, in the forward
+    # (x and the vector from the same weight rows), and its backward gathers nothing.
     monkeypatch.setattr(gkd_topk, "MAX_TILE_ROWS", 4)
     hidden, weight, bias, ids, lp, labels = make_case("teacher_topk", 64, 16, 100, 8, torch.float32, 0.5, 8)
+    weight.requires_grad_(not frozen)
     labels.fill_(-100)
     labels[1, 3] = 5
     h = hidden.clone().requires_grad_()
@@ -258,7 +271,7 @@ def test_ignored_rows_cost_no_gather(monkeypatch):
     assert len(bmm) == 2 and all(s[0][0] == 4 for s in bmm), bmm
     gathered = [e.input_shapes[2][0] for e in prof.events() if e.name == "aten::index_select" and
                 e.input_shapes[0] == [100, 16]]
-    assert gathered == [4 * 8, 4 * 8], gathered  # one tile's k ids, twice
+    assert gathered == [4 * 8] * (1 if frozen else 2), gathered  # one tile's k ids, twice (frozen: once)
 
 
 def test_bad_arguments():
@@ -291,6 +304,7 @@ def test_float64_gradcheck():
         fn = lambda h, w, b: twinkle_mem.linear_gkd_topk(h, w, ids, lp, labels, bias=b, beta=beta,  # noqa: E731
                                                           temperature=0.7)
         assert torch.autograd.gradcheck(fn, (h, w, b))
+        assert torch.autograd.gradcheck(lambda h: fn(h, weight, bias), (h,))  # a frozen head
 
 
 def test_torch_compile_fullgraph():
@@ -313,9 +327,10 @@ def test_opcheck():
     hidden, weight, bias, ids, lp, labels = make_case("teacher_neg_inf", 10, 8, 200, 4, torch.float32, 0.5, 16)
     h2, i2, l2, y2 = hidden.reshape(10, 8), ids.reshape(10, 4), lp.reshape(10, 4), labels.reshape(10)
     h, w, b = (t.clone().requires_grad_() for t in (h2, weight, bias))
-    torch.library.opcheck(gkd_topk.gkd_fwd, (h, w, b, i2, l2, y2, 0.5, 0.7, 0.9, -100, 0, 200, ""))
-    torch.library.opcheck(gkd_topk.gkd_fwd, (h, w, None, i2, l2, None, 0.0, 1.0, 1.0, -100, 0, 200, ""))
-    _loss, coef = gkd_topk.gkd_fwd(h2, weight, bias, i2, l2, y2, 0.5, 0.7, 0.7, -100, 0, 200, "")
+    torch.library.opcheck(gkd_topk.gkd_fwd, (h, w, b, i2, l2, y2, 0.5, 0.7, 0.9, -100, 0, 200, "", False))
+    torch.library.opcheck(gkd_topk.gkd_fwd, (h, w, None, i2, l2, None, 0.0, 1.0, 1.0, -100, 0, 200, "", False))
+    torch.library.opcheck(gkd_topk.gkd_fwd, (h, weight, None, i2, l2, y2, 0.5, 0.7, 0.9, -100, 0, 200, "", True))
+    _loss, coef, _ = gkd_topk.gkd_fwd(h2, weight, bias, i2, l2, y2, 0.5, 0.7, 0.7, -100, 0, 200, "", False)
     torch.library.opcheck(gkd_topk.gkd_bwd, (torch.randn(10), coef, h2, weight, bias, i2, y2, -100, 0, True, True,
                                             True))
     torch.library.opcheck(gkd_topk.gkd_bwd, (torch.randn(10), coef, h2, weight, None, i2, y2, -100, 0, True, False,
@@ -323,8 +338,9 @@ def test_opcheck():
 
 
 # ------------------------------------------------------------------ batch invariance
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_rows_bitwise_the_same_whatever_the_batch(dtype, monkeypatch):
+def test_rows_bitwise_the_same_whatever_the_batch(dtype, frozen, monkeypatch):
     # Random (not dyadic) heads: the matmul's rounding shows. Row tiles of 8 rows, so the batches below put
     # a row in different tiles and positions; the results of a row are those of the row alone.
     monkeypatch.setattr(gkd_topk, "MAX_TILE_ROWS", 8)
@@ -341,7 +357,8 @@ def test_rows_bitwise_the_same_whatever_the_batch(dtype, monkeypatch):
 
     def run(rows):
         hd = hidden[rows].clone().requires_grad_()
-        per = twinkle_mem.linear_gkd_topk(hd, weight, ids[rows], lp[rows], labels[rows], bias=bias, beta=0.5,
+        w, b = (t.clone().requires_grad_(not frozen) for t in (weight, bias))
+        per = twinkle_mem.linear_gkd_topk(hd, w, ids[rows], lp[rows], labels[rows], bias=b, beta=0.5,
                                           temperature=0.7)
         (gh,) = torch.autograd.grad((per * g_out[rows]).sum(), hd)
         return per.detach(), gh

@@ -85,11 +85,14 @@ def twinkle_reference(hidden, weight, bias, teacher, labels, beta, temperature, 
     return avg.detach(), per_token, (h.grad, w.grad, b.grad), logits.grad
 
 
-def check_case(kind, dtype, beta, temperature, seed, n=24, h=32, v=300, call_temperature=1.0, teacher_view=False):
+def check_case(kind, dtype, beta, temperature, seed, n=24, h=32, v=300, call_temperature=1.0, teacher_view=False,
+               frozen=False):
+    """frozen: weight and bias need no gradient (the head differentiated in its forward), grad_hidden alone."""
     hidden, weight, bias, teacher, labels = make_case(kind, n, h, v, dtype, beta, seed)
     avg_ref, per_ref, grads_ref, d_logits = twinkle_reference(hidden, weight, bias, teacher, labels, beta,
                                                               temperature, call_temperature)
-    hd, w, b = (x.detach().clone().requires_grad_() for x in (hidden, weight, bias))
+    hd = hidden.detach().clone().requires_grad_()
+    w, b = (x.detach().clone().requires_grad_(not frozen) for x in (weight, bias))
     if teacher_view:  # twinkle's teacher_logits[:, :L] of a longer teacher: not contiguous
         longer = torch.full((2, n // 2 + 3, v), float("nan"))
         longer[:, : n // 2] = teacher
@@ -98,7 +101,7 @@ def check_case(kind, dtype, beta, temperature, seed, n=24, h=32, v=300, call_tem
                                       temperature=temperature * call_temperature, teacher_temperature=temperature)
     temperature = temperature * call_temperature  # the student's (the gradient's floor below)
     avg = twinkle_mem.gkd_average(per, labels)
-    grads = torch.autograd.grad(avg, (hd, w, b))
+    grads = torch.autograd.grad(avg, (hd,) if frozen else (hd, w, b))
     tol = LOSS_TOL[dtype]
     for what, got, ref in (("per-token loss", per, per_ref), ("average", avg.view(1), avg_ref.view(1))):
         got = got.detach().double()
@@ -125,6 +128,14 @@ def test_against_twinkle_float64(kind, dtype, small_blocks):
             check_case(kind, dtype, beta, temperature, seed=KINDS.index(kind))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_frozen_head_against_twinkle_float64(kind, dtype, small_blocks):
+    # LoRA's frozen head: dL/dhidden summed in the forward's second sweep (A - c B, heads/gkd_full.py)
+    for beta in BETAS:
+        check_case(kind, dtype, beta, 0.7, seed=KINDS.index(kind) + 40, frozen=True)
+
+
 @pytest.mark.parametrize("kind", ["random", "peaked", "close"])
 def test_teacher_temperature_and_a_teacher_view(kind, small_blocks):
     # twinkle's forward step divides the student's logits by the call's temperature Tc, its GKDLoss both sides
@@ -138,8 +149,9 @@ def test_default_blocks():
     check_case("random", torch.float32, 0.5, 0.7, seed=9, n=24, v=5000)  # 3 blocks of 2048, one row tile
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_rows_bitwise_the_same_whatever_the_batch(dtype, small_blocks):
+def test_rows_bitwise_the_same_whatever_the_batch(dtype, frozen, small_blocks):
     gen = torch.Generator().manual_seed(11)
     n, h, v = 37, 24, 300
     hidden = torch.randn(n, h, generator=gen).to(dtype)
@@ -151,7 +163,8 @@ def test_rows_bitwise_the_same_whatever_the_batch(dtype, small_blocks):
 
     def run(rows):
         x = hidden[rows].clone().requires_grad_()
-        per = twinkle_mem.linear_gkd_full(x, weight, teacher[rows], labels[rows], temperature=0.7)
+        per = twinkle_mem.linear_gkd_full(x, weight.clone().requires_grad_(not frozen), teacher[rows], labels[rows],
+                                          temperature=0.7)
         (g,) = torch.autograd.grad((per * g_out[rows]).sum(), x)
         return per.detach(), g
     full = run(torch.arange(n))
@@ -215,8 +228,11 @@ def test_opcheck_and_gradcheck(small_blocks):
     hidden, weight, bias, teacher, labels = make_case("random", 10, 8, 100, torch.float64, 0.5, 6)
     h2, t2, y2 = hidden.reshape(10, 8), teacher.reshape(10, 100).double(), labels.reshape(10)
     h, w, b = (x.clone().requires_grad_() for x in (h2, weight, bias))
-    torch.library.opcheck(gkd_full.gkd_full_fwd, (h, w, b, t2, y2, 0.3, 0.7, 0.9, -100))
-    torch.library.opcheck(gkd_full.gkd_full_fwd, (h, w, None, t2, None, 1.0, 1.0, 1.0, -100))
+    torch.library.opcheck(gkd_full.gkd_full_fwd, (h, w, b, t2, y2, 0.3, 0.7, 0.9, -100, False))
+    torch.library.opcheck(gkd_full.gkd_full_fwd, (h, w, None, t2, None, 1.0, 1.0, 1.0, -100, False))
+    torch.library.opcheck(gkd_full.gkd_full_fwd, (h, weight, None, t2, y2, 0.3, 0.7, 0.9, -100, True))  # frozen
     for beta in BETAS:
         assert torch.autograd.gradcheck(
             lambda h, w, b: twinkle_mem.linear_gkd_full(h, w, t2, y2, bias=b, beta=beta, temperature=0.7), (h, w, b))
+        assert torch.autograd.gradcheck(  # a frozen head: differentiated in the forward
+            lambda h: twinkle_mem.linear_gkd_full(h, weight, t2, y2, bias=bias, beta=beta, temperature=0.7), (h,))

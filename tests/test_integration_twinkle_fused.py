@@ -130,6 +130,35 @@ def test_same_training_as_unfused(path, dtype, tied, temperature, entropy, fused
     assert got["grads"] == {} and want["grads"] == {}
 
 
+def _freeze_output_layer(path):
+    """The edit that freezes the output layer's weight, as LoRA leaves it (megatron: output_layer; transformers:
+    lm_head)."""
+    def edit(model):
+        layer = getattr(model, "module", model).output_layer if path == "megatron" else model.model.lm_head
+        layer.weight.requires_grad_(False)
+    return edit
+
+
+@pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path", list(RUNS))
+def test_frozen_output_layer_differentiated_in_the_forward(path, dtype, entropy, fused_calls, monkeypatch):
+    # LoRA's case: the output layer needs no gradient, so the fused head sums grad_hidden's vectors in its forward
+    # (heads/frozen.py) and its backward recomputes no logits; the same training as unfused.
+    from twinkle_mem.heads import logprobs
+    summed, backward_sweeps, frozen_grads = [], [], logprobs.FrozenGrads
+    monkeypatch.setattr(logprobs, "FrozenGrads", type("Counted", (frozen_grads,), {
+        "__init__": lambda self, *a, **k: summed.append(1) or frozen_grads.__init__(self, *a, **k)}))
+    sweep = logprobs.backward_sweep
+    monkeypatch.setattr(logprobs, "backward_sweep", lambda *a, **k: backward_sweeps.append(1) or sweep(*a, **k))
+    case = dict(temperature=0.7, entropy=entropy, dtype=dtype, edit=_freeze_output_layer(path))
+    want = run(path, False, **case)
+    got = run(path, True, **case)
+    assert len(fused_calls) == len(summed) == (2 if path == "megatron" else 1) and not backward_sweeps
+    assert not any("output_layer" in name or "lm_head" in name for name in want["grads"])
+    assert_same_training(want, got, dtype, entropy)
+
+
 def test_transformers_autocast_same_training(fused_calls):
     """twinkle's mixed_precision="bf16": fp32 weights, the forward under CPU autocast (lm_head in bf16)."""
     case = dict(temperature=0.7, entropy=True, mixed_precision="bf16")

@@ -2,13 +2,14 @@
 
 - A row's logp, entropy and grad_hidden row are bitwise the same alone (N = 1) and inside batches
   of N = 7, 333 and 4096, at positions around the row tiles, among other rows of any content, with
-  other rows dropped as all-ignore_index, at every chunk_bytes from the smallest accepted to 1 GiB;
-  bf16, fp16 and fp32, with and without entropy, T = 1 and 0.7, [N] and [N, k] labels, with and
-  without bias. The logic is bench/check_linear_invariance.py's (the GPU check runs the same at
+  other rows dropped as all-ignore_index, at every chunk_bytes from the smallest that holds one row tile of
+  the widest blocks to 1 GiB; bf16, fp16 and fp32, with and without entropy, T = 1 and 0.7, [N] and [N, k]
+  labels, with and without bias, a frozen head (differentiated in its forward) and a trainable one. The logic is bench/check_linear_invariance.py's (the GPU check runs the same at
   V = 151936); here H = 32, V = 33577 (the default tiles: two vocab blocks of 32768 columns at this H, the
   second ragged).
 - The same through the composite backend (torch.ops.twinkle_mem routed to composite.py).
-- grad_weight and grad_bias (and the rows' values) bitwise the same whatever chunk_bytes is.
+- grad_weight and grad_bias (and the rows' values) bitwise the same whatever chunk_bytes is (from that smallest;
+  below it, down to one tile of an unwidened block, the blocks narrow: the same values but for rounding).
 - Every matmul of the head has the same shapes whatever N and chunk_bytes are (the tiles and blocks come from
   V and H alone).
 - The fold of the blocks' statistics by row tiles (row_stats.combine_shard_stats_in_tiles) gives
@@ -25,7 +26,7 @@ import torch
 import twinkle_mem
 from twinkle_mem.op import composite
 from twinkle_mem.heads import matmul
-from twinkle_mem.heads.engine import ROW_TILE, VOCAB_BLOCK, block_width, tile_bytes
+from twinkle_mem.heads.engine import ROW_TILE, VOCAB_BLOCK, block_width, tile_budget
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "check_linear_invariance.py")
@@ -38,8 +39,11 @@ V = block_width(1 << 20, H) + 809  # two blocks, the second ragged
 N_LIST = (1, 7, 333, 4096)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 CONFIGS = {
-    "entropy, T=1, [N] labels": dict(entropy=True, temperature=1.0, k=None, bias=False),
-    "no entropy, T=0.7, [N, 3] labels, bias": dict(entropy=False, temperature=0.7, k=3, bias=True),
+    "frozen head, entropy, T=1, [N] labels": dict(entropy=True, temperature=1.0, k=None, bias=False, frozen=True),
+    "frozen head, no entropy, T=0.7, [N, 3] labels, bias": dict(entropy=False, temperature=0.7, k=3, bias=True,
+                                                                  frozen=True),
+    "trainable head, entropy, T=0.7, [N, 3] labels, bias": dict(entropy=True, temperature=0.7, k=3, bias=True,
+                                                                  frozen=False),
 }
 
 
@@ -74,7 +78,7 @@ def test_matmul_shapes_whatever_n_and_chunk_bytes(monkeypatch, h):
     monkeypatch.setattr(matmul, "product_into", spy)
     gen = torch.Generator().manual_seed(3)
     weight = (torch.randn(v, h, generator=gen) * 0.05).requires_grad_()
-    smallest = sum(tile_bytes(block_width(v, h), h, torch.float32, True))
+    smallest = tile_budget(block_width(v, h), h, torch.float32)
     shapes = []
     for n, chunk in ((1, smallest), (1500, smallest), (1500, 1 << 30)):
         hidden = torch.randn(n, h, generator=gen).requires_grad_()
@@ -89,10 +93,13 @@ def test_matmul_shapes_whatever_n_and_chunk_bytes(monkeypatch, h):
     assert shapes[1] == shapes[0] and shapes[2] == shapes[0], shapes
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_chunk_budget_invariance(dtype):
-    # One batch (a third of the rows dropped, k = 2 labels, bias, T = 0.7) at chunk_bytes from the smallest
-    # accepted to 1 GiB: every output and every gradient bitwise the same.
+def test_chunk_budget_invariance(dtype, frozen):
+    # One batch (a third of the rows dropped, k = 2 labels, bias, T = 0.7) at chunk_bytes from the smallest that
+    # holds one row tile of the widest blocks to 1 GiB: every output and every gradient bitwise the same. Below
+    # it, down to one tile of an unwidened block, the blocks narrow (the same values to rounding); below that,
+    # ValueError.
     n = 1000
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(n, H, generator=gen).to(dtype)
@@ -101,21 +108,30 @@ def test_chunk_budget_invariance(dtype):
     labels = torch.randint(0, V, (n, 2), generator=gen)
     labels[torch.rand(n, generator=gen) < 1 / 3] = -100
     g_logp, g_ent = torch.randn(n, 2, generator=gen), torch.randn(n, generator=gen)
-    smallest = sum(tile_bytes(block_width(V, H), H, dtype, True))
-    results = []
-    for chunk in (smallest, smallest + 1, 2 * smallest + 777, 5 * smallest, 1 << 30):
-        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    vectors = 2 if frozen else 0
+    smallest = tile_budget(block_width(V, H), H, dtype, vectors)
+    narrowest = tile_budget(VOCAB_BLOCK, H, dtype, vectors)
+    assert block_width(V, H) == 4 * VOCAB_BLOCK and narrowest < smallest  # (this H widens the blocks)
+
+    def run(chunk):
+        h, w, b = (t.clone().requires_grad_(t is hidden or not frozen) for t in (hidden, weight, bias))
         logp, ent = twinkle_mem.linear_selective_log_softmax(h, w, labels, True, bias=b, temperature=0.7,
                                                              ignore_index=-100, chunk_bytes=chunk)
-        grads = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (h, w, b))
-        results.append((chunk, (logp, ent, *grads)))
-    (c0, ref), rest = results[0], results[1:]
-    for chunk, got in rest:
-        for what, a, r in zip(("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias"), got, ref):
-            assert torch.equal(a, r), (f"{what} at chunk_bytes={chunk} differs from chunk_bytes={c0} by "
+        params = (h,) if frozen else (h, w, b)
+        return logp, ent, *torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), params)
+
+    names = ("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias")
+    ref = run(smallest)
+    for chunk in (smallest + 1, 2 * smallest + 777, 5 * smallest, 1 << 30):
+        for what, a, r in zip(names, run(chunk), ref):
+            assert torch.equal(a, r), (f"{what} at chunk_bytes={chunk} differs from chunk_bytes={smallest} by "
                                        f"{(a.double() - r.double()).abs().max().item():.3g}")
-    with pytest.raises(ValueError, match="chunk_bytes"):
-        twinkle_mem.linear_selective_log_softmax(hidden, weight, labels, True, chunk_bytes=smallest - 1)
+    for chunk in (narrowest, smallest - 1):  # narrower blocks: accepted, the same values but for rounding
+        for what, a, r in zip(names, run(chunk), ref):
+            tol = 2e-5 if dtype == torch.float32 else 2**-6
+            assert torch.allclose(a.double(), r.double(), rtol=tol, atol=tol * r.double().abs().max()), what
+    with pytest.raises(ValueError, match="below one row tile of a vocab block"):
+        run(narrowest - 1)
 
 
 def test_fold_in_tiles_is_the_per_tile_combine():

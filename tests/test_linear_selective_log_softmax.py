@@ -25,7 +25,8 @@ from head_helpers import make_head, op_bound, reference, through_matmul
 from helpers import assert_stats_close, blocks
 from numerics import Impl, check_case, make_cases, ulp
 from twinkle_mem.heads import engine, logprobs
-from twinkle_mem.heads.engine import block_width, tile_bytes, tiles_in_flight
+from twinkle_mem.heads.engine import block_width, fit_width, tile_budget, tile_bytes, tiles_in_flight
+from twinkle_mem.heads.frozen import frozen_grad
 from twinkle_mem.heads.logprobs import linear_bwd, linear_fwd
 from twinkle_mem.op import composite
 
@@ -47,18 +48,30 @@ def _as_linear(x):
     return hidden, weight, (bias if dead.any() else None)
 
 
-class _Fused:
-    """The op contract's forward/backward (tests/numerics.Impl) computed by the fused path."""
+def _as_frozen_linear(x):
+    """hidden, weight, bias with hidden @ weight.T + bias == x exactly and weight = I (a frozen head: grad_hidden is
+    the logits' gradient); whole -inf columns go to the bias, as in _as_linear."""
+    dead = torch.isneginf(x).all(dim=0)
+    assert not (torch.isinf(x) & ~dead).any(), "only whole -inf columns can be expressed"
+    hidden = torch.where(dead.unsqueeze(0), torch.zeros((), dtype=x.dtype), x)
+    bias = torch.where(dead, torch.full((), float("-inf"), dtype=x.dtype), torch.zeros((), dtype=x.dtype))
+    return hidden, torch.eye(x.shape[1], dtype=x.dtype), (bias if dead.any() else None)
 
-    def __init__(self, cols, rows=None):
+
+class _Fused:
+    """The op contract's forward/backward (tests/numerics.Impl) computed by the fused path: a trainable head
+    (the logits' gradient is grad_weight.T) or a frozen one (differentiated in its forward: grad_hidden)."""
+
+    def __init__(self, cols, rows=None, frozen=False):
         self.cols, self.rows = cols, rows  # vocab blocks of `cols` (the last one ragged), row tiles of `rows`
+        self.frozen = frozen
 
     def forward(self, x, labels, inv_t, ignore, vocab_start, vocab_size, with_entropy):
         assert vocab_start == 0 and vocab_size == x.shape[-1]
-        hidden, weight, bias = _as_linear(x)
-        self.weight = weight.requires_grad_()
+        hidden, weight, bias = (_as_frozen_linear if self.frozen else _as_linear)(x)
+        self.leaf = (hidden if self.frozen else weight).requires_grad_()
         with blocks(self.cols, self.rows):
-            out = lsls(hidden, self.weight, labels, True, bias=bias, temperature=1.0 / inv_t,
+            out = lsls(hidden, weight, labels, True, bias=bias, temperature=1.0 / inv_t,
                        ignore_index=None if ignore == NO_IGNORE else ignore)
         self.out = out
         logp, entropy = out
@@ -68,8 +81,8 @@ class _Fused:
         logp, ent = self.out
         total = (logp * g_logp).sum() + ((ent * g_entropy).sum() if g_entropy is not None else 0)
         with blocks(self.cols, self.rows):
-            (grad_weight,) = torch.autograd.grad(total, self.weight)
-        return grad_weight.t()
+            (grad,) = torch.autograd.grad(total, self.leaf)
+        return grad if self.frozen else grad.t()
 
 
 def smallest_chunk(vocab, hidden_size, dtype):
@@ -77,9 +90,10 @@ def smallest_chunk(vocab, hidden_size, dtype):
     return sum(tile_bytes(block_width(vocab, hidden_size), hidden_size, dtype, True))
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_op_numerics_through_the_fused_path(dtype):
-    fused = _Fused(cols=64, rows=16)  # V = 257: blocks 64, 64, 64, 64, 1
+def test_op_numerics_through_the_fused_path(dtype, frozen):
+    fused = _Fused(cols=64, rows=16, frozen=frozen)  # V = 257: blocks 64, 64, 64, 64, 1
     for case in make_cases(6, 257, dtype, seed=21):
         check_case(Impl("fused", fused.forward, fused.backward), case)
 
@@ -93,18 +107,21 @@ def test_op_numerics_long_rows():
 
 # ------------------------------------------------------------------ random LM heads against float64
 def check_against_float64(hidden, weight, bias, labels, *, temperature=1.0, ignore_index=None, entropy=True,
-                          chunk_bytes=None, seed=0, cols=None, rows=None):
-    """cols, rows: vocab blocks and row tiles of that size (blocks()); chunk_bytes as given."""
+                          chunk_bytes=None, seed=0, cols=None, rows=None, frozen=False):
+    """cols, rows: vocab blocks and row tiles of that size (blocks()); chunk_bytes as given. frozen: weight and
+    bias need no gradient (the head differentiated in its forward), grad_hidden checked alone."""
     with blocks(cols, rows):
         return _check_against_float64(hidden, weight, bias, labels, temperature=temperature,
-                                      ignore_index=ignore_index, entropy=entropy, chunk_bytes=chunk_bytes, seed=seed)
+                                      ignore_index=ignore_index, entropy=entropy, chunk_bytes=chunk_bytes, seed=seed,
+                                      frozen=frozen)
 
 
-def _check_against_float64(hidden, weight, bias, labels, *, temperature, ignore_index, entropy, chunk_bytes, seed):
+def _check_against_float64(hidden, weight, bias, labels, *, temperature, ignore_index, entropy, chunk_bytes, seed,
+                           frozen):
     dtype = hidden.dtype
     h = hidden.detach().clone().requires_grad_()
-    w = weight.detach().clone().requires_grad_()
-    b = None if bias is None else bias.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_(not frozen)
+    b = None if bias is None else bias.detach().clone().requires_grad_(not frozen)
     out = lsls(h, w, labels, entropy, bias=b, temperature=temperature, ignore_index=ignore_index,
                chunk_bytes=chunk_bytes)
     logp, ent = out if entropy else (out, None)
@@ -114,7 +131,7 @@ def _check_against_float64(hidden, weight, bias, labels, *, temperature, ignore_
     g_logp = torch.randn(labels.shape, generator=gen, dtype=torch.float64).to(want)
     g_ent = torch.randn(hidden.shape[:-1], generator=gen, dtype=torch.float64).to(want) if entropy else None
     total = (logp * g_logp).sum() + ((ent * g_ent).sum() if entropy else 0)
-    grads = torch.autograd.grad(total, [t for t in (h, w, b) if t is not None])
+    grads = torch.autograd.grad(total, [t for t in (h, w, b) if t is not None and t.requires_grad])
     ref = reference(hidden, weight, bias, labels, g_logp, g_ent, temperature, ignore_index)
 
     assert_stats_close(logp, ref["logp"].view(logp.shape), "logp")
@@ -130,6 +147,8 @@ def _check_against_float64(hidden, weight, bias, labels, *, temperature, ignore_
     if bias is not None:
         ones = torch.ones(d.shape[0], 1, dtype=torch.float64)
         want_grads["bias"] = (d.sum(0), through_matmul(e.t(), d.t(), ones)[:, 0])
+    if frozen:
+        want_grads = {"hidden": want_grads["hidden"]}
     for name, (ref_g, bound) in want_grads.items():
         g = got[name].reshape(ref_g.shape)
         assert g.dtype == dtype
@@ -153,9 +172,10 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_against_float64(dtype, name):
+def test_against_float64(dtype, name, frozen):
     cfg = dict(CONFIGS[name])
     n, h, v = 24, 32, cfg.pop("v", 1000)
     cols = cfg.pop("chunk_cols", None)
@@ -168,7 +188,7 @@ def test_against_float64(dtype, name):
     ignore = -100 if cfg.get("ignore_frac") else None
     # row tiles of 16: the 24 rows (fewer when ignored) in a full and a zero-padded tile
     check_against_float64(hidden, weight, bias, labels, temperature=temperature, ignore_index=ignore,
-                          entropy=entropy, cols=cols, rows=16)
+                          entropy=entropy, cols=cols, rows=16, frozen=frozen)
 
 
 def _unfused(hidden, weight, bias, labels, g_logp, g_ent, temperature):
@@ -346,13 +366,45 @@ def test_block_plan():
     assert tiles_in_flight(32768, 256, torch.float32, wide, False) == 1
     with pytest.raises(ValueError, match="chunk_bytes"):
         tiles_in_flight(4096, 64, torch.bfloat16, fixed + tile // 2 - 1, True)
+    # A budget narrows the blocks by whole VOCAB_BLOCKs to the widest whose tile fits, down to one unwidened block
+    widest = tile_budget(32768, 64, torch.bfloat16)
+    assert fit_width(151936, 64, torch.bfloat16, widest) == 32768
+    assert fit_width(151936, 64, torch.bfloat16, widest - 1) == 24576
+    assert fit_width(151936, 64, torch.bfloat16, tile_budget(8192, 64, torch.bfloat16)) == 8192
+    with pytest.raises(ValueError, match="below one row tile of a vocab block"):
+        fit_width(151936, 64, torch.bfloat16, tile_budget(8192, 64, torch.bfloat16) - 1)
+    assert fit_width(5000, 64, torch.bfloat16, tile_budget(5000, 64, torch.bfloat16)) == 5000  # (the shard: narrower)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_buffers_hold_the_rows_present(monkeypatch, frozen):
+    # The logits buffer of a call holds its rows' tiles (rounded up to one), not the budget's: a 22-row micro-batch
+    # at V = 1019 gets 512 x 1019 logits, not the 2048 x 1019 the default budget would hold; N = 600 two tiles.
+    sizes = []
+    logits_buffer = engine.logits_buffer
+    monkeypatch.setattr(engine, "logits_buffer", lambda tiles, plan: sizes.append(
+        (tiles.count, plan.group, plan.width)) or logits_buffer(tiles, plan))
+    for n in (22, 600):
+        hidden, weight, bias, labels = make_head(n, 32, 1019, torch.bfloat16, seed=n)
+        h, w = hidden.requires_grad_(), weight.requires_grad_(not frozen)
+        logp, ent = lsls(h, w, labels, True, chunk_bytes=2048 * 1019 * 2 + (8 << 20))
+        (logp.sum() + ent.sum()).backward()
+        assert {(count, min(group, count) * engine.ROW_TILE) for count, group, _ in sizes} == {
+            (-(-n // engine.ROW_TILE), -(-n // engine.ROW_TILE) * engine.ROW_TILE)}, sizes
+        assert all(group >= 4 for _count, group, _ in sizes)  # the budget would have held 4 tiles
+        sizes.clear()
+    # A budget that holds one tile of an unwidened block is accepted (here 96 MiB: the widest block's bf16 tile at
+    # H = 64 and V = 32003 needs 110 MiB; issue 41's example), the blocks narrowed to fit
+    hidden, weight, bias, labels = make_head(40, 64, 32003, torch.bfloat16, seed=3)
+    lsls(hidden.requires_grad_(), weight.requires_grad_(not frozen), labels, chunk_bytes=96 << 20).sum().backward()
+    assert all(width < 32003 for *_, width in sizes), sizes
 
 
 def test_default_chunk_bytes_holds_one_tile(monkeypatch):
     # A call without chunk_bytes runs where the 256 MiB default is below one row tile of a vocab block (bf16
     # at H = 4096 and 8192 columns needs 288 MiB): here, small blocks and a default made smaller than one.
     hidden, weight, bias, labels = make_head(40, 16, 300, torch.bfloat16, seed=5)
-    hidden.requires_grad_()
+    hidden.requires_grad_(), weight.requires_grad_()  # a trainable head: the backward's tile is the larger
     with blocks(64, 16):
         smallest = smallest_chunk(300, 16, torch.bfloat16)
         monkeypatch.setattr(logprobs, "DEFAULT_CHUNK_BYTES", smallest - 1)
@@ -365,11 +417,12 @@ def test_default_chunk_bytes_holds_one_tile(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip((*got, grad), (*want, want_grad)))
     monkeypatch.undo()
     for h in (256, 512, 2560, 4096, 5120, 8192):  # small heads (wide blocks); Qwen3 4B, 8B, 14B, 32B+, at V = 151936
-        cols = block_width(151936, h)
-        tiles_in_flight(cols, h, torch.bfloat16, logprobs.default_chunk_bytes(cols, h, torch.bfloat16), backward=True)
+        for vectors in (0, 1, 2):  # a trainable head; a frozen one summing one or two vectors
+            fit_width(151936, h, torch.bfloat16, logprobs.default_chunk_bytes(151936, h, torch.bfloat16, vectors),
+                      vectors)
     for h in (64, 256, 512, 1024):  # below H = 2048 the 256 MiB default holds one bf16 tile of the widest blocks
-        cols = block_width(151936, h)
-        assert logprobs.default_chunk_bytes(cols, h, torch.bfloat16) == logprobs.DEFAULT_CHUNK_BYTES, h
+        assert logprobs.default_chunk_bytes(151936, h, torch.bfloat16) == logprobs.DEFAULT_CHUNK_BYTES, h
+        assert fit_width(151936, h, torch.bfloat16, logprobs.DEFAULT_CHUNK_BYTES) == block_width(151936, h), h
 
 
 # ------------------------------------------------------------------ errors
@@ -452,13 +505,59 @@ def test_opcheck():
     with blocks(64, 16):
         chunk = smallest_chunk(200, 8, torch.float32)
         h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-        torch.library.opcheck(linear_fwd, (h, w, b, labels.view(9, 1), one, -100, True, chunk, 0, 200, ""))
-        torch.library.opcheck(linear_fwd, (h, w, None, labels.view(9, 1), two, -100, False, chunk, 0, 200, ""))
-        _logp, ent, shift, log_sum = linear_fwd(hidden, weight, bias, labels.view(9, 1), one, -100, True, chunk, 0,
-                                                200, "")
-        torch.library.opcheck(linear_bwd, (torch.randn(9, 1), torch.randn(9), hidden, weight, bias,
-                                           labels.view(9, 1), shift, log_sum, ent, one, -100, chunk, 0, True, True,
-                                           True))
+        y = labels.view(9, 1)
+        torch.library.opcheck(linear_fwd, (h, w, b, y, one, -100, True, chunk, 0, 200, "", False, True))
+        torch.library.opcheck(linear_fwd, (h, w, None, y, two, -100, False, chunk, 0, 200, "", False, True))
+        _logp, ent, shift, log_sum, _, _ = linear_fwd(hidden, weight, bias, y, one, -100, True, chunk, 0, 200, "",
+                                                      False, True)
+        torch.library.opcheck(linear_bwd, (torch.randn(9, 1), torch.randn(9), hidden, weight, bias, y, shift,
+                                           log_sum, ent, one, -100, chunk, 0, True, True, True))
+        # a frozen head: the forward's gradient vectors, the backward from them
+        frozen_chunk = tile_budget(64, 8, torch.float32, 2)
+        torch.library.opcheck(linear_fwd, (h, weight, None, y, two, -100, True, frozen_chunk, 0, 200, "", True, True))
+        # the entropy a metric: autograd's checks differentiate every output, which this raises for (next test)
+        torch.library.opcheck(linear_fwd, (h, weight, None, y, two, -100, True, frozen_chunk, 0, 200, "", True, False),
+                              test_utils=("test_schema", "test_faketensor"))
+        *_, vec_logp, vec_entropy = linear_fwd(hidden, weight, None, y, two, -100, True, frozen_chunk, 0, 200, "",
+                                               True, True)
+        assert vec_logp.shape == vec_entropy.shape == (9, 8)
+        torch.library.opcheck(frozen_grad, (torch.randn(9, 1), torch.randn(9), vec_logp, vec_entropy, hidden,
+                                            weight, y, two, -100, 0, 200))
+        torch.library.opcheck(frozen_grad, (torch.randn(9, 1), None, vec_logp, vec_entropy[:0], hidden, weight, y,
+                                            two, -100, 0, 200))
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_entropy_as_a_metric(frozen):
+    # entropy_grad=False: the entropy's value as before, the log-probs' gradient as with entropy_grad=True where
+    # the loss leaves the entropy out (or takes it times 0); a nonzero gradient reaching the entropy raises (never a
+    # silently wrong gradient), eagerly and compiled. A frozen head then saves one [N, H] vector, not two.
+    hidden, weight, bias, labels = make_head(40, 16, 300, torch.float32, seed=8)
+
+    def run(entropy_grad, use_entropy, compiled=False):
+        h = hidden.clone().requires_grad_()
+        w, b = (t.clone().requires_grad_(not frozen) for t in (weight, bias))
+        saved = []
+
+        def fn(h, w, b):
+            return lsls(h, w, labels, True, bias=b, temperature=0.7, entropy_grad=entropy_grad)
+        with blocks(64, 16), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            logp, ent = (torch.compile(fn, fullgraph=True, backend="aot_eager") if compiled else fn)(h, w, b)
+        loss = logp.sum() + ent.sum() * use_entropy
+        with blocks(64, 16):
+            grads = torch.autograd.grad(loss, [t for t in (h, w, b) if t.requires_grad])
+        return logp, ent, grads, [t for t in saved if t.shape == hidden.shape and t.dtype == torch.float32]
+
+    torch._dynamo.reset()
+    logp, ent, grads, saved = run(True, 0)
+    for compiled in (False, True):
+        m_logp, m_ent, m_grads, m_saved = run(False, 0, compiled)
+        assert torch.equal(m_logp, logp) and torch.equal(m_ent, ent)
+        assert all(torch.equal(a, b) for a, b in zip(m_grads, grads))
+        if frozen and not compiled:
+            assert len(saved) == 3 and len(m_saved) == 2  # hidden and S (and E where the entropy may get one)
+        with pytest.raises(RuntimeError, match="declared a metric"):
+            run(False, 1, compiled)
 
 
 def test_composite_backend():

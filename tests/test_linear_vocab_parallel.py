@@ -32,7 +32,7 @@ def run_and_check(rank, world, *, chunk_cols=None, **kw):
 
 
 def _run_and_check(rank, world, *, n=24, h=32, shard=250, dtype=torch.float32, bias=True, k=None,
-                   ignore_frac=0.0, temperature=1.0, seed=0, group=None, through_megatron=False):
+                   ignore_frac=0.0, temperature=1.0, seed=0, group=None, through_megatron=False, frozen=False):
     import twinkle_mem
     group = group if group is not None else dist.group.WORLD
     v = world * shard
@@ -43,10 +43,11 @@ def _run_and_check(rank, world, *, n=24, h=32, shard=250, dtype=torch.float32, b
     g_logp = torch.randn(labels.shape, generator=gen)
     g_ent = torch.randn(n, generator=gen)
 
-    hp, w, bb, x = tp_head_leaves(hidden, weight, b if bias else None, rank, world, through_megatron)
+    hp, w, bb, x = tp_head_leaves(hidden, weight, b if bias else None, rank, world, through_megatron, frozen)
     logp, ent = twinkle_mem.linear_selective_log_softmax(x, w, labels, True, bias=bb, temperature=temperature,
                                                          ignore_index=ignore, chunk_bytes=chunk, process_group=group)
-    grads = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), [t for t in (hp, w, bb) if t is not None])
+    grads = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(),
+                                [t for t in (hp, w, bb) if t is not None and t.requires_grad])
     grad_h = grads[0]
     summed = grad_h.clone()
     if not through_megatron:
@@ -77,10 +78,11 @@ def _run_and_check(rank, world, *, n=24, h=32, shard=250, dtype=torch.float32, b
     e = op_bound(d, dtype)
     d_shard, e_shard = vocab_shard(d.t(), rank, world), vocab_shard(e.t(), rank, world)
     checks = [("grad_hidden summed over ranks", summed, one[0], d @ weight.double(),
-               through_matmul(e, d, weight.double().abs())),
-              ("grad_weight shard", grads[1], vocab_shard(one[1], rank, world), d_shard @ hidden.double(),
-               through_matmul(e_shard, d_shard, hidden.double().abs()))]
-    if bias:
+               through_matmul(e, d, weight.double().abs()))]
+    if not frozen:  # (a frozen head: grad_hidden alone, its rank's share of the vectors summed in the forward)
+        checks.append(("grad_weight shard", grads[1], vocab_shard(one[1], rank, world), d_shard @ hidden.double(),
+                       through_matmul(e_shard, d_shard, hidden.double().abs())))
+    if bias and not frozen:
         ones = torch.ones(n, 1, dtype=torch.float64)
         checks.append(("grad_bias shard", grads[2], vocab_shard(one[2], rank, world), d_shard.sum(1),
                        through_matmul(e_shard, d_shard, ones)[:, 0]))
@@ -116,6 +118,29 @@ def bf16_no_bias_k2_labels(rank, world):
 @case()
 def fp16_one_column_blocks(rank, world):
     run_and_check(rank, world, dtype=torch.float16, shard=9, chunk_cols=1, temperature=2.0, seed=4)
+
+
+@case()
+def frozen_head_fp32_several_blocks_ignored_rows(rank, world):
+    # LoRA's frozen head: each rank sums its shard's share of grad_hidden's vectors in the forward
+    run_and_check(rank, world, ignore_frac=0.5, chunk_cols=64, temperature=0.7, seed=12, frozen=True)
+
+
+@case()
+def frozen_head_bf16_k3_labels_on_other_shards(rank, world):
+    run_and_check(rank, world, dtype=torch.bfloat16, bias=False, k=3, ignore_frac=0.3, chunk_cols=100,
+                  temperature=0.7, seed=13, frozen=True)
+
+
+@case()
+def frozen_head_through_megatron(rank, world):
+    from megatron.core import parallel_state as mpu
+    mpu.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        run_and_check(rank, world, group=mpu.get_tensor_model_parallel_group(), through_megatron=True, seed=14,
+                      chunk_cols=90, frozen=True)
+    finally:
+        mpu.destroy_model_parallel()
 
 
 @case()

@@ -32,7 +32,7 @@ from torch import Tensor
 from ..op.contract import acc_dtype, check_float_tensor  # acc_dtype: the op's rule is the heads' (fp32; fp64)
 from ..op.op_args import arg_names
 from ..op.rows import kept_rows
-from .matmul import add_matmul, logits_into, mixed_addmm
+from .matmul import Operands, add_matmul, logits_into, matmul_into, reduced
 
 # Every matmul and merge is cut from these constants and H alone, never from N or chunk_bytes: a row's results depend
 # only on its hidden state and the weight. (EPYC, H 1024, fp32: 512 x 8192 tiles ran as fast as whole matmuls.)
@@ -41,11 +41,6 @@ VOCAB_BLOCK = 8192  # vocab columns per block at H >= 1024 (the last one ragged)
 # Below H = 1024 that is too little work per matmul for the Xeon's BLAS (docs/cpu.md): blocks widen by whole
 # VOCAB_BLOCKs, up to MAX_WIDEN, keeping cols x H <= VOCAB_BLOCK x 1024 (no more bytes than at H = 1024).
 MAX_WIDEN = 4
-
-
-def reduced(dtype: torch.dtype) -> bool:
-    """bf16 / fp16: their products are summed in fp32."""
-    return dtype in (torch.bfloat16, torch.float16)
 
 
 def block_width(shard: int, hidden_size: int) -> int:
@@ -58,6 +53,13 @@ def vocab_blocks(shard: int, width: int):
     """[v0, v1) of each vocab block of ``width`` columns, in order (the last one ragged)."""
     for v0 in range(0, shard, width):
         yield v0, min(v0 + width, shard)
+
+
+def frozen_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether autograd will ask a head for grad_hidden alone (LoRA's frozen LM head): then its forward sums the
+    hidden-gradient vectors of its outputs and its backward recomputes no logits (heads/frozen.py)."""
+    return (torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad
+            and (bias is None or not bias.requires_grad))
 
 
 def check_head_args(hidden, weight, bias) -> None:
@@ -83,29 +85,58 @@ def check_head_args(hidden, weight, bias) -> None:
 
 
 # ------------------------------------------------------------------ the chunk budget
-def tile_bytes(cols: int, hidden_size: int, dtype: torch.dtype, backward: bool) -> tuple[int, int]:
+def tile_bytes(cols: int, hidden_size: int, dtype: torch.dtype, backward: bool, vectors: int = 0) -> tuple[int, int]:
     """(bytes per row tile of a block, fixed bytes per block) of the block working memory, logits in ``dtype``.
 
     Per tile: its logits [ROW_TILE, cols]. Fixed, in the backward for bf16/fp16 (fp32 accumulation): the fp32
     copies of the weight block, of one gradient tile and of one hidden tile, and the fp32 accumulators of the
-    block's grad_weight and grad_bias."""
+    block's grad_weight and grad_bias. A frozen head's forward summing ``vectors`` (heads/frozen.FrozenGrads;
+    ``backward`` then ignored), a row tile at a time: the logits' gradients (bf16/fp16: fp32 copies, one per
+    vector, and the fp32 weight block; else a copy for the second vector)."""
     per_tile = ROW_TILE * cols * dtype.itemsize
+    if vectors:
+        if reduced(dtype):
+            return per_tile, 4 * cols * (ROW_TILE * vectors + hidden_size)
+        return per_tile, ROW_TILE * cols * dtype.itemsize * (vectors - 1)
     fixed = 4 * (2 * cols * hidden_size + cols + ROW_TILE * (cols + hidden_size)) if backward and reduced(dtype) else 0
     return per_tile, fixed
 
 
-def tiles_in_flight(cols: int, hidden_size: int, dtype: torch.dtype, chunk_bytes: int, backward: bool) -> int:
+def tiles_in_flight(cols: int, hidden_size: int, dtype: torch.dtype, chunk_bytes: int, backward: bool,
+                    vectors: int = 0) -> int:
     """How many row tiles of a block one buffer holds within chunk_bytes (>= 1, else ValueError); a block widened
     past VOCAB_BLOCK that many fewer (>= 1): its buffer no larger than VOCAB_BLOCK-wide blocks' at the same rows.
 
-    This is all that chunk_bytes decides: how many fixed tiles go through one step, never a matmul's shape
-    nor an order of summation."""
-    per_tile, fixed = tile_bytes(cols, hidden_size, dtype, backward)
+    With fit_width, this is all that chunk_bytes decides: how many fixed tiles go through one step, never a
+    matmul's shape nor an order of summation (but where a budget narrows the blocks: fit_width)."""
+    per_tile, fixed = tile_bytes(cols, hidden_size, dtype, backward, vectors)
     tiles = (chunk_bytes - fixed) // per_tile
     if tiles < 1:
         raise ValueError(f"chunk_bytes = {chunk_bytes} is below one row tile of a vocab block ({ROW_TILE} rows x "
                          f"{cols} columns, H = {hidden_size}, {dtype}: {per_tile + fixed} bytes)")
     return max(1, tiles // max(1, cols // VOCAB_BLOCK))
+
+
+def tile_budget(cols: int, hidden_size: int, dtype: torch.dtype, vectors: int = 0) -> int:
+    """The smallest chunk_bytes that holds one row tile of a block of ``cols`` columns in the call's larger pass (the
+    backward; a frozen head's forward summing ``vectors``)."""
+    return sum(tile_bytes(cols, hidden_size, dtype, True, vectors))
+
+
+def fit_width(shard: int, hidden_size: int, dtype: torch.dtype, chunk_bytes: int, vectors: int = 0) -> int:
+    """The vocab blocks' columns for a call of this budget: block_width(shard, H), narrowed by whole VOCAB_BLOCKs
+    where one row tile of the wider block would not fit chunk_bytes (in the backward, or the frozen forward's
+    ``vectors``); ValueError only below one tile of an unwidened block (VOCAB_BLOCK columns, or the shard).
+
+    Every budget that holds the widest block's tile gets the same blocks, so the same bits; a smaller one gets
+    narrower blocks: the same math, another order of summation (docs/linear.md, Batch invariance)."""
+    widest = block_width(shard, hidden_size)
+    for width in range(widest, VOCAB_BLOCK, -VOCAB_BLOCK):  # widened: multiples of VOCAB_BLOCK, or the shard
+        if tile_budget(width, hidden_size, dtype, vectors) <= chunk_bytes:
+            return width
+    narrowest = min(VOCAB_BLOCK, shard)
+    tiles_in_flight(narrowest, hidden_size, dtype, chunk_bytes, True, vectors)  # raises where it does not fit
+    return narrowest
 
 
 # ------------------------------------------------------------------ kept rows, row tiles
@@ -181,19 +212,6 @@ class Rows:
 
 
 # ------------------------------------------------------------------ operands, needed gradients
-class Operands:
-    """The operands of a sweep's fp32 (fp64) sums: the inputs as they are where the device sums bf16/fp16
-    products in fp32 (matmul.mixed_addmm) and the other operand has their dtype, else fp32 copies, made one
-    weight block and one row tile at a time."""
-
-    def __init__(self, dtype: torch.dtype, device: torch.device, logits_dtype: torch.dtype):
-        self.acc = acc_dtype(dtype)
-        self.copies = reduced(dtype) and (logits_dtype != dtype or not mixed_addmm(device))
-
-    def __call__(self, t: Tensor) -> Tensor:
-        return t.to(self.acc) if self.copies else t
-
-
 class Needs(NamedTuple):
     """Which gradients a backward builds; the others are not allocated."""
     hidden: bool
@@ -223,6 +241,12 @@ class Plan(NamedTuple):
     width: int
     group: int
     logits_dtype: torch.dtype
+
+
+def logits_buffer(tiles: RowTiles, plan: Plan) -> Tensor:
+    """The reused buffer of a sweep's logits: plan.group row tiles of plan.width columns, never more tiles than
+    the rows present fill (a 22-row call holds one tile, not the budget's)."""
+    return tiles.rows.new_empty(min(plan.group, tiles.count) * tiles.tile * plan.width, dtype=plan.logits_dtype)
 
 
 def _groups(tiles: RowTiles, plan: Plan, buf: Tensor, cols: int):
@@ -265,12 +289,35 @@ def forward_sweep(tiles: RowTiles, weight: Tensor, bias: Optional[Tensor], plan:
     reused buffer (consumed before the next step)."""
     operands = Operands(tiles.rows.dtype, tiles.rows.device, plan.logits_dtype)
     straight = plan.logits_dtype == tiles.rows.dtype
-    buf = tiles.rows.new_empty(plan.group * tiles.tile * plan.width, dtype=plan.logits_dtype)
+    buf = logits_buffer(tiles, plan)
     for v0, v1 in vocab_blocks(weight.shape[0], plan.width):
         w, b = _block_operands(weight, bias, v0, v1, operands, straight)
         for tile_ids, rows, x in _groups(tiles, plan, buf, v1 - v0):
             _group_logits(tiles, tile_ids, x, w, b, None if straight else operands)
             step(v0, v1, rows, x)
+
+
+class BlockProducts:
+    """out [rows, H] = d @ weight[v0:v1] for a block's d [rows, v1 - v0] (written over a forward_sweep step's
+    logits), one product per row tile in the accumulation dtype, as backward_sweep's grad_hidden: a frozen
+    head's forward (heads/frozen.py) turns a block into per-row vectors while its logits are at hand. The weight
+    block's operand (an fp32 copy for bf16/fp16 where the device cannot sum their products in fp32) is made once
+    per block."""
+
+    def __init__(self, weight: Tensor, logits_dtype: torch.dtype, tile: int):
+        self.weight, self.tile = weight, tile
+        self.operands = Operands(weight.dtype, weight.device, logits_dtype)
+        self.block = (None, None)  # (v0, its operand)
+
+    def __call__(self, out: Tensor, v0: int, v1: int, d: Tensor, accumulate: bool = False) -> Tensor:
+        """out = (or += with ``accumulate``) d @ weight[v0:v1]."""
+        if self.block[0] != v0:
+            self.block = (None, None)  # the last block's copy freed first
+            self.block = (v0, self.operands(self.weight[v0:v1]))
+        for r0 in range(0, d.shape[0], self.tile):
+            (add_matmul if accumulate else matmul_into)(out[r0:r0 + self.tile], self.operands(d[r0:r0 + self.tile]),
+                                                         self.block[1])
+        return out
 
 
 def backward_sweep(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Plan, needs: Needs,
@@ -300,7 +347,7 @@ def backward_sweep(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional[Te
     tiles = rows.tiles
     gh_tiles = RowTiles(gh, tiles.tile) if needs.hidden else None
     straight = plan.logits_dtype == dtype
-    buf = hidden.new_empty(plan.group * tiles.tile * plan.width, dtype=plan.logits_dtype)
+    buf = logits_buffer(tiles, plan)
     gw_acc = weight.new_empty((plan.width, h_size), dtype=acc) if needs.weight and sum_apart else None
     gb_acc = weight.new_empty((plan.width,), dtype=acc) if needs.bias and sum_apart else None
     for v0, v1 in vocab_blocks(weight.shape[0], plan.width):
@@ -332,69 +379,4 @@ def backward_sweep(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional[Te
         gh_tiles.write_back()
     if grad_hidden is None:
         grad_hidden = rows.spread(gh.to(dtype)) if needs.hidden else hidden.new_empty(0)
-    return grad_hidden, grad_weight, grad_bias
-
-
-# ------------------------------------------------------------------ the other block shape: each row's own k weight rows
-def _gathered(weight: Tensor, ids: Tensor, tile: int, acc: torch.dtype) -> Tensor:
-    """weight[ids] of a row tile padded to ``tile`` rows (id 0 on the padding): [tile, k, H] in acc."""
-    ids = pad_rows(ids, tile)
-    return weight.index_select(0, ids.reshape(-1)).view(tile, ids.shape[1], -1).to(acc)
-
-
-def gathered_logits(tiles: RowTiles, weight: Tensor, bias: Optional[Tensor], ids: Tensor) -> Tensor:
-    """x [m, k] = row . weight[ids[row, j]] + bias[ids[row, j]] for the tiles' m rows, in the accumulation dtype:
-    per row tile, its k weight rows gathered ([tile, k, H] in fp32: the block of this shape) and one batched
-    matmul."""
-    acc = acc_dtype(tiles.rows.dtype)
-    x = tiles.rows.new_empty(ids.shape, dtype=acc)
-    for j in range(tiles.count):
-        r0, r1 = j * tiles.tile, min((j + 1) * tiles.tile, ids.shape[0])
-        xt = torch.bmm(_gathered(weight, ids[r0:r1], tiles.tile, acc), tiles[j].to(acc).unsqueeze(2)).squeeze(2)
-        x[r0:r1] = xt[: r1 - r0] if bias is None else xt[: r1 - r0] + bias[ids[r0:r1]].to(acc)
-    return x
-
-
-def gathered_backward(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, own: Tensor,
-                      g: Tensor, needs: Needs, budget: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_hidden [N, H], grad_weight, grad_bias) from g [m, k], the gradient of the loss w.r.t. the kept rows'
-    gathered_logits (0 where ``own`` is False: ids another shard holds); an empty [0] for one not needed.
-    grad_hidden per row tile (a batched matmul with the tile's gathered weight rows, summed in fp32, rounded
-    once); grad_weight[v] += g[n, j] hidden[n] (grad_bias: g[n, j]) over the entries with id v, vocab block
-    by vocab block (one fp32 accumulator of a block for bf16/fp16, rounded once), ``budget`` bytes of
-    gathered rows at a time."""
-    n, h_size = hidden.shape
-    acc = acc_dtype(hidden.dtype)
-    grad_hidden = hidden.new_zeros((n, h_size)) if needs.hidden else hidden.new_empty(0)
-    grad_weight = torch.zeros_like(weight) if needs.weight else hidden.new_empty(0)
-    grad_bias = torch.zeros_like(bias) if needs.bias else hidden.new_empty(0)
-    if rows.m == 0:
-        return grad_hidden, grad_weight, grad_bias
-    tiles = rows.tiles
-    for j in range(tiles.count) if needs.hidden else ():
-        r0, r1 = j * tiles.tile, min((j + 1) * tiles.tile, rows.m)
-        w = _gathered(weight, ids[r0:r1], tiles.tile, acc)
-        part = torch.bmm(pad_rows(g[r0:r1], tiles.tile).unsqueeze(1), w).squeeze(1)[: r1 - r0]
-        rows.put(grad_hidden, r0, part.to(hidden.dtype))
-    targets = (grad_weight if needs.weight else None, grad_bias if needs.bias else None)
-    if targets == (None, None):
-        return grad_hidden, grad_weight, grad_bias
-    k = ids.shape[1]
-    chunk = max(1, budget // (4 * h_size))  # entries per index_add
-    for v0, v1 in vocab_blocks(weight.shape[0], block_width(weight.shape[0], h_size)):
-        entries = (own & (ids >= v0) & (ids < v1)).flatten().nonzero().squeeze(1)
-        if entries.numel() == 0:
-            continue
-        blocks = [None if t is None else (t[v0:v1] if t.dtype == acc else t[v0:v1].to(acc)) for t in targets]
-        for e0 in range(0, entries.numel(), chunk):  # entries in row-major order
-            e = entries[e0:e0 + chunk]
-            at = ids.flatten()[e] - v0
-            ge = g.flatten()[e]
-            if blocks[0] is not None:
-                blocks[0].index_add_(0, at, tiles.rows.index_select(0, e // k).to(acc) * ge.unsqueeze(1))
-            if blocks[1] is not None:
-                blocks[1].index_add_(0, at, ge)
-        for t, b in zip(targets, blocks):
-            if t is not None and t.dtype != acc:
-                t[v0:v1] = b
     return grad_hidden, grad_weight, grad_bias

@@ -32,7 +32,9 @@ from ..distill.arguments import GkdOptions, check_teacher_logits, checked_gkd, f
 from ..distill.divergence import gkd_grad, gkd_terms, log_add_exp
 from ..op.contract import stats_dtype
 from ..op.op_args import call, named_inputs, pick, register_autograd
-from .engine import Needs, Plan, Rows, acc_dtype, backward_sweep, check_head_args, fake_grads, forward_sweep
+from .engine import (BlockProducts, Needs, Plan, Rows, acc_dtype, backward_sweep, check_head_args, fake_grads,
+                     forward_sweep, frozen_head)
+from .frozen import row_scaled
 
 FULL_BLOCK = 2048  # vocab columns per block of the float64 math
 # The rows' statistics, saved for backward: [N, STATS] float64.
@@ -77,17 +79,19 @@ def _normalized(x: Tensor, t: Tensor, stats: Tensor, gkd: GkdOptions) -> tuple[T
 
 @torch.library.custom_op("twinkle_mem::linear_gkd_full_fwd", mutates_args=())
 def gkd_full_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher: Tensor, labels: Optional[Tensor],
-                 beta: float, temperature: float, teacher_temperature: float,
-                 ignore_index: int) -> tuple[Tensor, Tensor]:
+                 beta: float, temperature: float, teacher_temperature: float, ignore_index: int,
+                 frozen: bool) -> tuple[Tensor, Tensor, Tensor]:
     """hidden [N, H], weight [V, H], bias [V] or None, teacher [N, V] (or [..., V] of N rows), labels [N] or
-    None. Returns (loss [N] fp32 (fp64 for fp64 hidden), the rows' stats [N, STATS] float64); ignored rows 0."""
+    None. Returns (loss [N] fp32 (fp64 for fp64 hidden), the rows' stats [N, STATS] float64, and for a ``frozen``
+    head dL/dhidden [N, H] in fp32 (fp64), else an empty [0]); ignored rows 0."""
     gkd = GkdOptions(beta, temperature, teacher_temperature, ignore_index)
     n, v = hidden.shape[0], teacher.shape[-1]
     loss = hidden.new_zeros((n,), dtype=stats_dtype(hidden))
     stats = hidden.new_zeros((n, STATS), dtype=torch.float64)
+    vectors = hidden.new_zeros((n, hidden.shape[1]) if frozen else (0,), dtype=stats_dtype(hidden))
     rows = Rows(hidden, labels, ignore_index)
     if rows.m == 0:
-        return loss, stats
+        return loss, stats, vectors
     ids = rows.ids()
     st = hidden.new_zeros((rows.tiles.padded, STATS), dtype=torch.float64)
     plan = _plan(hidden, v)
@@ -111,13 +115,24 @@ def gkd_full_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher
     forward_sweep(rows.tiles, weight, bias, plan, terms)
     rows.put(stats, 0, st[:rows.m])
     rows.put(loss, 0, st[:rows.m, LOSS].to(loss.dtype))
-    return loss, stats
+    if frozen:  # pass 3: dL/dx of each block, now that L and K are known, summed into dL/dhidden (no backward sweep)
+        acc = hidden.new_zeros((rows.tiles.padded, hidden.shape[1]), dtype=stats_dtype(hidden))
+        products = BlockProducts(weight, plan.logits_dtype, rows.tiles.tile)
+
+        def grad(v0, v1, rs, x):
+            products(acc[rs], v0, v1, _block_grad(x, teacher, ids, st, None, gkd, v0, v1, rs), accumulate=True)
+
+        forward_sweep(rows.tiles, weight, bias, plan, grad)
+        rows.put(vectors, 0, acc[:rows.m])
+    return loss, stats, vectors
 
 
 @gkd_full_fwd.register_fake
-def _gkd_full_fwd_fake(hidden, weight, bias, teacher, labels, beta, temperature, teacher_temperature, ignore_index):
+def _gkd_full_fwd_fake(hidden, weight, bias, teacher, labels, beta, temperature, teacher_temperature, ignore_index,
+                       frozen):
     n = hidden.shape[0]
-    return hidden.new_empty((n,), dtype=stats_dtype(hidden)), hidden.new_empty((n, STATS), dtype=torch.float64)
+    return (hidden.new_empty((n,), dtype=stats_dtype(hidden)), hidden.new_empty((n, STATS), dtype=torch.float64),
+            hidden.new_empty((n, hidden.shape[1]) if frozen else (0,), dtype=stats_dtype(hidden)))
 
 
 @torch.library.custom_op("twinkle_mem::linear_gkd_full_bwd", mutates_args=())
@@ -136,12 +151,18 @@ def gkd_full_bwd(grad_loss: Tensor, stats: Tensor, hidden: Tensor, weight: Tenso
     st = stats.index_select(0, ids)
     g = grad_loss.index_select(0, ids).double().unsqueeze(1)
 
-    def block_grad(v0, v1, rs, x):  # D = g dL/dx, from ls, lt recomputed; float64, then fp32 (fp64)
-        ls, lt = _normalized(x, _teacher_block(teacher, ids[rs], v0, v1), st[rs], gkd)
-        d = gkd_grad(ls, lt, st[rs, LOSS:LOSS + 1], st[rs, K:K + 1], gkd.beta, gkd.temperature).mul_(g[rs])
-        return d.to(x.dtype)
+    def block_grad(v0, v1, rs, x):
+        return _block_grad(x, teacher, ids, st, g, gkd, v0, v1, rs)
 
     return backward_sweep(rows, hidden, weight, bias, plan, needs, block_grad)
+
+
+def _block_grad(x: Tensor, teacher: Tensor, ids: Tensor, st: Tensor, g: Optional[Tensor], gkd: GkdOptions, v0: int,
+                v1: int, rs: slice) -> Tensor:
+    """D = g dL/dx of a block (g None: 1), from ls, lt recomputed and the rows' L and K; float64, then x's dtype."""
+    ls, lt = _normalized(x, _teacher_block(teacher, ids[rs], v0, v1), st[rs], gkd)
+    d = gkd_grad(ls, lt, st[rs, LOSS:LOSS + 1], st[rs, K:K + 1], gkd.beta, gkd.temperature)
+    return (d if g is None else d.mul_(g[rs])).to(x.dtype)
 
 
 @gkd_full_bwd.register_fake
@@ -152,12 +173,18 @@ def _gkd_full_bwd_fake(grad_loss, stats, hidden, weight, bias, teacher, labels, 
 
 def _setup_context(ctx, inputs, output):
     args = named_inputs(gkd_full_fwd, inputs)
-    ctx.gkd = pick(GkdOptions, gkd_full_fwd, inputs)
-    ctx.save_for_backward(args["hidden"], args["weight"], args["bias"], args["teacher"], args["labels"], output[1])
-    ctx.mark_non_differentiable(output[1])
+    ctx.gkd, ctx.frozen = pick(GkdOptions, gkd_full_fwd, inputs), args["frozen"]
+    if ctx.frozen:  # the vectors, not the teacher: the backward recomputes nothing
+        ctx.save_for_backward(args["hidden"], output[2])
+    else:
+        ctx.save_for_backward(args["hidden"], args["weight"], args["bias"], args["teacher"], args["labels"], output[1])
+    ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _backward(ctx, grad_loss, _grad_stats):
+def _backward(ctx, grad_loss, _grad_stats, _grad_vectors):
+    if ctx.frozen:
+        hidden, vectors = ctx.saved_tensors
+        return {"hidden": row_scaled(grad_loss, vectors, hidden) if ctx.needs_input_grad[0] else None}
     hidden, weight, bias, teacher, labels, stats = ctx.saved_tensors
     needs = Needs.of(ctx, gkd_full_fwd, bias)
     return needs.grads(*call(gkd_full_bwd, grad_loss, stats, hidden, weight, bias, teacher, labels, ctx.gkd,
@@ -182,6 +209,6 @@ def linear_gkd_full(hidden, weight, teacher_logits, labels=None, *, bias=None, b
     check_teacher_logits(teacher_logits, (*hidden.shape[:-1], weight.shape[0]), hidden, "hidden")
     gkd = checked_gkd(labels, hidden, "hidden", GkdOptions(beta, temperature, teacher_temperature, ignore_index))
     n = teacher_logits.numel() // weight.shape[0]
-    loss, _stats = call(gkd_full_fwd, hidden.reshape(n, hidden.shape[-1]), weight, bias, flat_teacher(teacher_logits),
-                        None if labels is None else labels.reshape(n), gkd)
+    loss, *_ = call(gkd_full_fwd, hidden.reshape(n, hidden.shape[-1]), weight, bias, flat_teacher(teacher_logits),
+                    None if labels is None else labels.reshape(n), gkd, {"frozen": frozen_head(hidden, weight, bias)})
     return loss.view(hidden.shape[:-1])

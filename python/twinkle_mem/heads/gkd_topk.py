@@ -40,11 +40,14 @@ import torch
 from torch import Tensor
 
 from ..distill.arguments import GkdOptions, check_topk_teacher, checked_gkd
-from ..distill.topk_teacher import topk_rows, topk_upstream
+from ..distill.divergence import gkd_rows
+from ..distill.topk_teacher import check_teacher_ids, topk_rows, topk_upstream
 from ..op.contract import stats_dtype
 from ..op.op_args import call, named_inputs, pick, register_autograd
 from ..op.vocab_parallel import VocabShard
-from .engine import Needs, Rows, check_head_args, fake_grads, gathered_backward, gathered_logits
+from .engine import Needs, Rows, check_head_args, fake_grads, frozen_head, pad_rows
+from .frozen import row_scaled
+from .gathered import gathered_backward, gathered_logits, gathered_tiles
 
 # The gathered weight rows of one row tile, in fp32: R k H 4 bytes at most this (and R <= MAX_TILE_ROWS).
 # With the tile's copy in the input dtype and the hidden tile, a pass holds about twice this at once.
@@ -58,25 +61,64 @@ def tile_rows(k: int, hidden_size: int) -> int:
 
 
 # ------------------------------------------------------------------ forward op
+def frozen_in_forward(frozen: bool, group_name: str) -> bool:
+    """Whether the forward sums dL/dhidden (a frozen head, one process): then each row tile's k weight rows are
+    gathered once, for x and for the vector. Under tensor parallelism the loss needs every rank's x first, so the
+    gather would be made twice and the vectors (N H) would outweigh dL/dx (N k): the backward gathers, as for a
+    trainable head."""
+    return frozen and not group_name
+
+
+def _frozen_rows(rows: Rows, weight: Tensor, bias: Optional[Tensor], teacher_ids: Tensor, teacher_logprobs: Tensor,
+                 gkd: GkdOptions, acc: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(loss [N], dL/dhidden [N, H]) in acc, 0 on the rows not kept: per row tile, its k weight rows gathered once,
+    x, the tile's loss and dL/dx (divergence.gkd_rows, float64), and sum_j dL/dx_j weight[ids_j] from the same
+    rows (fp32 sums, rounded once)."""
+    n, h = rows.n, weight.shape[1]
+    loss, vectors = weight.new_zeros((n,), dtype=acc), weight.new_zeros((n, h), dtype=acc)
+    ids = rows.select(teacher_ids).long()
+    if ids.numel() == 0:
+        return loss, vectors
+    check_teacher_ids(ids, weight.shape[0])
+    teacher = rows.select(teacher_logprobs)
+    for r0, r1, w, x in gathered_tiles(rows.tiles, weight, bias, ids):
+        tile_loss, coef = gkd_rows(x, teacher[r0:r1], gkd.beta, gkd.temperature, gkd.teacher_temp())
+        rows.put(loss, r0, tile_loss.to(acc))
+        tile_coef = pad_rows(coef.to(acc), w.shape[0]).unsqueeze(1)  # the whole tile: one shape whatever N is
+        rows.put(vectors, r0, torch.bmm(tile_coef, w).squeeze(1)[: r1 - r0])
+    return loss, vectors
+
+
 @torch.library.custom_op("twinkle_mem::linear_gkd_topk_fwd", mutates_args=())
 def gkd_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher_ids: Tensor, teacher_logprobs: Tensor,
             labels: Optional[Tensor], beta: float, temperature: float, teacher_temperature: float, ignore_index: int,
-            vocab_start: int, vocab_size: int, group_name: str) -> tuple[Tensor, Tensor]:
+            vocab_start: int, vocab_size: int, group_name: str, frozen: bool) -> tuple[Tensor, Tensor, Tensor]:
     """hidden [N, H], weight [Vs, H] (the vocab [vocab_start, vocab_start + Vs) of vocab_size), bias [Vs]
     or None, teacher_ids [N, k] global ids, teacher_logprobs [N, k], labels [N] or None. Returns
-    (loss [N] fp32 (fp64 for fp64 hidden), dL/dx [N, k] float64), 0 on rows whose label is ignore_index."""
+    (loss [N] fp32 (fp64 for fp64 hidden), dL/dx [N, k] float64, an empty [0]), or for a frozen head in one
+    process (frozen_in_forward) (loss, an empty [0], dL/dhidden [N, H] fp32 (fp64)); 0 on rows whose label is
+    ignore_index."""
     gkd = GkdOptions(beta, temperature, teacher_temperature, ignore_index)
     rows = Rows(hidden, labels, ignore_index, tile_rows(teacher_ids.shape[1], hidden.shape[1]))
-    return topk_rows(lambda local: gathered_logits(rows.tiles, weight, bias, local), teacher_ids, teacher_logprobs,
-                     rows.index, gkd, VocabShard(vocab_start, vocab_size, group_name), weight.shape[0],
-                     stats_dtype(hidden))
+    acc = stats_dtype(hidden)
+    empty = hidden.new_empty(0, dtype=acc)
+    if frozen_in_forward(frozen, group_name):
+        loss, vectors = _frozen_rows(rows, weight, bias, teacher_ids, teacher_logprobs, gkd, acc)
+        return loss, empty.double(), vectors
+    loss, coef = topk_rows(lambda local: gathered_logits(rows.tiles, weight, bias, local), teacher_ids,
+                           teacher_logprobs, rows.index, gkd, VocabShard(vocab_start, vocab_size, group_name),
+                           weight.shape[0], acc)
+    return loss, coef, empty
 
 
 @gkd_fwd.register_fake
 def _gkd_fwd_fake(hidden, weight, bias, teacher_ids, teacher_logprobs, labels, beta, temperature, teacher_temperature,
-                  ignore_index, vocab_start, vocab_size, group_name):
+                  ignore_index, vocab_start, vocab_size, group_name, frozen):
     n, k = teacher_ids.shape
-    return hidden.new_empty((n,), dtype=stats_dtype(hidden)), hidden.new_empty((n, k), dtype=torch.float64)
+    acc = stats_dtype(hidden)
+    forward = frozen_in_forward(frozen, group_name)
+    return (hidden.new_empty((n,), dtype=acc), hidden.new_empty((0,) if forward else (n, k), dtype=torch.float64),
+            hidden.new_empty((n, hidden.shape[1]) if forward else (0,), dtype=acc))
 
 
 # ------------------------------------------------------------------ backward op
@@ -103,11 +145,19 @@ def _gkd_bwd_fake(grad_loss, coef, hidden, weight, bias, teacher_ids, labels, ig
 def _setup_context(ctx, inputs, output):
     args = named_inputs(gkd_fwd, inputs)
     ctx.gkd, ctx.shard = pick(GkdOptions, gkd_fwd, inputs), pick(VocabShard, gkd_fwd, inputs)
-    ctx.save_for_backward(args["hidden"], args["weight"], args["bias"], args["teacher_ids"], args["labels"], output[1])
-    ctx.mark_non_differentiable(output[1])
+    ctx.in_forward = frozen_in_forward(args["frozen"], args["group_name"])
+    if ctx.in_forward:  # the vectors: the backward gathers nothing
+        ctx.save_for_backward(args["hidden"], output[2])
+    else:
+        ctx.save_for_backward(args["hidden"], args["weight"], args["bias"], args["teacher_ids"], args["labels"],
+                              output[1])
+    ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _backward(ctx, grad_loss, _grad_coef):
+def _backward(ctx, grad_loss, _grad_coef, _grad_vectors):
+    if ctx.in_forward:
+        hidden, vectors = ctx.saved_tensors
+        return {"hidden": row_scaled(grad_loss, vectors, hidden) if ctx.needs_input_grad[0] else None}
     hidden, weight, bias, teacher_ids, labels, coef = ctx.saved_tensors
     needs = Needs.of(ctx, gkd_fwd, bias)
     return needs.grads(*call(gkd_bwd, grad_loss, coef, hidden, weight, bias, teacher_ids, labels, ctx.gkd, ctx.shard,
@@ -138,7 +188,7 @@ def linear_gkd_topk(hidden, weight, teacher_ids, teacher_logprobs, labels=None, 
     h_size = hidden.shape[-1]
     n = math.prod(hidden.shape[:-1])
     k = teacher_ids.shape[-1]
-    loss, _coef = call(gkd_fwd, hidden.reshape(n, h_size), weight, bias, teacher_ids.reshape(n, k),
-                       teacher_logprobs.reshape(n, k), None if labels is None else labels.reshape(n), gkd,
-                       VocabShard.of(process_group, weight.shape[0], "weight"))
+    loss, *_ = call(gkd_fwd, hidden.reshape(n, h_size), weight, bias, teacher_ids.reshape(n, k),
+                    teacher_logprobs.reshape(n, k), None if labels is None else labels.reshape(n), gkd,
+                    VocabShard.of(process_group, weight.shape[0], "weight"), {"frozen": frozen_head(hidden, weight, bias)})
     return loss.view(hidden.shape[:-1])

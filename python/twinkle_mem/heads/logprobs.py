@@ -41,16 +41,22 @@ from ..op.contract import check_index_and_options, check_op_label_range, ignore_
 from ..op.op_args import call, named_inputs, pick, register_autograd
 from ..op.row_stats import combine_shard_stats_in_tiles, output_shift
 from ..op.vocab_parallel import VocabShard, gather_shard_stats
-from .engine import (Needs, Plan, Rows, backward_sweep, block_width, check_head_args, fake_grads, forward_sweep,
-                     tile_bytes, tiles_in_flight)
+from .engine import (VOCAB_BLOCK, Needs, Plan, Rows, backward_sweep, check_head_args, fake_grads, fit_width,
+                     forward_sweep, frozen_head, tile_budget, tiles_in_flight)
+from .frozen import FrozenGrads, frozen_grad
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 
 
-def default_chunk_bytes(cols: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """The chunk_bytes of a call that gives none: DEFAULT_CHUNK_BYTES, or one row tile of a vocab block
+def default_chunk_bytes(shard: int, hidden_size: int, dtype: torch.dtype, vectors: int = 0) -> int:
+    """The chunk_bytes of a call that gives none: DEFAULT_CHUNK_BYTES, or one row tile of an unwidened vocab block
     where that needs more (the bf16/fp16 backward's fp32 copies: H above about 3,600 at 8192 columns)."""
-    return max(DEFAULT_CHUNK_BYTES, sum(tile_bytes(cols, hidden_size, dtype, backward=True)))
+    return max(DEFAULT_CHUNK_BYTES, tile_budget(min(VOCAB_BLOCK, shard), hidden_size, dtype, vectors))
+
+
+def vectors_summed(frozen: bool, with_entropy: bool, entropy_grad: bool) -> int:
+    """How many gradient vectors a frozen head's forward sums: S, and E where the entropy may receive a gradient."""
+    return (1 + (with_entropy and entropy_grad)) if frozen else 0
 
 
 class LogprobOptions(NamedTuple):
@@ -61,21 +67,26 @@ class LogprobOptions(NamedTuple):
     ignore_index: int
     with_entropy: bool
     chunk_bytes: int
+    frozen: bool  # the head needs no gradient: the forward sums grad_hidden's vectors (heads/frozen.py)
+    entropy_grad: bool  # the entropy may receive a gradient (False: a metric; a gradient reaching it raises)
 
 
-def _plan(hidden: Tensor, shard: int, chunk_bytes: int, backward: bool) -> Plan:
-    """Vocab blocks of block_width columns, as many row tiles per op call as chunk_bytes holds, logits in the
-    input dtype (the op reads them as the model's layer would give them)."""
-    cols = block_width(shard, hidden.shape[1])
-    return Plan(cols, tiles_in_flight(cols, hidden.shape[1], hidden.dtype, chunk_bytes, backward), hidden.dtype)
+def _plan(hidden: Tensor, shard: int, chunk_bytes: int, backward: bool, vectors: int = 0) -> Plan:
+    """Vocab blocks of engine.fit_width columns (the same for a call's forward and backward), as many row tiles per
+    op call as chunk_bytes holds, logits in the input dtype (the op reads them as the model's layer would give
+    them)."""
+    h_size, dtype = hidden.shape[1], hidden.dtype
+    cols = fit_width(shard, h_size, dtype, chunk_bytes, vectors)
+    return Plan(cols, tiles_in_flight(cols, h_size, dtype, chunk_bytes, backward, vectors), dtype)
 
 
 # ------------------------------------------------------------------ forward op
 def _shard_stats(rows: Rows, weight: Tensor, bias: Optional[Tensor], labels: Tensor, opts: LogprobOptions,
-                 shard: VocabShard):
+                 shard: VocabShard, vectors: int):
     """This weight's (shard's) statistics for the padded kept rows, in float64: (logp [M, k] against
     the shard's own normalizer, 0 for labels elsewhere; entropy [M] of the shard's softmax or None;
     shift [M]; log_sum [M]), M = rows.tiles.padded. labels: [M, k] int64, ignore_index on the padding.
+    With ``vectors`` (a frozen head), also the rows' FrozenGrads, folded block by block alike.
 
     Each block's fp32 statistics are folded into a float64 state in block order, one row tile at a
     time (row_stats.combine_shard_stats_in_tiles), so the fold adds no rounding of its own and a
@@ -85,44 +96,61 @@ def _shard_stats(rows: Rows, weight: Tensor, bias: Optional[Tensor], labels: Ten
     local = labels - shard.vocab_start
     ignored = labels == opts.ignore_index
     state = [None] * 4  # logp, entropy, shift, log_sum of the rows: float64
+    plan = _plan(rows.tiles.rows, width, opts.chunk_bytes, backward=False, vectors=vectors)
+    grads = None
+    if vectors:
+        grads = FrozenGrads(rows, weight, labels, opts.ignore_index, shard.vocab_start, shard.vocab_size,
+                            opts.inv_temperature, vectors == 2, plan)
+
+    def running(rs):  # the rows' (shift, log_sum, entropy) in float64 (copies: the fold writes over the state)
+        return tuple(None if state[i] is None else state[i][rs].clone() for i in (2, 3, 1))
 
     def step(v0, v1, rs, x):  # the op on a block's logits, folded into the rows' state
-        block = [t.double() for t in ops.fwd(x, labels[rs], opts.inv_temperature, opts.ignore_index,
-                                             shard.vocab_start + v0, shard.vocab_size, opts.with_entropy, False)]
+        raw = ops.fwd(x, labels[rs], opts.inv_temperature, opts.ignore_index, shard.vocab_start + v0,
+                      shard.vocab_size, opts.with_entropy, False)
+        block = [t.double() for t in raw]
         block[1] = block[1] if opts.with_entropy else None
+        before = None if v0 == 0 or grads is None else running(rs)
         if v0 == 0:  # the first block: the op's own statistics
             for i, t in enumerate(block):
                 if t is not None:
                     state[i] = t.new_empty((rows.tiles.padded, *t.shape[1:])) if state[i] is None else state[i]
                     state[i][rs] = t
-            return
-        logp_b, entropy_b, shift_b, log_sum_b = block
-        in_block = (local[rs] >= v0) & (local[rs] < v1) & ~ignored[rs]  # owner 1: the label's logit is here
-        merged = combine_shard_stats_in_tiles(
-            rows.tiles.tile, torch.stack([state[2][rs], shift_b]), torch.stack([state[3][rs], log_sum_b]),
-            torch.stack([state[0][rs], logp_b]), None if entropy_b is None else torch.stack([state[1][rs], entropy_b]),
-            in_block.long(), ignored[rs], opts.inv_temperature)
-        for i, t in enumerate(merged):
-            if t is not None:
-                state[i][rs] = t
+        else:
+            logp_b, entropy_b, shift_b, log_sum_b = block
+            in_block = (local[rs] >= v0) & (local[rs] < v1) & ~ignored[rs]  # owner 1: the label's logit is here
+            merged = combine_shard_stats_in_tiles(
+                rows.tiles.tile, torch.stack([state[2][rs], shift_b]), torch.stack([state[3][rs], log_sum_b]),
+                torch.stack([state[0][rs], logp_b]),
+                None if entropy_b is None else torch.stack([state[1][rs], entropy_b]), in_block.long(), ignored[rs],
+                opts.inv_temperature)
+            for i, t in enumerate(merged):
+                if t is not None:
+                    state[i][rs] = t
+        if grads is not None:  # the block's vectors, from the logits still at hand (x is overwritten)
+            grads.block(v0, v1, rs, x, (raw[2], raw[3], raw[1] if vectors == 2 else None), before, running(rs))
 
-    forward_sweep(rows.tiles, weight, bias, _plan(rows.tiles.rows, width, opts.chunk_bytes, backward=False), step)
+    forward_sweep(rows.tiles, weight, bias, plan, step)
     logp, entropy, shift, log_sum = state
     # Labels on another rank's shard: 0 here, as the op gives (the ranks' merge takes the owner's).
     on_shard = (local >= 0) & (local < width) & ~ignored
-    return torch.where(on_shard, logp, 0), entropy, shift, log_sum
+    return (torch.where(on_shard, logp, 0), entropy, shift, log_sum), grads
 
 
 @torch.library.custom_op("twinkle_mem::linear_selective_log_softmax_fwd", mutates_args=())
 def linear_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor, inv_temperature: Tensor,
                ignore_index: int, with_entropy: bool, chunk_bytes: int, vocab_start: int, vocab_size: int,
-               group_name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+               group_name: str, frozen: bool, entropy_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                          Tensor]:
     """hidden [N, H], weight [Vs, H] (the vocab [vocab_start, vocab_start + Vs) of vocab_size),
     bias [Vs] or None, labels [N, k] global ids. Returns fp32 (fp64 for fp64 hidden) full-vocab
-    logp [N, k], entropy [N] (or [0]), shift [N], log_sum [N]; the rows whose labels are all
-    ignore_index give 0 everywhere. group_name: the TP group ('' for none)."""
-    opts = LogprobOptions(inv_temperature.item(), ignore_index, with_entropy, chunk_bytes)
+    logp [N, k], entropy [N] (or [0]), shift [N], log_sum [N], and for a ``frozen`` head the gradient vectors
+    d logp / d hidden [N, H] and (with_entropy and entropy_grad) d entropy / d hidden [N, H] (this shard's share;
+    heads/frozen.py), else empty [0]; the rows whose labels are all ignore_index give 0 everywhere. group_name:
+    the TP group ('' for none)."""
+    opts = LogprobOptions(inv_temperature.item(), ignore_index, with_entropy, chunk_bytes, frozen, entropy_grad)
     shard = VocabShard(vocab_start, vocab_size, group_name)
+    vectors = vectors_summed(frozen, with_entropy, entropy_grad)
     n, k = labels.shape
     # Checked here, on the caller's labels: the op's own check would see a row tile's and name its entry.
     check_op_label_range(labels, labels == ignore_index, vocab_size, ignore_index)
@@ -132,15 +160,21 @@ def linear_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: T
     shift = hidden.new_zeros((n,), dtype=acc)
     log_sum = hidden.new_zeros((n,), dtype=acc)
     rows = Rows(hidden, labels, ignore_index)
+    vecs = tuple(hidden.new_zeros((n, hidden.shape[1]) if i < vectors else (0,), dtype=acc) for i in range(2))
     if rows.m == 0:  # (the same on every rank: the labels are)
-        return logp, entropy, shift, log_sum
+        return logp, entropy, shift, log_sum, *vecs
     y = rows.take(labels.long(), ignore_index)
-    stats = _shard_stats(rows, weight, bias, y, opts, shard)
+    stats, grads = _shard_stats(rows, weight, bias, y, opts, shard, vectors)
     if group_name:  # the ranks' merge, in float64 too (O(N) bytes on the wire), by row tiles as above
         group = shard.group()
         gathered = gather_shard_stats(*stats, y, weight.shape[0], opts.inv_temperature, ignore_index, group,
                                       dist.get_world_size(group))
-        stats = combine_shard_stats_in_tiles(rows.tiles.tile, *gathered, opts.inv_temperature)
+        shard_stats, stats = stats, combine_shard_stats_in_tiles(rows.tiles.tile, *gathered, opts.inv_temperature)
+        if grads is not None:  # this rank's share of the whole vocab's vectors
+            vecs = grads.vectors(rows, *((t[2], t[3], t[1]) for t in (shard_stats, stats)))
+    elif grads is not None:
+        final = (stats[2], stats[3], stats[1])
+        vecs = grads.vectors(rows, final, final)
     outs = (logp, entropy, shift, log_sum) if with_entropy else (logp, None, shift, log_sum)
     tile = rows.tiles.tile
     for r0 in range(0, rows.m, tile):  # the last step by row tiles too (row_stats.combine_shard_stats_in_tiles)
@@ -151,16 +185,18 @@ def linear_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: T
         for out, val in zip(outs, (logp_k, entropy_k, shift_k, log_sum_k)):
             if out is not None:
                 rows.put(out, r0, val[: r1 - r0].to(acc).view((r1 - r0, *out.shape[1:])))
-    return logp, entropy, shift, log_sum
+    return logp, entropy, shift, log_sum, *vecs
 
 
 @linear_fwd.register_fake
 def _linear_fwd_fake(hidden, weight, bias, labels, inv_temperature, ignore_index, with_entropy, chunk_bytes,
-                     vocab_start, vocab_size, group_name):
+                     vocab_start, vocab_size, group_name, frozen, entropy_grad):
     n, k = labels.shape
     acc = stats_dtype(hidden)
+    vectors = vectors_summed(frozen, with_entropy, entropy_grad)
     return (hidden.new_empty((n, k), dtype=acc), hidden.new_empty((n if with_entropy else 0,), dtype=acc),
-            hidden.new_empty((n,), dtype=acc), hidden.new_empty((n,), dtype=acc))
+            hidden.new_empty((n,), dtype=acc), hidden.new_empty((n,), dtype=acc),
+            *(hidden.new_empty((n, hidden.shape[1]) if i < vectors else (0,), dtype=acc) for i in range(2)))
 
 
 # ------------------------------------------------------------------ backward op
@@ -200,23 +236,44 @@ def _linear_bwd_fake(grad_logp, grad_entropy, hidden, weight, bias, labels, shif
     return fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
+METRIC_GRADIENT = ("linear_selective_log_softmax: the entropy was declared a metric (entropy_grad=False), yet a "
+                   "gradient reached it; pass entropy_grad=True to differentiate it, or detach() it where it enters "
+                   "the loss")
+
+
 def _setup_context(ctx, inputs, output):
     args = named_inputs(linear_fwd, inputs)
     ctx.options, ctx.shard = pick(LogprobOptions, linear_fwd, inputs), pick(VocabShard, linear_fwd, inputs)
-    _logp, entropy, shift, log_sum = output
-    ctx.save_for_backward(args["hidden"], args["weight"], args["bias"], args["labels"], shift, log_sum,
-                          entropy if ctx.options.with_entropy else None)
-    ctx.mark_non_differentiable(shift, log_sum)
+    _logp, entropy, shift, log_sum, vec_logp, vec_entropy = output
+    ctx.set_materialize_grads(False)  # an output no loss used gets None: the entropy's rule below
+    if ctx.options.frozen:  # the gradient vectors instead of the inputs: the backward recomputes nothing
+        ctx.save_for_backward(args["hidden"], args["weight"], None, args["labels"], vec_logp, vec_entropy, None)
+    else:
+        ctx.save_for_backward(args["hidden"], args["weight"], args["bias"], args["labels"], shift, log_sum,
+                              entropy if ctx.options.with_entropy else None)
+    ctx.mark_non_differentiable(shift, log_sum, vec_logp, vec_entropy)
 
 
-def _backward(ctx, grad_logp, grad_entropy, _grad_shift, _grad_log_sum):
-    hidden, weight, bias, labels, shift, log_sum, entropy = ctx.saved_tensors
+def _backward(ctx, grad_logp, grad_entropy, _grad_shift, _grad_log_sum, _grad_vec_logp, _grad_vec_entropy):
+    opts = ctx.options
+    grad_entropy = grad_entropy if opts.with_entropy else None
+    if grad_entropy is not None and not opts.entropy_grad:  # a metric: a nonzero gradient raises, zeros are nothing
+        if torch.compiler.is_compiling():  # (traced: every output has a gradient; the values decide at run time)
+            torch._assert_async(grad_entropy.eq(0).all(), METRIC_GRADIENT)
+        elif grad_entropy.any():
+            raise RuntimeError(METRIC_GRADIENT)
+        grad_entropy = None
+    hidden, weight, bias, labels, *saved = ctx.saved_tensors
     needs = Needs.of(ctx, linear_fwd, bias)
+    if opts.frozen:
+        vec_logp, vec_entropy, _ = saved
+        return {"hidden": call(frozen_grad, grad_logp, grad_entropy, vec_logp, vec_entropy, hidden, weight, labels,
+                               opts, ctx.shard) if needs.hidden else None}
+    shift, log_sum, entropy = saved
     if grad_logp is None:
         grad_logp = shift.new_zeros(labels.shape)
-    grad_entropy = grad_entropy if ctx.options.with_entropy else None
     return needs.grads(*call(linear_bwd, grad_logp, grad_entropy, hidden, weight, bias, labels, shift, log_sum,
-                             entropy, ctx.options, ctx.shard, needs.args()))
+                             entropy, opts, ctx.shard, needs.args()))
 
 
 register_autograd(linear_fwd, _backward, _setup_context)
@@ -233,7 +290,7 @@ def _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_by
 
 
 def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *, bias=None, temperature=1.0,
-                                 ignore_index=None, chunk_bytes=None, process_group=None):
+                                 ignore_index=None, chunk_bytes=None, process_group=None, entropy_grad=True):
     """``selective_log_softmax(hidden @ weight.T + bias, index, ...)`` without the [N, V] logits.
 
     hidden: [..., H] bf16/fp16/fp32 (fp64 for gradcheck); weight: [V, H] of hidden's dtype (under
@@ -246,25 +303,31 @@ def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *,
     vocab block where that is more) bounds the block working memory of both passes. Under
     ``process_group`` (world size > 1) the outputs are the full-vocab ones on every rank and the hidden
     gradient is this rank's partial sum (all-reduce it, as Megatron's copy_to_tensor_model_parallel_region
-    does). Details: module docstring,
-    docs/linear.md. Labels outside [0, V) (other than ignore_index) raise RuntimeError.
+    does). Labels outside [0, V) (other than ignore_index) raise RuntimeError.
+
+    A frozen head (``weight`` and ``bias`` need no gradient while ``hidden`` does: LoRA) is differentiated in the
+    forward: it sums each row's d logp / d hidden (and d entropy / d hidden) as it goes, saves those [N, H]
+    vectors and recomputes no logits in the backward (heads/frozen.py). ``entropy_grad=False`` declares the
+    entropy a metric: its vector is not summed, and a gradient reaching it raises RuntimeError (never a silently
+    wrong gradient). Details: module docstring, docs/linear.md.
     """
     multi = _check_args(hidden, weight, bias, index, temperature, ignore_index,
                         DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
     h_size = hidden.shape[-1]
     n = math.prod(hidden.shape[:-1])
-    cols = block_width(weight.shape[0], h_size)
+    frozen = frozen_head(hidden, weight, bias)
+    vectors = vectors_summed(frozen, bool(return_entropy), bool(entropy_grad))
     if chunk_bytes is None:
-        chunk_bytes = default_chunk_bytes(cols, h_size, hidden.dtype)
-    # Refuse, before any work, a chunk_bytes below one row tile of a vocab block (the backward's need,
-    # the larger): it depends on V, H and the dtype only.
-    tiles_in_flight(cols, h_size, hidden.dtype, chunk_bytes, backward=True)
+        chunk_bytes = default_chunk_bytes(weight.shape[0], h_size, hidden.dtype, vectors)
+    # Refuse, before any work, a chunk_bytes below one row tile of an unwidened vocab block (the larger pass's
+    # need): it depends on V, H and the dtype only.
+    fit_width(weight.shape[0], h_size, hidden.dtype, chunk_bytes, vectors)
     rows = hidden.reshape(n, h_size)  # a view unless the leading dims cannot be merged
     labels = index.reshape(n, index.shape[-1] if multi else 1)
     opts = LogprobOptions(ops.inv_temperature_tensor(temperature), ignore_value(ignore_index), bool(return_entropy),
-                          int(chunk_bytes))
+                          int(chunk_bytes), frozen, bool(entropy_grad))
     shard = VocabShard.of(process_group, weight.shape[0], "weight")
-    logp, entropy, _shift, _log_sum = call(linear_fwd, rows, weight, bias, labels, opts, shard)
+    logp, entropy, *_ = call(linear_fwd, rows, weight, bias, labels, opts, shard)
     logp = logp.view(index.shape)
     if return_entropy:
         return logp, entropy.view(hidden.shape[:-1])

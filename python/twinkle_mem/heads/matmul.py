@@ -7,6 +7,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..op.contract import acc_dtype
+
+
+def reduced(dtype: torch.dtype) -> bool:
+    """bf16 / fp16: their products are summed in fp32."""
+    return dtype in (torch.bfloat16, torch.float16)
+
 
 def product_into(out: Tensor, hidden_tile: Tensor, w: Tensor, b: Optional[Tensor]) -> None:
     """out [rows, cols] = hidden_tile @ w.T (+ b), w [cols, H], all of one dtype: one product."""
@@ -46,6 +53,14 @@ def mixed_addmm(device: torch.device) -> bool:
     return _mixed_addmm_ok[device.type]
 
 
+def matmul_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out = a @ b, the products summed in out's dtype (add_matmul's rule)."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        add_matmul(out.zero_(), a, b)
+
+
 def add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """acc += a @ b, the products summed in acc's dtype (for bf16/fp16 a and b: only where
     mixed_addmm said so; the caller passes fp32 copies elsewhere)."""
@@ -53,3 +68,16 @@ def add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc.addmm_(a, b)
     else:
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+
+
+class Operands:
+    """The operands of a sweep's fp32 (fp64) sums: the inputs as they are where the device sums bf16/fp16
+    products in fp32 (matmul.mixed_addmm) and the other operand has their dtype, else fp32 copies, made one
+    weight block and one row tile at a time."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, logits_dtype: torch.dtype):
+        self.acc = acc_dtype(dtype)
+        self.copies = reduced(dtype) and (logits_dtype != dtype or not mixed_addmm(device))
+
+    def __call__(self, t: Tensor) -> Tensor:
+        return t.to(self.acc) if self.copies else t

@@ -88,11 +88,11 @@ def _check_chunk_bytes(model, layers, chunk_bytes: int) -> None:
     and value (one small collective)."""
     if getattr(model, "_twinkle_mem_chunk_bytes_fit", None) == chunk_bytes:
         return
-    from twinkle_mem.heads.engine import block_width, tiles_in_flight
+    from twinkle_mem.heads.engine import fit_width
     error = None
     for weight in fused_eligibility.megatron_output_weights(model.model) if layers else []:
-        try:
-            tiles_in_flight(block_width(*weight.shape), weight.shape[1], weight.dtype, chunk_bytes, backward=True)
+        try:  # (a frozen layer's forward, LoRA's, may sum two vectors: heads/frozen.py)
+            fit_width(*weight.shape, weight.dtype, chunk_bytes, 0 if weight.requires_grad else 2)
         except ValueError as e:
             error = str(e)
     group = _pipeline_group()
