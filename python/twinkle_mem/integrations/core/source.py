@@ -26,7 +26,7 @@ class PackageSource:
         self.folder = folder
         self._texts: Dict[str, Optional[List[str]]] = {}
         self._classes: Dict[Tuple[str, str], Optional[List[str]]] = {}
-        self._bodies: Dict[str, Optional[List[ast.stmt]]] = {}
+        self._bodies: Dict[str, Optional[ast.Module]] = {}
         self._declared: Dict[Tuple[str, str], set] = {}
         self._functions: Dict[Tuple[str, str, bool], Optional[ast.FunctionDef]] = {}
 
@@ -56,12 +56,17 @@ class PackageSource:
             self._functions[key] = self._find_function(module, qualname, body)
         return self._functions[key]
 
-    def binds(self, module: str, name: str) -> bool:
-        """Whether ``module``'s top level binds ``name`` (a def, a class, an assignment or an import)."""
+    def module_node(self, module: str) -> Optional[ast.Module]:
+        """``module`` parsed whole (for a small module: its top level is what a feature reads), or None."""
         if module not in self._bodies:
             lines = self._lines(module)
-            self._bodies[module] = None if lines is None else ast.parse("\n".join(lines)).body
-        for node in self._bodies[module] or ():
+            self._bodies[module] = None if lines is None else ast.parse("\n".join(lines))
+        return self._bodies[module]
+
+    def binds(self, module: str, name: str) -> bool:
+        """Whether ``module``'s top level binds ``name`` (a def, a class, an assignment or an import)."""
+        tree = self.module_node(module)
+        for node in tree.body if tree is not None else ():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
                 return True
             if isinstance(node, (ast.Import, ast.ImportFrom)) and \

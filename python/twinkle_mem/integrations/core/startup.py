@@ -101,10 +101,11 @@ class Variable:
         except Exception as error:
             raise RuntimeError(f"{self.name}={value!r}: {self.install_call(options)} failed when {self.package} "
                                f"was imported: {error}. {advice}") from error
-        self._announce(value, options, version)
+        if value is not None:  # (the variable asked: one line; an entry point's defaults say nothing)
+            self._announce(value, options, version)
         return options
 
-    def _announce(self, value: Optional[str], options: Dict[str, Any], version: Callable[[], str]) -> None:
+    def _announce(self, value: str, options: Dict[str, Any], version: Callable[[], str]) -> None:
         """One line per process, at INFO (unless the application set the logger's level). Where no logging is set
         up (no handler on the logger or above it) it gets a stderr handler of its own, so that the line shows in a
         Ray worker's log and a torchrun child's output; otherwise it goes where the application's handlers send
@@ -123,6 +124,5 @@ class Variable:
         where = f"pid {os.getpid()}" + (f", rank {rank}" if rank is not None else "")
         if os.environ.get("LOCAL_RANK") is not None:
             where += f", local rank {os.environ['LOCAL_RANK']}"
-        by = f"{self.name}={value!r}" if value is not None else f"{self.name} unset"
-        logger.info("twinkle-mem installed into %s %s by %s: %s (%s)", self.framework, version(), by,
+        logger.info("twinkle-mem installed into %s %s by %s=%r: %s (%s)", self.framework, version(), self.name, value,
                     self.install_call(options), where)
