@@ -175,14 +175,20 @@ def megatron_mappings_on_cpu():
         yield
 
 
-def save_tiny_qwen2(path: str, vocab: int = 1000, hidden: int = 64, tied: bool = False, seed: int = 0,
-                    dtype: torch.dtype = torch.float32) -> str:
-    """A one-layer Qwen2 causal LM saved at ``path`` (config and weights; no tokenizer: verl's model config is told
-    not to load one)."""
+def tiny_qwen2(vocab: int = 1000, hidden: int = 64, tied: bool = False, seed: int = 0,
+               dtype: torch.dtype = torch.float32):
+    """A one-layer Qwen2 causal LM, built from a config (no download), with torch's sdpa attention (verl asks for
+    flash-attention by default, which needs CUDA)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
-                         max_position_embeddings=512, torch_dtype=dtype)
+                         max_position_embeddings=512, attn_implementation="sdpa")
     torch.manual_seed(seed)
-    Qwen2ForCausalLM(config).to(dtype).save_pretrained(path)
+    return Qwen2ForCausalLM(config).to(dtype)
+
+
+def save_tiny_qwen2(path: str, **kwargs) -> str:
+    """:func:`tiny_qwen2` saved at ``path`` (config and weights; no tokenizer: verl's model config is told not to
+    load one, and its ``override_config`` to use sdpa)."""
+    tiny_qwen2(**kwargs).save_pretrained(path)
     return path
