@@ -9,8 +9,8 @@ invalid when the device is the CPU. What replaces each (README.md beside this fi
 - :func:`cpu_verl`: that platform set as verl's, and verl's FSDP engines registered for the device "cpu" too;
   undone on exit;
 - :func:`gloo_world`: the process group created first (gloo), so verl's helper finds it and builds none;
-- :func:`megatron_mappings_on_cpu`: megatron-core's sequence-parallel gather allocating on the CPU (verl's
-  Megatron fused forward calls it under sequence parallelism);
+- :func:`megatron_tp_on_cpu`: megatron-core's sequence-parallel gathers allocating on the CPU (verl's Megatron
+  fused forward calls one under sequence parallelism, Megatron's output layer another);
 - :func:`save_tiny_qwen2`: a tiny Qwen2 checkpoint on disk (verl's engines load their model from a path).
 """
 import contextlib
@@ -165,13 +165,13 @@ def gloo_world(rank: int = 0, world_size: int = 1, init_method: str = None):
 
 
 @contextlib.contextmanager
-def megatron_mappings_on_cpu():
-    """megatron-core's tensor-parallel mappings allocate their all-gather buffers on ``torch.cuda.current_device()``:
-    on the CPU here; undone on exit."""
-    from megatron.core.tensor_parallel import mappings
+def megatron_tp_on_cpu():
+    """megatron-core's tensor-parallel mappings and layers allocate their sequence-parallel all-gather buffers on
+    ``torch.cuda.current_device()``: on the CPU here; undone on exit."""
+    from megatron.core.tensor_parallel import layers, mappings
 
     from cpu_harness.megatron import torch_on_cpu
-    with torch_on_cpu(mappings):
+    with torch_on_cpu(mappings, layers):
         yield
 
 
