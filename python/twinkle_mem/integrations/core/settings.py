@@ -86,7 +86,7 @@ class Settings:
     def signature(self) -> inspect.Signature:
         """install()'s signature: every setting keyword-only, with its default."""
         return inspect.Signature([inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=s.default)
-                                  for s in self.settings], return_annotation=None)
+                                  for s in self.settings])
 
     def bind(self, function: str, given: Dict[str, Any]) -> Dict[str, Any]:
         """Every setting's value: the defaults overridden by ``given``; TypeError for a name that is none."""

@@ -27,8 +27,10 @@ class Variable:
     (verl: the entry point installs, the variable adjusts) rather than off (twinkle: the variable opts in)."""
 
     def __init__(self, name: str, settings: Settings, *, framework: str, package: str, example: str,
-                 logger: str, unset_means_defaults: bool = False, function: str = "install"):
+                 logger: str, unset_means_defaults: bool = False, function: str = "install", invalid: str = ""):
         self.name, self.settings, self.function = name, settings, function
+        # what a process importing the package does with an invalid value
+        self.invalid = invalid or f"`import {package}` raises"
         self.framework, self.package, self.unset_means_defaults = framework, package, unset_means_defaults
         self.accepted = settings.accepted(function) + f"; e.g. {example!r}"
         self.logger = logging.getLogger(logger)
@@ -82,7 +84,7 @@ class Variable:
         try:
             options = self.parse(value)
         except ValueError as error:
-            return f"invalid, `import {self.package}` raises: {error}"
+            return f"invalid, {self.invalid}: {error}"
         if options is None:
             return f"{shown}: off ({self.framework} runs as shipped)"
         return f"{shown}: {self.install_call(options)} in every process that imports {self.package}"
