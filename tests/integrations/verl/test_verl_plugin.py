@@ -4,7 +4,7 @@
   verl (the driver's process group, Ray's processes included, is ended whatever happens); it changes nothing unless
   asked (defaults: verl's logits functions untouched); VERL_USE_EXTERNAL_PLUGINS=none and TWINKLE_MEM_VERL=0 turn
   it off; an invalid variable is logged as an error, and verl still imports.
-- verl is recognized by its code, part by part: this verl 0.9.1 whole; 0.9.0 and 0.8.0 from their wheels (read,
+- verl is recognized by its code, part by part: this verl whole (0.9.1; .ci/run again with 0.9.0 first on the path); 0.9.0 and 0.8.0 from their wheels (read,
   not imported): 0.9.0 whole, 0.8.0 refused, every part, for its missing plugin group; a verl whose
   patch_forward_with_backends no longer sets the torch backend's forward loses that part alone, by name.
 - install() / uninstall(): idempotent, every original put back, the shared settings' checks;
@@ -54,6 +54,7 @@ def state(**env):
 
 
 DEFAULTS = {"logits_path": False, "fused_chunk_bytes": None}
+VERSION = verl_names.found().version  # (0.9.1 from the test extras; .ci/run also runs this file against 0.9.0)
 
 
 def test_import_verl_installs_the_defaults_and_changes_nothing_unless_asked():
@@ -76,7 +77,7 @@ def test_variable_asks_for_the_logits_path_with_one_log_line():
     got, stderr = state(TWINKLE_MEM_VERL="logits_path,fused_chunk_bytes=64M")
     assert got == dict(installed=True, settings={"logits_path": True, "fused_chunk_bytes": 64 << 20},
                        logits_path=True, fused_head=True)
-    lines = [line for line in stderr.splitlines() if "twinkle-mem installed into verl 0.9.1" in line]
+    lines = [line for line in stderr.splitlines() if f"twinkle-mem installed into verl {VERSION}" in line]
     assert len(lines) == 1 and "install(logits_path=True, fused_chunk_bytes=67108864)" in lines[0], stderr[-3000:]
 
 
@@ -145,6 +146,7 @@ def _plan(folder, logits_path=True):
 
 
 def test_this_verl_and_0_9_0_are_recognized_whole(released):
+    assert VERSION in ("0.9.1", "0.9.0")
     for folder in (verl_names.verl_folder(), released["0.9.0"]):
         plan = _plan(folder)
         assert plan.refused == {} and plan.accepted == {p.key for p in verl_names.PARTS}, folder
@@ -229,7 +231,7 @@ def test_python_m_twinkle_mem_names_the_verl_and_its_parts():
                           env={**os.environ, "TWINKLE_MEM_VERL": "logits_path"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert f"verl at {verl_names.verl_folder()} (version/version says 0.9.1); install(logits_path=True) patches" in out
+    assert f"verl at {verl_names.verl_folder()} (version/version says {VERSION}); install(logits_path=True) patches" in out
     for part in verl_names.PARTS:
         assert f"{part.key:28s} {part.what}: patched" in out
     assert "verl.plugins entry point: declared (twinkle_mem.integrations.verl.plugin)" in out
