@@ -6,41 +6,20 @@ and "npu" only; its process-group helper builds the backend string "cpu:gloo,<de
 invalid when the device is the CPU. What replaces each (README.md beside this file says why):
 
 - :class:`PlatformCPU`: a verl platform whose device is the CPU and whose collectives are gloo;
-- :func:`cpu_verl`: that platform set as verl's, and verl's FSDP engines registered for the device "cpu" too;
-  undone on exit;
+- :func:`cpu_verl`: that platform set as verl's, verl's FSDP engines registered for the device "cpu" too, and the
+  memory-statistics calls verl makes of its device module answered by ``torch.cpu``; undone on exit;
 - :func:`gloo_world`: the process group created first (gloo), so verl's helper finds it and builds none;
 - :func:`megatron_tp_on_cpu`: megatron-core's sequence-parallel gathers allocating on the CPU (verl's Megatron
   fused forward calls one under sequence parallelism, Megatron's output layer another);
-- :func:`save_tiny_qwen2`: a tiny Qwen2 checkpoint on disk (verl's engines load their model from a path).
+- :func:`save_tiny_qwen2`: a tiny Qwen2 checkpoint on disk (verl's engines load their model from a path);
+- :func:`rollout_batch`: what verl's rollout (vLLM or SGLang, GPU only) hands the trainer, random tokens.
 """
 import contextlib
 import datetime
 import os
 import socket
-from types import ModuleType
 
 import torch
-
-
-class _CpuDevice(ModuleType):
-    """``torch.cpu`` as verl's device module: the calls verl makes of ``torch.cuda`` that ``torch.cpu`` lacks are
-    the CPU's no-ops or its answers (memory statistics 0: the benchmark measures resident memory itself)."""
-
-    def __init__(self):
-        super().__init__("verl_cpu_device")
-
-    def __getattr__(self, name):
-        if hasattr(torch.cpu, name):
-            return getattr(torch.cpu, name)
-        if name in ("memory_allocated", "memory_reserved", "max_memory_allocated", "max_memory_reserved"):
-            return lambda *args, **kwargs: 0
-        if name == "mem_get_info":
-            return lambda *args, **kwargs: (0, 0)
-        if name == "manual_seed" or name == "manual_seed_all":
-            return lambda seed: torch.manual_seed(seed)
-        if name in ("empty_cache", "reset_peak_memory_stats", "set_device", "ipc_collect"):
-            return lambda *args, **kwargs: None
-        raise AttributeError(f"the CPU stand-in of verl's device module has no {name!r}")
 
 
 def platform_cpu_class():
@@ -50,7 +29,7 @@ def platform_cpu_class():
     class PlatformCPU(PlatformBase):
         device_name = property(lambda self: "cpu")
         vendor_name = property(lambda self: "cpu")
-        device_module = property(lambda self: _CpuDevice())
+        device_module = property(lambda self: torch.cpu)  # (verl checks `get_torch_device() == torch.cpu`)
 
         def is_available(self):
             return True
@@ -121,9 +100,22 @@ def platform_cpu_class():
     return PlatformCPU
 
 
+# What verl asks of its device module (torch.cuda's calls) that torch.cpu lacks: its memory statistics (0 on the CPU:
+# the benchmark measures resident memory itself) and cache calls (nothing to do). verl tests `device == torch.cpu`,
+# so the module stays torch.cpu and gets these for the while.
+_CPU_DEVICE_CALLS = {
+    **{name: (lambda *args, **kwargs: 0) for name in ("memory_allocated", "memory_reserved", "max_memory_allocated",
+                                                       "max_memory_reserved")},
+    **{name: (lambda *args, **kwargs: None) for name in ("empty_cache", "reset_peak_memory_stats", "ipc_collect")},
+    "mem_get_info": lambda *args, **kwargs: (0, 0),
+    "manual_seed": lambda seed: torch.manual_seed(seed),
+}
+
+
 @contextlib.contextmanager
 def cpu_verl():
-    """verl's platform the CPU (gloo), and its FSDP engines registered for the device "cpu"; undone on exit."""
+    """verl's platform the CPU (gloo), its FSDP engines registered for the device "cpu" too, and torch.cpu answering
+    verl's device-module calls; undone on exit."""
     from verl.plugin.platform import platform_manager
     from verl.workers.engine import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -134,9 +126,14 @@ def cpu_verl():
     added = [backend for backend in ("fsdp", "fsdp2") if "cpu" not in language_models[backend]]
     for backend in added:
         language_models[backend]["cpu"] = FSDPEngineWithLMHead
+    calls = [name for name in _CPU_DEVICE_CALLS if not hasattr(torch.cpu, name)]
+    for name in calls:
+        setattr(torch.cpu, name, _CPU_DEVICE_CALLS[name])
     try:
         yield
     finally:
+        for name in calls:
+            delattr(torch.cpu, name)
         for backend in added:
             del language_models[backend]["cpu"]
         platform_manager._current_platform = saved_platform
@@ -192,3 +189,30 @@ def save_tiny_qwen2(path: str, **kwargs) -> str:
     load one, and its ``override_config`` to use sdpa)."""
     tiny_qwen2(**kwargs).save_pretrained(path)
     return path
+
+
+def rollout_batch(seed: int, batch: int = 4, prompt: int = 6, response: int = 5, vocab: int = 1000,
+                  full: bool = False):
+    """A batch as verl's trainer has it after rollout (left-padded prompts, right-padded responses, random tokens
+    and advantages), converted to its engines' padding-free form as the trainer does (left_right_2_no_padding).
+    ``full``: every prompt and response of its whole length (a known number of tokens)."""
+    from tensordict import TensorDict
+    from verl.workers.utils.padding import left_right_2_no_padding
+    g = torch.Generator().manual_seed(seed)
+    if full:
+        prompts, responses = torch.full((batch, ), prompt), torch.full((batch, ), response)
+    else:
+        prompts, responses = torch.randint(2, prompt + 1, (batch, ), generator=g), torch.randint(1, response + 1,
+                                                                                                 (batch, ), generator=g)
+    ids = torch.zeros(batch, prompt + response, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row in range(batch):
+        start, end = prompt - int(prompts[row]), prompt + int(responses[row])
+        ids[row, start:end] = torch.randint(0, vocab, (end - start, ), generator=g)
+        mask[row, start:end] = 1
+    response_mask = mask[:, prompt:].clone()
+    data = TensorDict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+                       "prompts": ids[:, :prompt], "responses": ids[:, prompt:], "response_mask": response_mask,
+                       "advantages": torch.randn(batch, response, generator=g) * response_mask},
+                      batch_size=[batch])
+    return left_right_2_no_padding(data)

@@ -97,28 +97,6 @@ ENGINE_FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "f
 OPTIMIZER = dict(optimizer="SGD", lr=1.0, weight_decay=0.0)
 
 
-def rollout_batch(seed, batch=4, prompt=6, response=5, vocab=VOCAB):
-    """A batch as verl's trainer has it after rollout (left-padded prompts, right-padded responses), converted
-    to the engines' padding-free form as the trainer does (left_right_2_no_padding)."""
-    from tensordict import TensorDict
-    from verl.workers.utils.padding import left_right_2_no_padding
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(2, prompt + 1, (batch, ), generator=g)
-    responses = torch.randint(1, response + 1, (batch, ), generator=g)
-    ids = torch.zeros(batch, prompt + response, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row in range(batch):
-        start, end = prompt - int(prompts[row]), prompt + int(responses[row])
-        ids[row, start:end] = torch.randint(0, vocab, (end - start, ), generator=g)
-        mask[row, start:end] = 1
-    response_mask = mask[:, prompt:].clone()
-    data = TensorDict({"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
-                       "prompts": ids[:, :prompt], "responses": ids[:, prompt:], "response_mask": response_mask,
-                       "advantages": torch.randn(batch, response, generator=g) * response_mask},
-                      batch_size=[batch])
-    return left_right_2_no_padding(data)
-
-
 def build_engine(model_dir, *, strategy="fsdp2", fused_backend=None, mixed_precision=ENGINE_FP32):
     """verl's FSDP engine for the language model at ``model_dir`` (built as TrainingWorker builds it), with
     verl's logits path or its fused path on ``fused_backend``."""
@@ -149,6 +127,8 @@ def ppo_steps(engine, steps=3, temperature=0.7, seed=0):
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
+
+    from standins.verl_cpu import rollout_batch
     actor = ActorConfig(strategy="fsdp2", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
                         use_dynamic_bsz=False, entropy_coeff=0.01, rollout_n=1)
     fused = engine.engine_config.use_fused_kernels
