@@ -210,7 +210,7 @@ def child(args) -> dict:
     from standins.verl_cpu import cpu_verl, save_tiny_qwen2
     with cpu_verl():
         if args.child.startswith("fsdp"):
-            folder = os.path.join(os.path.dirname(args.init), "model")
+            folder = os.path.join(os.path.dirname(args.init[len("file://"):]), "model")  # (the case's temp folder)
             if args.rank == 0:
                 save_tiny_qwen2(folder, vocab=args.vocab, hidden=args.hidden, tied=True)
             dist.barrier()
