@@ -4,9 +4,10 @@
   verl (the driver's process group, Ray's processes included, is ended whatever happens); it changes nothing unless
   asked (defaults: verl's logits functions untouched); VERL_USE_EXTERNAL_PLUGINS=none and TWINKLE_MEM_VERL=0 turn
   it off; an invalid variable is logged as an error, and verl still imports.
-- verl is recognized by its code, part by part: this verl whole (0.9.1; .ci/run again with 0.9.0 first on the path); 0.9.0 and 0.8.0 from their wheels (read,
-  not imported): 0.9.0 whole, 0.8.0 refused, every part, for its missing plugin group; a verl whose
-  patch_forward_with_backends no longer sets the torch backend's forward loses that part alone, by name.
+- verl is recognized by its code, part by part: this verl whole (0.9.1; .ci/run again with 0.9.0 first on the
+  path); 0.9.0 and 0.8.0 from their wheels (read, not imported): 0.9.0 whole, 0.8.0 refused, every part, for its
+  missing plugin group; a verl whose patch_forward_with_backends no longer sets the torch backend's forward loses
+  that part alone, by name.
 - install() / uninstall(): idempotent, every original put back, the shared settings' checks;
   `python -m twinkle_mem` names the verl and what it patches.
 """
@@ -231,7 +232,8 @@ def test_python_m_twinkle_mem_names_the_verl_and_its_parts():
                           env={**os.environ, "TWINKLE_MEM_VERL": "logits_path"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert f"verl at {verl_names.verl_folder()} (version/version says {VERSION}); install(logits_path=True) patches" in out
+    found = f"verl at {verl_names.verl_folder()} (version/version says {VERSION}); install(logits_path=True) patches"
+    assert found in out
     for part in verl_names.PARTS:
         assert f"{part.key:28s} {part.what}: patched" in out
     assert "verl.plugins entry point: declared (twinkle_mem.integrations.verl.plugin)" in out

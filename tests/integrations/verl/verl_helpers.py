@@ -57,7 +57,8 @@ def fused_forward(model, backend, inputs, temperature, shift_labels=None, seed=1
     labels = shift_labels if shift_labels is not None else torch.roll(inputs["input_ids"], -1, -1)
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     return dict(logp=out.log_probs.detach(), entropy=out.entropy.detach(), hidden=seen["hidden"].detach(),
-                hidden_grad=seen["hidden"].grad.detach().clone(), grads=grads, labels=labels, weights=(w_logp, w_entropy))
+                hidden_grad=seen["hidden"].grad.detach().clone(), grads=grads, labels=labels,
+                weights=(w_logp, w_entropy))
 
 
 def exact(hidden, weight, labels, temperature):
@@ -144,8 +145,8 @@ def ppo_steps(engine, steps=3, temperature=0.7, seed=0):
         entropy = no_padding_2_padding(inferred["entropy"], data)
         data = rollout_batch(seed + 100 * step + dist.get_rank())
         data["old_log_probs"] = log_probs.detach().float()
-        tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=True, global_batch_size=4 * dist.get_world_size(),
-                             **common)
+        tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=True,
+                             global_batch_size=4 * dist.get_world_size(), **common)
         with engine.train_mode():
             trained = engine.train_batch(data, loss_function=partial(ppo_loss, config=actor))
         metrics = {k: torch.tensor(v.values if hasattr(v, "values") else v, dtype=torch.float64).flatten()

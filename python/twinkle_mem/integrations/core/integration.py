@@ -14,6 +14,15 @@ from .recognition import Found, Part
 from .settings import Settings
 
 
+class PartsNotRecognized(UserWarning):
+    """install() left parts of the framework as shipped: their names or features are not what it expects.
+    ``refused``: {part: (why, ...)}. Each integration has its own subclass (TwinklePartsNotRecognized, ...)."""
+
+    def __init__(self, message: str, refused: Dict[str, Tuple[str, ...]]):
+        super().__init__(message)
+        self.refused = refused
+
+
 class Integration:
     def __init__(self, framework: str, settings: Settings, parts: Tuple[Part, ...], patcher: Patcher,
                  plan_class: Type[Plan], found: Callable[[], Found], version_file: str,
@@ -43,6 +52,9 @@ class Integration:
         self.patcher.restore()
         self.plan = None
 
+    def is_installed(self) -> bool:
+        return self.plan is not None
+
     def installed_settings(self) -> Optional[Dict[str, Any]]:
         return dict(self.plan.settings) if self.plan is not None else None
 
@@ -60,5 +72,5 @@ class Integration:
     def refusal_message(self, refused: Dict[str, Tuple[str, ...]]) -> str:
         found = self.found()
         parts = "; ".join(f"{part} ({', '.join(why)})" for part, why in refused.items())
-        return (f"the {self.framework} at {found.folder} ({self.version_file} says {found.version}) is not what twinkle-mem "
-                f"expects for: {parts}. Those parts run as {self.framework} ships them")
+        return (f"the {self.framework} at {found.folder} ({self.version_file} says {found.version}) is not what "
+                f"twinkle-mem expects for: {parts}. Those parts run as {self.framework} ships them")

@@ -11,6 +11,9 @@ Each integration declares, in its names module (twinkle's ``twinkle_names.py``, 
 
 :func:`recognize` reads a package's source (``source.py``) against those, importing nothing.
 """
+import importlib.util
+import os
+import sys
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 from . import source as src
@@ -92,3 +95,12 @@ def recognize(folder: str, names: Dict[str, Name], features: Tuple[Feature, ...]
     # The features first: they parse their functions whole, which the names' header checks then reuse.
     forms = {f.key: f.check(source) for f in features}
     return Found(folder, source.version(), {k: check_name(source, n) for k, n in names.items()}, forms)
+
+
+def package_folder(package: str, framework: str) -> str:
+    """The folder of the package ``package`` this process imports (found, not imported)."""
+    module = sys.modules.get(package)
+    spec = module.__spec__ if module is not None else importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"{framework} is not installed (no `{package}` package on the path)")
+    return os.path.realpath(list(spec.submodule_search_locations)[0])

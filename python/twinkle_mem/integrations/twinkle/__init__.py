@@ -37,9 +37,9 @@ it ships it, install() warns (:class:`TwinklePartsNotRecognized`) and :func:`ref
 """
 import logging
 import warnings
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
-from ..core.integration import Integration
+from ..core.integration import Integration, PartsNotRecognized
 from ..core.settings import SMALLEST_CHUNK_BYTES
 from . import patches, twinkle_names
 from .failed_micro_batches import FailedMicroBatchWarning
@@ -61,18 +61,14 @@ INTEGRATION = Integration("twinkle-kit", SETTINGS, twinkle_names.PARTS, patches.
                           twinkle_names.found, "version.py", before_install=_import_twinkle)
 
 
-class TwinklePartsNotRecognized(UserWarning):
-    """install() left parts of twinkle-kit as shipped: their twinkle names or features are not what it expects.
+class TwinklePartsNotRecognized(PartsNotRecognized):
+    """install() left parts of twinkle-kit as shipped: their names or features are not what it expects.
     ``refused``: {part: (why, ...)}."""
-
-    def __init__(self, message: str, refused: Dict[str, Tuple[str, ...]]):
-        super().__init__(message)
-        self.refused = refused
 
 
 def is_installed() -> bool:
     """Whether :func:`install` is in effect in this process (by a call, or by ``TWINKLE_MEM_INSTALL``)."""
-    return INTEGRATION.plan is not None
+    return INTEGRATION.is_installed()
 
 
 installed_settings = INTEGRATION.installed_settings  # install()'s arguments in effect here (None: not installed)

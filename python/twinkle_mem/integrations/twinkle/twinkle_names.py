@@ -20,13 +20,10 @@ types (Name, Feature, Part, Found) and the reading are the integrations' shared 
 """
 import functools
 import importlib
-import importlib.util
-import os
-import sys
 from typing import Dict, Optional, Tuple
 
 from ..core import source as src
-from ..core.recognition import Feature, Found, Name, Part, names_table, recognize as recognize_in
+from ..core.recognition import Feature, Found, Name, Part, names_table, package_folder, recognize as recognize_in
 from .settings import FUSED_LM_HEAD, LOG_SOFTMAX, LOGITS_GUARD
 
 MEGATRON = "twinkle.model.megatron.megatron"
@@ -55,9 +52,11 @@ FORWARD_BACKWARD = Name(MEGATRON, "MegatronModel.forward_backward", "function",
 MEGATRON_LAZY_WRAP = Name(MEGATRON, "MegatronModel._lazy_wrap_model", "function", "(self)",
                           why="called before the fused head decides on the model as it will run")
 MEGATRON_GROUP = Name(MEGATRON, "MegatronModel._get_default_group", "function", "(self)", why="the call's adapter")
-VARIABLE_SEQ_LENGTHS = Name(MEGATRON, "MegatronModel.variable_seq_lengths", "attribute", why="how twinkle returns logps")
+VARIABLE_SEQ_LENGTHS = Name(MEGATRON, "MegatronModel.variable_seq_lengths", "attribute",
+                            why="how twinkle returns logps")
 MEGATRON_CHUNKS = Name(MEGATRON, "MegatronModel.model", "attribute", why="the model chunks: their output layers")
-REDUCE_LOSS = Name(STRATEGY, "MegatronStrategy.reduce_loss", "function", "(self, local_loss, local_count, logits, logps)",
+REDUCE_LOSS = Name(STRATEGY, "MegatronStrategy.reduce_loss", "function",
+                   "(self, local_loss, local_count, logits, logps)",
                    why="wrapped: the logits guard's micro-batch reports")
 UNWRAP_MODEL = Name(STRATEGY, "MegatronStrategy.unwrap_model", "function", "(self, model)",
                     why="the pipeline stage of a chunk")
@@ -220,11 +219,7 @@ def recognize(folder: str) -> Found:
 
 def twinkle_folder() -> str:
     """The folder of the twinkle package this process imports (found, not imported)."""
-    module = sys.modules.get("twinkle")
-    spec = module.__spec__ if module is not None else importlib.util.find_spec("twinkle")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("twinkle-kit is not installed (no `twinkle` package on the path)")
-    return os.path.realpath(list(spec.submodule_search_locations)[0])
+    return package_folder("twinkle", "twinkle-kit")
 
 
 def found() -> Found:

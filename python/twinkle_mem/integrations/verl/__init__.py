@@ -22,9 +22,9 @@ integrations' shared core (``integrations/core/``) does the recognizing, plannin
 """
 import logging
 import warnings
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
-from ..core.integration import Integration
+from ..core.integration import Integration, PartsNotRecognized
 from . import patches, verl_names
 from .settings import IMPL_BACKEND, SETTINGS
 
@@ -37,18 +37,14 @@ INTEGRATION = Integration("verl", SETTINGS, verl_names.PARTS, patches.PATCHER, p
                           "version/version")
 
 
-class VerlPartsNotRecognized(UserWarning):
-    """install() left parts of verl as shipped: their verl names or features are not what it expects.
+class VerlPartsNotRecognized(PartsNotRecognized):
+    """install() left parts of verl as shipped: their names or features are not what it expects.
     ``refused``: {part: (why, ...)}."""
-
-    def __init__(self, message: str, refused: Dict[str, Tuple[str, ...]]):
-        super().__init__(message)
-        self.refused = refused
 
 
 def is_installed() -> bool:
     """Whether :func:`install` is in effect in this process (by a call, or by the ``verl.plugins`` entry point)."""
-    return INTEGRATION.plan is not None
+    return INTEGRATION.is_installed()
 
 
 installed_settings = INTEGRATION.installed_settings  # install()'s arguments in effect here (None: not installed)

@@ -109,7 +109,6 @@ def _on_twinkle(forward, chunk_bytes):
         finally:
             _CALL.reset(token)
 
-    forward_on_twinkle.verl_forward = forward
     return forward_on_twinkle
 
 

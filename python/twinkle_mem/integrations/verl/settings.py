@@ -7,7 +7,7 @@ from ..core.settings import BOOLEAN, FUSED_CHUNK_BYTES, Setting, Settings
 IMPL_BACKEND = "twinkle"  # the value of verl's fused_kernel_options.impl_backend that selects twinkle-mem
 
 LOGITS_PATH = Setting("logits_path", False, BOOLEAN,
-                      "verl's logits path (logprobs_from_logits, entropy_from_logits and its chunked form, the Megatron "
-                      "vocab-parallel log-probs and entropy) on twinkle-mem's op")
+                      "verl's logits path (logprobs_from_logits, entropy_from_logits and its chunked form, the "
+                      "Megatron vocab-parallel log-probs and entropy) on twinkle-mem's op")
 
 SETTINGS = Settings(LOGITS_PATH, FUSED_CHUNK_BYTES)

@@ -13,13 +13,10 @@ module and its table.
 """
 import ast
 import functools
-import importlib.util
-import os
-import sys
 from typing import Dict, Tuple
 
 from ..core import source as src
-from ..core.recognition import Feature, Found, Name, Part, names_table, recognize as recognize_in
+from ..core.recognition import Feature, Found, Name, Part, names_table, package_folder, recognize as recognize_in
 from .settings import LOGITS_PATH
 
 MONKEY_PATCH = "verl.models.transformers.monkey_patch"
@@ -176,11 +173,7 @@ def recognize(folder: str) -> Found:
 
 def verl_folder() -> str:
     """The folder of the verl package this process imports (found, not imported)."""
-    module = sys.modules.get("verl")
-    spec = module.__spec__ if module is not None else importlib.util.find_spec("verl")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("verl is not installed (no `verl` package on the path)")
-    return os.path.realpath(list(spec.submodule_search_locations)[0])
+    return package_folder("verl", "verl")
 
 
 def found() -> Found:
