@@ -199,21 +199,26 @@ def test_install_leaves_a_refused_part_as_shipped_and_warns(monkeypatch):
 # --- install / uninstall ----------------------------------------------------------------------------------------
 
 def test_install_is_idempotent_and_uninstall_restores_everything():
+    import verl.models.mcore.model_forward_1f1b_overlap as overlap_forward
     import verl.models.mcore.model_forward_fused as fused_forwards
     import verl.utils.kernel.linear_cross_entropy as kernel
     import verl.utils.torch_functional as verl_F
+
+    def now():
+        return (verl_F.logprobs_from_logits, kernel.linear_cross_entropy, fused_forwards.linear_cross_entropy,
+                overlap_forward.linear_cross_entropy)
+
     integration.uninstall()
-    shipped = (verl_F.logprobs_from_logits, kernel.linear_cross_entropy, fused_forwards.linear_cross_entropy)
+    shipped = now()
     try:
         integration.install(logits_path=True)
-        installed = (verl_F.logprobs_from_logits, kernel.linear_cross_entropy, fused_forwards.linear_cross_entropy)
+        installed = now()
         assert all(a is not b for a, b in zip(installed, shipped))
-        assert installed[1] is installed[2]  # (the Megatron forwards' copy, bound by name)
+        assert installed[1] is installed[2] is installed[3]  # (the Megatron forwards' copies, bound by name)
         integration.install(logits_path=True)
-        assert (verl_F.logprobs_from_logits, kernel.linear_cross_entropy) == installed[:2]
+        assert now() == installed
         integration.uninstall()
-        assert (verl_F.logprobs_from_logits, kernel.linear_cross_entropy, fused_forwards.linear_cross_entropy) \
-            == shipped and not integration.is_installed() and patches.PATCHER.patched() == []
+        assert now() == shipped and not integration.is_installed() and patches.PATCHER.patched() == []
     finally:
         integration.install()
 
