@@ -1,6 +1,7 @@
-"""`python -m twinkle_mem`: version, torch, which backends are built and loaded, whether a GPU is visible,
-the twinkle-kit found and what install() would patch there, whether install() ran in this process, and
-whether the start-up hook is installed and what TWINKLE_MEM_INSTALL, as set now, would do."""
+"""`python -m twinkle_mem`: version, torch, which backends are built and loaded, whether a GPU is visible; for
+twinkle-kit and for verl: the one found and what install() would patch there, whether install() ran in this
+process, whether the start-up hook (twinkle's .pth, verl's entry point) is in place, and what the variable
+(TWINKLE_MEM_INSTALL, TWINKLE_MEM_VERL), as set now, would do. Exit status 2 when a variable is invalid."""
 import os
 import platform
 import sys
@@ -41,31 +42,45 @@ def main() -> int:
             state, extra = f"library {state}", f"; GPU: {_gpus()}"
         print(f"  {backend:5s} {state}{extra}")
     from twinkle_mem.integrations import twinkle as integration
+    from twinkle_mem.integrations import verl as verl_integration
     from twinkle_mem.integrations.twinkle import startup
+    from twinkle_mem.integrations.verl import startup as verl_startup
     value = os.environ.get(startup.ENV_VAR)
-    try:
-        options = startup.parse(value)
-    except ValueError:
-        options = None
-    try:
-        shown = options if options is not None else {"fused_lm_head": True}  # (unset: every part)
-        found, *parts = integration.describe(**shown)
-    except ImportError as error:
-        print(f"twinkle-kit: {error}")
-    else:
-        asked = startup.install_call(shown)
-        print(f"{found}; {asked} patches there (each part recognized by twinkle's code):")
-        for line in parts:
-            print(f"  {line}")
-    print(f"install() in this process: {'yes' if integration.is_installed() else 'no'} "
-          "(twinkle_mem.integrations.twinkle.is_installed() tells, in any process)")
+    _framework("twinkle-kit", integration, startup.VARIABLE, value, {"fused_lm_head": True})
     print(f"start-up hook: {startup.hook_status()}")
     print(f"  {startup.describe(value)}")
+    verl_value = os.environ.get(verl_startup.ENV_VAR)
+    _framework("verl", verl_integration, verl_startup.VARIABLE, verl_value, {"logits_path": True})
+    print(f"verl.plugins entry point: {verl_startup.entry_point_status()}")
+    print(f"  {verl_startup.VARIABLE.describe(verl_value)}")
+    bad = False
+    for variable, text in ((startup.VARIABLE, value), (verl_startup.VARIABLE, verl_value)):
+        try:
+            variable.parse(text)
+        except ValueError:
+            bad = True
+    return 2 if bad else 0  # a job script can check the variables before it starts anything
+
+
+def _framework(name, integration, variable, value, every_part) -> None:
+    """The framework this process would import, what install() would patch there (as the variable asks; unset or
+    off: ``every_part``), and whether install() ran here."""
     try:
-        startup.parse(value)
+        options = variable.parse(value)
     except ValueError:
-        return 2  # a job script can check the variable before it starts anything
-    return 0
+        options = None
+    shown = every_part if options is None else options
+    try:
+        found, *parts = integration.describe(**shown)
+    except ImportError as error:
+        print(f"{name}: {error}")
+    else:
+        print(f"{found}; {variable.install_call(shown)} patches there (each part recognized by {name}'s code):")
+        for line in parts:
+            print(f"  {line}")
+    print(f"install() into {name} in this process: {'yes' if integration.is_installed() else 'no'} "
+          f"({integration.__name__}.is_installed() tells, in any process)")
+
 
 
 if __name__ == "__main__":

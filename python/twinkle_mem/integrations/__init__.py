@@ -1,5 +1,6 @@
-"""Integrations of twinkle-mem into training frameworks (each imported on demand)."""
-_MODULES = ("twinkle", "twinkle_lm_head")
+"""Integrations of twinkle-mem into training frameworks (each imported on demand): twinkle-kit (``twinkle/``) and
+verl (``verl/``), both on the shared core (``core/``)."""
+_MODULES = ("twinkle", "verl", "twinkle_lm_head")
 
 
 def __getattr__(name):

@@ -37,126 +37,72 @@ it ships it, install() warns (:class:`TwinklePartsNotRecognized`) and :func:`ref
 """
 import logging
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List
 
+from ..core.integration import Integration, PartsNotRecognized
+from ..core.settings import SMALLEST_CHUNK_BYTES
 from . import patches, twinkle_names
 from .failed_micro_batches import FailedMicroBatchWarning
+from .settings import MASK_SKIP_MODES, SETTINGS
 
 __all__ = ["install", "uninstall", "is_installed", "installed_settings", "refused", "describe", "check_settings",
-           "FailedMicroBatchWarning", "TwinklePartsNotRecognized", "MASK_SKIP_MODES"]
+           "FailedMicroBatchWarning", "TwinklePartsNotRecognized", "MASK_SKIP_MODES", "SMALLEST_CHUNK_BYTES"]
 
 logger = logging.getLogger("twinkle_mem")
 
-# twinkle_mem.processor.MASK_SKIP_MODES (a test holds them equal): that module imports torch, and this one is
-# imported by TWINKLE_MEM_INSTALL's hook at `import twinkle`, where a process pays for no torch.
-MASK_SKIP_MODES = ("npu", "always", "never")
 
-_plan: Optional[patches.Plan] = None
+def _import_twinkle() -> None:
+    # First import twinkle: where TWINKLE_MEM_INSTALL is set, that runs the start-up hook's install() now, to
+    # completion, so that this call then reinstalls with its own settings rather than patching over it.
+    import twinkle  # noqa: F401
 
 
-class TwinklePartsNotRecognized(UserWarning):
-    """install() left parts of twinkle-kit as shipped: their twinkle names or features are not what it expects.
+INTEGRATION = Integration("twinkle-kit", SETTINGS, twinkle_names.PARTS, patches.PATCHER, patches.Plan,
+                          twinkle_names.found, "version.py", before_install=_import_twinkle)
+
+
+class TwinklePartsNotRecognized(PartsNotRecognized):
+    """install() left parts of twinkle-kit as shipped: their names or features are not what it expects.
     ``refused``: {part: (why, ...)}."""
-
-    def __init__(self, message: str, refused: Dict[str, Tuple[str, ...]]):
-        super().__init__(message)
-        self.refused = refused
 
 
 def is_installed() -> bool:
     """Whether :func:`install` is in effect in this process (by a call, or by ``TWINKLE_MEM_INSTALL``)."""
-    return _plan is not None
+    return INTEGRATION.is_installed()
 
 
-def installed_settings() -> Optional[Dict[str, Any]]:
-    """install()'s arguments in effect in this process (None: not installed)."""
-    return dict(_plan.settings) if _plan is not None else None
+installed_settings = INTEGRATION.installed_settings  # install()'s arguments in effect here (None: not installed)
+refused = INTEGRATION.refused  # the parts asked for and left as twinkle ships them: {part: (why, ...)}
+check_settings = SETTINGS.check  # ValueError for install() arguments that do not go together (the variable's too)
+refusal_message = INTEGRATION.refusal_message
+uninstall = INTEGRATION.uninstall  # restore everything install() replaced; a no-op when not installed
 
 
-def refused() -> Dict[str, Tuple[str, ...]]:
-    """The parts install() was asked for and left as twinkle ships them: {part: (why, ...)} (empty: none)."""
-    return dict(_plan.refused) if _plan is not None else {}
-
-
-def install(*, log_softmax: bool = True, mask_skip: str = "npu", logits_guard: bool = True,
-            fused_lm_head: bool = False, fused_chunk_bytes: Optional[int] = None) -> None:
+def install(**settings) -> None:
     """Register twinkle-mem into twinkle-kit; idempotent, undone by :func:`uninstall`.
 
+    Its keyword arguments are the settings of ``settings.py`` (the signature below is built from them):
     ``mask_skip`` is one of :data:`MASK_SKIP_MODES` (``"npu"`` by default). ``fused_lm_head``: compute log-probs
     and entropy from the output layer's input where that is the same computation (see ``fused_head.py`` and
     docs/twinkle_integration.md); needs ``log_softmax``. ``fused_chunk_bytes``: the fused op's ``chunk_bytes``
     (its block working memory, 256 MiB by default); needs ``fused_lm_head``. Calling again with other settings
     reinstalls.
     """
-    settings = dict(log_softmax=log_softmax, mask_skip=mask_skip, logits_guard=logits_guard,
-                    fused_lm_head=fused_lm_head, fused_chunk_bytes=fused_chunk_bytes)
-    plan = install_settings(settings)
+    plan = install_settings(SETTINGS.bind("install", settings))
     if plan.refused:
         warnings.warn(TwinklePartsNotRecognized(f"twinkle-mem: {refusal_message(plan.refused)}", plan.refused),
                       stacklevel=2)
 
 
+install.__signature__ = SETTINGS.signature()
+
+
 def install_settings(settings: Dict[str, Any], strict: bool = False) -> patches.Plan:
     """install() itself; ``strict`` (TWINKLE_MEM_INSTALL): a part not recognized raises, nothing patched."""
-    global _plan
-    check_settings(settings)
-    # First import twinkle: where TWINKLE_MEM_INSTALL is set, that runs the start-up hook's install() now, to
-    # completion, so that this call then reinstalls with its own settings rather than patching over it.
-    import twinkle  # noqa: F401
-    if _plan is not None and _plan.settings == settings:
-        return _plan
-    plan = patches.Plan.for_settings(settings, twinkle_names.found())
-    if strict and plan.refused:
-        raise RuntimeError(refusal_message(plan.refused))
-    uninstall()
-    patches.apply(plan)
-    _plan = plan
-    return plan
+    return INTEGRATION.install_settings(settings, strict)
 
 
 def describe(**settings) -> List[str]:
     """The twinkle-kit this process would import (found, not imported) and what install(**settings) patches
     there, part by part; raises ImportError without twinkle-kit."""
-    found = twinkle_names.found()
-    plan = patches.Plan.for_settings({**install.__kwdefaults__, **settings}, found)
-    return [f"twinkle-kit at {found.folder} (version.py says {found.version})", *plan.describe()]
-
-
-def refusal_message(refused: Dict[str, Tuple[str, ...]]) -> str:
-    found = twinkle_names.found()
-    parts = "; ".join(f"{part} ({', '.join(why)})" for part, why in refused.items())
-    return (f"the twinkle-kit at {found.folder} (version.py says {found.version}) is not what twinkle-mem "
-            f"expects for: {parts}. Those parts run as twinkle-kit ships them")
-
-
-def check_settings(settings: Dict[str, Any]) -> None:
-    """Raise ValueError for install() arguments that do not go together (also TWINKLE_MEM_INSTALL's)."""
-    mask_skip, chunk_bytes = settings.get("mask_skip", "npu"), settings.get("fused_chunk_bytes")
-    if mask_skip not in MASK_SKIP_MODES:
-        raise ValueError(f"mask_skip must be one of {MASK_SKIP_MODES}, got {mask_skip!r}")
-    if settings.get("fused_lm_head", False) and not settings.get("log_softmax", True):
-        raise ValueError("fused_lm_head=True needs log_softmax=True: twinkle's selective_log_softmax call sites are "
-                         "where the fused results are handed over")
-    if chunk_bytes is None:
-        return
-    if not (isinstance(chunk_bytes, int) and not isinstance(chunk_bytes, bool) and chunk_bytes > 0):
-        raise ValueError(f"fused_chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
-    if not settings.get("fused_lm_head", False):
-        raise ValueError("fused_chunk_bytes sets the fused LM head's block memory: it needs fused_lm_head=True")
-    if chunk_bytes < SMALLEST_CHUNK_BYTES:
-        raise ValueError(f"fused_chunk_bytes={chunk_bytes} is below one row tile of the narrowest vocab block the "
-                         f"fused LM head ever uses ({SMALLEST_CHUNK_BYTES} bytes: no model fits); whether a value "
-                         "fits a model is judged at its first fused step; None is the default (256 MiB)")
-
-
-# The fused head's smallest block working memory: one row tile (512 rows) of a one-column vocab block, bf16,
-# forward (twinkle_mem.heads.engine.tile_bytes; a test holds the two equal). A number here, not computed: the variable's
-# check runs at `import twinkle`, which must not import torch for it.
-SMALLEST_CHUNK_BYTES = 1024
-
-
-def uninstall() -> None:
-    """Restore everything :func:`install` replaced; a no-op when not installed."""
-    global _plan
-    patches.restore()
-    _plan = None
+    return INTEGRATION.describe(settings)

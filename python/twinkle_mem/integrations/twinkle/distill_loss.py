@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from . import fused_head, loss_heads, twinkle_names
 from ._model import tensor_parallel_group
+from .settings import FUSED_LM_HEAD
 
 
 def _is_gkd(loss) -> bool:
@@ -203,10 +204,10 @@ class _Teacher:
 def gkd_call(original, plan):
     """``GKDLoss.__call__``: from the placeholder on the fused path, from the logits where covered, else
     twinkle's own."""
-    fused = plan.fused
+    fused = plan.value(FUSED_LM_HEAD)
     twinkles_divergence = twinkle_names.gkd_divergence()  # (as installed over)
     # twinkle-kit 0.4.0 masks label -100 whatever the loss's ignore_index: calls with another are left to it
-    masks_ignore_index = plan.features["gkd_ignore_index"]
+    masks_ignore_index = plan.feature(twinkle_names.GKD_IGNORE_INDEX)
 
     def __call__(self, inputs, outputs, *, teacher_logits=None, teacher_topk_logprobs=None, teacher_topk_indices=None,
                  topk=None, **kwargs):

@@ -18,6 +18,7 @@ from typing import Any, Callable, ContextManager, List, NamedTuple, Optional, Tu
 
 from . import distill_loss  # noqa: F401  (registers its loss head, GKD)
 from . import fused_eligibility, fused_head, loss_heads, twinkle_names
+from .settings import FUSED_CHUNK_BYTES
 
 logger = logging.getLogger("twinkle_mem")
 
@@ -59,7 +60,7 @@ def plan_call(path: FusedPath, model, kwargs, loss, plan) -> Planned:
         if reason is not None:
             logger.debug("twinkle-mem fused LM head not used: %s", reason)
         return Planned(None, [], reason)
-    call = fused_head.FusedCall.for_call(kwargs, loss, plan.chunk_bytes, head=head.for_call(path),
+    call = fused_head.FusedCall.for_call(kwargs, loss, plan.value(FUSED_CHUNK_BYTES), head=head.for_call(path),
                                          labels_from_processor=path.labels_from_processor)
     return Planned(call, layers, None)
 

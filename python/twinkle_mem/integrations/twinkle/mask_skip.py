@@ -9,6 +9,7 @@ from contextvars import ContextVar
 from twinkle_mem.processor import dense_causal_mask, resolve_mask_type, skip_dense_mask
 
 from . import fused_head, twinkle_names
+from .settings import MASK_SKIP
 
 
 _skip_mask: ContextVar[bool] = ContextVar("twinkle_mem_skip_mask", default=False)
@@ -44,7 +45,7 @@ def dense_mask(attention_mask):
 
 def processor_call(original, plan):
     """``InputProcessor.__call__`` under install(), with its ``mask_skip`` mode."""
-    platform, mode = twinkle_names.platform(), plan.settings["mask_skip"]
+    platform, mode = twinkle_names.platform(), plan.value(MASK_SKIP)
 
     @functools.wraps(original)
     def __call__(self, inputs, **kwargs):

@@ -16,6 +16,7 @@ from twinkle_mem.megatron import logits_guard as _logits_guard
 from . import fused_eligibility, fused_head, fused_plan, twinkle_names
 from ._model import tensor_parallel_group
 from .failed_micro_batches import report_failed_micro_batches
+from .settings import FUSED_CHUNK_BYTES
 
 
 _STEPS: ContextVar[Optional["_MegatronSteps"]] = ContextVar("twinkle_mem_megatron_steps", default=None)
@@ -23,8 +24,9 @@ _STEPS: ContextVar[Optional["_MegatronSteps"]] = ContextVar("twinkle_mem_megatro
 
 def megatron_forward_backward(original, plan):
     """``MegatronModel.forward_backward`` under install(): twinkle-mem's logits guard where ``plan.megatron_guard``,
-    failed micro-batches reported where ``plan.megatron_failures``, the fused head where ``plan.megatron_fused``."""
-    guard, fused, chunk_bytes = plan.megatron_guard, plan.megatron_fused, plan.chunk_bytes
+    failed micro-batches reported with the guard's part, the fused head with its part."""
+    guard, fused = plan.megatron_guard, plan.patches(twinkle_names.MEGATRON_FUSED_LM_HEAD)
+    failures = plan.patches(twinkle_names.MEGATRON_LOGITS_GUARD)  # whoever guards the logits
 
     @functools.wraps(original)
     def forward_backward(self, *args, **kwargs):
@@ -50,7 +52,7 @@ def megatron_forward_backward(original, plan):
             out = original(self, *args, **kwargs)
         if steps.refused:
             _refusals_after_the_step(steps.refused)
-        if plan.megatron_failures and steps.failed:
+        if failures and steps.failed:
             report_failed_micro_batches(self, kwargs, out, steps.failed)
         return out
 
@@ -59,7 +61,7 @@ def megatron_forward_backward(original, plan):
 
 def _fused_megatron(model, kwargs, loss, plan):
     """The fused call for one MegatronModel.forward_backward (fused_plan.py), or None where it does not apply."""
-    return fused_plan.fused(megatron_fused_path(model, plan.chunk_bytes), model, kwargs, loss, plan)
+    return fused_plan.fused(megatron_fused_path(model, plan.value(FUSED_CHUNK_BYTES)), model, kwargs, loss, plan)
 
 
 def megatron_fused_path(model, chunk_bytes: Optional[int]) -> fused_plan.FusedPath:

@@ -1,105 +1,54 @@
-"""What install() replaces in twinkle-kit, point by point, and how: each twinkle module is patched when the
-process first imports it (at once where it already has), so that install() imports nothing a process does not
-import itself. Every replaced object is saved; :func:`restore` puts them back.
+"""What install() replaces in twinkle-kit, point by point (:data:`POINTS`), and the plan the replacements read
+(:class:`Plan`). The machinery (each twinkle module patched when the process first imports it, every original
+saved and put back) is the integrations' shared core (``core/patching.py``).
 
 Nothing here imports torch, twinkle or twinkle_mem's ops at module level: a patch is made by the module that owns
-its concern (``mask_skip``, ``megatron_steps``, ``transformers_path``, ``distill_loss``), imported when its
-twinkle module has been, so torch is there then. ``selective_log_softmax`` is the exception: twinkle's
-``import twinkle`` already imports its module (not torch), so its replacement is made here and imports
+its concern (``mask_skip``, ``megatron_steps``, ``transformers_path``, ``distill_loss``), imported by its maker
+below when its twinkle module has been, so torch is there then. ``selective_log_softmax`` is the exception:
+twinkle's ``import twinkle`` already imports its module (not torch), so its replacement is made here and imports
 twinkle-mem's op at its first call.
 """
-import importlib
-import sys
-from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Tuple
+from typing import List, Optional, Tuple
 
+from ..core import plan as core_plan
+from ..core.patching import Patcher, Point
 from . import twinkle_names as names
+from .settings import FUSED_LM_HEAD
 
 
-class Plan(NamedTuple):
+class Plan(core_plan.Plan):
     """install()'s settings and what it patches on the twinkle-kit it found."""
-    settings: Dict[str, Any]
-    accepted: FrozenSet[str]  # the parts of twinkle_names.PARTS patched
-    refused: Dict[str, Tuple[str, ...]]  # the parts asked for but not recognized: why, one reason per name
-    features: Dict[str, Any]
-
-    @classmethod
-    def for_settings(cls, settings: Dict[str, Any], found: names.Found) -> "Plan":
-        asked = [p for p in names.PARTS if p.asked(settings)]
-        refused = {p.key: found.refusals(p) for p in asked if found.refusals(p)}
-        return cls(dict(settings), frozenset(p.key for p in asked if p.key not in refused), refused,
-                   dict(found.features))
-
-    @property
-    def fused(self) -> bool:
-        return self.settings["fused_lm_head"]
-
-    @property
-    def chunk_bytes(self) -> Optional[int]:
-        return self.settings["fused_chunk_bytes"]
+    __slots__ = ()
+    framework = "twinkle-kit"
 
     @property
     def megatron_guard(self) -> bool:
         """twinkle-mem's logits guard on the Megatron path (not where twinkle guards its logits itself)."""
-        return "megatron_logits_guard" in self.accepted and self.features["megatron_logits"] == "every micro-batch"
-
-    # Whether a part is patched. megatron_failures: failed micro-batches reported (NaN rows, a warning) with
-    # logits_guard, whoever guards the logits.
-    megatron_failures = property(lambda self: "megatron_logits_guard" in self.accepted)
-    megatron_fused = property(lambda self: "megatron_fused_lm_head" in self.accepted)
-    transformers_drop = property(lambda self: "transformers_logits_drop" in self.accepted)
-    transformers_fused = property(lambda self: "transformers_fused_lm_head" in self.accepted)
+        return (self.patches(names.MEGATRON_LOGITS_GUARD)
+                and self.feature(names.MEGATRON_LOGITS) == "every micro-batch")
 
     def fused_distillation(self, path: str) -> Optional[str]:
         """Why a fused GKD call on ``path`` ("megatron" / "transformers") is left to the unfused loss, or None."""
-        if not self.features[f"{path}_skips_unused_log_probs"]:
+        if not self.feature(names.FUSED_PATHS[path][1]):
             return "this twinkle-kit's forward step computes log-probs for every loss (no require_logps)"
-        if path == "megatron" and not self.megatron_guard and self.features["megatron_logits"] != "when asked":
+        if path == "megatron" and not self.megatron_guard and self.feature(names.MEGATRON_LOGITS) != "when asked":
             # its log-probs are None, which twinkle-kit up to 0.5.1 passes to torch.cat
             return "a fused distillation call needs the logits guard (install(logits_guard=True))"
         return None
 
+    def status(self, part) -> str:
+        if part is names.MEGATRON_LOGITS_GUARD and self.patches(part) and not self.megatron_guard:
+            return "twinkle-kit's own (its forward step reports logits only when asked); failed micro-batches"
+        return super().status(part)
 
-    def describe(self) -> List[str]:
-        """What install() patches with these settings, part by part (``python -m twinkle_mem``, the README)."""
-        lines = []
-        for part in names.PARTS:
-            if not part.asked(self.settings):
-                status = "not asked for"
-            elif part.key in self.refused:
-                status = "refused, runs as twinkle-kit ships it: " + "; ".join(self.refused[part.key])
-            elif part.key == "megatron_logits_guard" and not self.megatron_guard:
-                status = "twinkle-kit's own (its forward step reports logits only when asked); failed micro-batches"
-            else:
-                status = "patched"
-            lines.append(f"{part.key:28s} {part.what}: {status}")
-        for path in ("megatron", "transformers"):
-            if self.fused and f"{path}_fused_lm_head" in self.accepted:
-                why = self.fused_distillation(path)
-                lines.append(f"{'':28s} {path} fused distillation (GKD): " + ("yes" if why is None else f"no: {why}"))
-        return lines
-
-
-class Point(NamedTuple):
-    module: str
-    owner: Optional[str]  # a class of the module, or None: a module attribute
-    attribute: str
-    wanted: Callable[[Plan], bool]
-    make: Callable[[Any, Plan], Any]  # (the original, the plan) -> the replacement
-    # The twinkle modules that imported the original by name get the replacement too (put back by restore(), and
-    # in the twinkle modules imported since, which bound the replacement)
-    rebound_by_name: bool = False
-
-
-def _maker(module: str, function: str) -> Callable[[Any, Plan], Any]:
-    def make(original, plan):
-        import twinkle_mem
-        twinkle_mem._load_api()  # (the package may have been imported without torch: the start-up hook)
-        return getattr(importlib.import_module(f"{__package__}.{module}"), function)(original, plan)
-    return make
+    def notes(self) -> List[str]:
+        return [f"{'':28s} {path} fused distillation (GKD): " + ("yes" if why is None else f"no: {why}")
+                for path, (part, _) in names.FUSED_PATHS.items() if self.patches(part)
+                for why in [self.fused_distillation(path)]]
 
 
 def _log_softmax_adapter(original, plan):
-    fused = plan.fused
+    fused = plan.value(FUSED_LM_HEAD)
 
     def selective_log_softmax(logits, index, return_entropy=False):
         """twinkle-kit's ``selective_log_softmax`` signature, computed by twinkle-mem's op."""
@@ -117,115 +66,70 @@ def _log_softmax_adapter(original, plan):
     return selective_log_softmax
 
 
-def _megatron_hooked(plan):
-    return plan.megatron_failures or plan.megatron_fused
+# The makers of the other replacements: each imports the module that owns its concern (which imports torch).
+
+def _gkd_call(original, plan):
+    from .distill_loss import gkd_call
+    return gkd_call(original, plan)
 
 
-def _transformers_forward(plan):
-    return plan.transformers_drop or plan.transformers_fused
+def _processor_call(original, plan):
+    from .mask_skip import processor_call
+    return processor_call(original, plan)
 
+
+def _create_4d_attention_mask(original, plan):
+    from .mask_skip import create_4d_attention_mask
+    return create_4d_attention_mask(original, plan)
+
+
+def _megatron_forward_backward(original, plan):
+    from .megatron_steps import megatron_forward_backward
+    return megatron_forward_backward(original, plan)
+
+
+def _scheduler_with_step_hooks(original, plan):
+    from .megatron_steps import scheduler_with_step_hooks
+    return scheduler_with_step_hooks(original, plan)
+
+
+def _guarded_reduce_loss(original, plan):
+    from .megatron_steps import guarded_reduce_loss
+    return guarded_reduce_loss(original, plan)
+
+
+def _transformers_forward(original, plan):
+    from .transformers_path import forward
+    return forward(original, plan)
+
+
+def _transformers_forward_only(original, plan):
+    from .transformers_path import forward_only
+    return forward_only(original, plan)
+
+
+def _calculate_loss(original, plan):
+    from .transformers_path import calculate_loss_dropping_logits
+    return calculate_loss_dropping_logits(original, plan)
+
+
+_MEGATRON_HOOKED = (names.MEGATRON_LOGITS_GUARD, names.MEGATRON_FUSED_LM_HEAD)
+_TRANSFORMERS_FORWARD = (names.TRANSFORMERS_LOGITS_DROP, names.TRANSFORMERS_FUSED_LM_HEAD)
 
 POINTS: Tuple[Point, ...] = (
-    Point("twinkle.utils.torch_utils", None, "selective_log_softmax", lambda p: "log_softmax" in p.accepted,
-          _log_softmax_adapter, rebound_by_name=True),
-    Point(names.GKD, "GKDLoss", "__call__", lambda p: "gkd_loss" in p.accepted, _maker("distill_loss", "gkd_call")),
-    Point(names.PROCESSOR, "InputProcessor", "__call__", lambda p: "mask_skip" in p.accepted,
-          _maker("mask_skip", "processor_call")),
-    Point(names.PROCESSOR, "InputProcessor", "_create_4d_attention_mask", lambda p: "mask_skip" in p.accepted,
-          _maker("mask_skip", "create_4d_attention_mask")),
-    Point(names.MEGATRON, "MegatronModel", "forward_backward", _megatron_hooked,
-          _maker("megatron_steps", "megatron_forward_backward")),
-    Point("megatron.core.pipeline_parallel", None, "get_forward_backward_func", _megatron_hooked,
-          _maker("megatron_steps", "scheduler_with_step_hooks")),
-    Point(names.STRATEGY, "MegatronStrategy", "reduce_loss", lambda p: p.megatron_guard,
-          _maker("megatron_steps", "guarded_reduce_loss")),
-    Point(names.TRANSFORMERS, "TransformersModel", "forward", _transformers_forward,
-          _maker("transformers_path", "forward")),
-    Point(names.TRANSFORMERS, "TransformersModel", "forward_only", _transformers_forward,
-          _maker("transformers_path", "forward_only")),
-    Point(names.TRANSFORMERS, "TransformersModel", "calculate_loss", lambda p: p.transformers_drop,
-          _maker("transformers_path", "calculate_loss_dropping_logits")),
+    Point(names.SELECTIVE_LOG_SOFTMAX, names.LOG_SOFTMAX_PART, _log_softmax_adapter, rebound_by_name=True,
+          loads_torch=False),
+    Point(names.GKD_CALL, names.GKD_LOSS, _gkd_call),
+    Point(names.PROCESSOR_CALL, names.MASK_SKIP_PART, _processor_call),
+    Point(names.CREATE_MASK, names.MASK_SKIP_PART, _create_4d_attention_mask),
+    Point(names.FORWARD_BACKWARD, _MEGATRON_HOOKED, _megatron_forward_backward),
+    Point(names.GET_FORWARD_BACKWARD_FUNC, _MEGATRON_HOOKED, _scheduler_with_step_hooks),
+    Point(names.REDUCE_LOSS, lambda plan: plan.megatron_guard, _guarded_reduce_loss),
+    Point(names.TRANSFORMERS_FORWARD, _TRANSFORMERS_FORWARD, _transformers_forward),
+    Point(names.TRANSFORMERS_FORWARD_ONLY, _TRANSFORMERS_FORWARD, _transformers_forward_only),
+    Point(names.CALCULATE_LOSS, names.TRANSFORMERS_LOGITS_DROP, _calculate_loss),
 )
 
-_MISSING = object()
-_saved: List[Tuple[Any, str, Any]] = []  # (owner, attribute, original raw value or _MISSING)
-_waiting: List[Callable] = []  # callbacks given to twinkle_mem_startup.after_import
-_rebound: List[Tuple[str, Any, Any]] = []  # (a Point rebound_by_name's attribute, the original, its replacement)
-
-
-def apply(plan: Plan) -> None:
-    """Patch every wanted point: at once in the modules already imported (all of them resolved before any is
-    patched, so a failure leaves twinkle as it was), the others when the process imports them."""
-    by_module: Dict[str, List[Point]] = {}
-    for point in POINTS:
-        if point.wanted(plan):
-            by_module.setdefault(point.module, []).append(point)
-    loaded = {m: ps for m, ps in by_module.items() if m in sys.modules}
-    resolved = [(pt, _owner(sys.modules[m], pt)) for m, ps in loaded.items() for pt in ps]
-    try:
-        for point, owner in resolved:
-            _patch(owner, point, plan)
-    except BaseException:
-        restore()
-        raise
-    import twinkle_mem_startup
-    for module, points in by_module.items():
-        if module not in loaded:
-            callback = _patch_on_import(points, plan)
-            _waiting.append(callback)
-            twinkle_mem_startup.after_import(module, callback)
-
-
-def _owner(module, point: Point):
-    return module if point.owner is None else getattr(module, point.owner)
-
-
-def _patch(owner, point: Point, plan: Plan) -> None:
-    original = getattr(owner, point.attribute)
-    new = point.make(original, plan)
-    if isinstance(vars(owner).get(point.attribute), staticmethod):
-        new = staticmethod(new)
-    _saved.append((owner, point.attribute, vars(owner).get(point.attribute, _MISSING)))
-    setattr(owner, point.attribute, new)
-    if point.rebound_by_name:  # ... and the modules that bound it by name
-        _rebound.append((point.attribute, original, new))
-        for module in _twinkle_modules_binding(point.attribute, original):
-            _saved.append((module, point.attribute, original))
-            setattr(module, point.attribute, new)
-
-
-def _patch_on_import(points: List[Point], plan: Plan) -> Callable:
-    def patch(module):
-        _waiting.remove(patch)
-        owners = [_owner(module, point) for point in points]
-        for owner, point in zip(owners, points):
-            _patch(owner, point, plan)
-    return patch
-
-
-def restore() -> None:
-    """Put back every object replaced so far, and patch nothing more on import."""
-    import twinkle_mem_startup
-    while _waiting:
-        twinkle_mem_startup.forget(_waiting.pop())
-    while _saved:
-        owner, name, raw = _saved.pop()
-        if raw is _MISSING:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, raw)
-    while _rebound:  # twinkle modules imported since bound the replacement by name: give them the original
-        attribute, original, replacement = _rebound.pop()
-        for module in _twinkle_modules_binding(attribute, replacement):
-            setattr(module, attribute, original)
-
-
-def patched() -> List[Tuple[Any, str]]:
-    """(owner, attribute) of every object replaced so far."""
-    return [(owner, name) for owner, name, _ in _saved]
-
-
-def _twinkle_modules_binding(attribute: str, obj: Any) -> List[Any]:
-    return [module for name, module in list(sys.modules.items())
-            if (name == "twinkle" or name.startswith("twinkle.")) and getattr(module, "__dict__", {}).get(
-                attribute) is obj]
+PATCHER = Patcher("twinkle", POINTS)
+_saved = PATCHER.saved  # (what uninstall() puts back; the start-up hook's tests read it)
+apply, restore, patched = PATCHER.apply, PATCHER.restore, PATCHER.patched

@@ -13,117 +13,21 @@ job fails at its start instead of training with twinkle-kit as shipped. ``import
 more than it did: install() patches each twinkle module when the process imports it (patches.py), and this
 module and those it imports need no torch.
 """
-import logging
 import os
-import re
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
-from . import MASK_SKIP_MODES
+from ..core.startup import Variable
+from .settings import SETTINGS
 
 ENV_VAR = "TWINKLE_MEM_INSTALL"
 HOOK_PTH = "twinkle_mem_startup.pth"  # imports twinkle_mem_startup, the hook itself
 
-logger = logging.getLogger("twinkle_mem.startup")
-
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-_SIZE = re.compile(r"(\d+)\s*(?:([kmg])(?:i?b)?|b)?", re.IGNORECASE)
-_UNITS = {None: 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-ACCEPTED = ("accepted: '1' (install() with its defaults), '0' or empty (off), or a comma-separated list of "
-            "install()'s arguments: log_softmax, logits_guard, fused_lm_head (a bare name is true; or "
-            "=true/false, =1/0, =yes/no, =on/off), mask_skip=" + "|".join(MASK_SKIP_MODES) +
-            ", fused_chunk_bytes=<bytes, with K/M/G for KiB/MiB/GiB>|none; "
-            "e.g. 'fused_lm_head,mask_skip=always,fused_chunk_bytes=128M'")
-
-
-def _bool(text: Optional[str]) -> bool:
-    if text is None or text.lower() in _TRUE:
-        return True
-    if text.lower() in _FALSE:
-        return False
-    raise ValueError("is not a boolean")
-
-
-def _bytes(text: Optional[str]) -> Optional[int]:
-    if text is not None and text.lower() == "none":
-        return None
-    match = _SIZE.fullmatch(text or "")
-    if match is None or int(match.group(1)) == 0:
-        raise ValueError("must be a positive size in bytes (K/M/G suffixes for KiB/MiB/GiB) or none")
-    return int(match.group(1)) * _UNITS[match.group(2) and match.group(2).lower()]
-
-
-def _as_given(text: Optional[str]) -> Optional[str]:
-    return text  # (install()'s own check_settings judges it, below)
-
-
+VARIABLE = Variable(ENV_VAR, SETTINGS, framework="twinkle-kit", package="twinkle", logger="twinkle_mem.startup",
+                    example="fused_lm_head,mask_skip=always,fused_chunk_bytes=128M")
+ACCEPTED = VARIABLE.accepted
 # One parser per install() keyword argument (a test holds this to install()'s signature).
-OPTIONS: Dict[str, Callable[[Optional[str]], Any]] = {
-    "log_softmax": _bool, "mask_skip": _as_given, "logits_guard": _bool, "fused_lm_head": _bool,
-    "fused_chunk_bytes": _bytes,
-}
-
-
-def parse(value: Optional[str]) -> Optional[Dict[str, Any]]:
-    """``install()``'s keyword arguments the variable's value asks for; ``None`` when it is off.
-
-    Raises ``ValueError`` naming the variable, the bad part and the accepted values."""
-    text = (value or "").strip()
-    if text in ("", "0"):
-        return None
-    if text == "1":
-        return {}
-    options: Dict[str, Any] = {}
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        name, sep, arg = part.partition("=")
-        name, arg = name.strip(), (arg.strip() if sep else None)
-        if name not in OPTIONS:
-            hint = _HINTS.get(name.lower(), "")
-            raise _error(value, f"{part!r} is not an argument of install(){hint}")
-        if name in options:
-            raise _error(value, f"{name!r} is given twice")
-        try:
-            options[name] = OPTIONS[name](arg)
-        except ValueError as why:
-            raise _error(value, f"{part!r}: {name} {why}") from None
-    if not options:
-        raise _error(value, "no argument given")
-    from . import check_settings
-    try:
-        check_settings(options)
-    except ValueError as why:
-        raise _error(value, str(why)) from None
-    return options
-
-
-# Words meaning on or off, written where the variable wants '1' or '0'.
-_HINTS = {**{word: " ('0' alone is off)" for word in ("false", "off", "no", "none")},
-          **{word: " ('1' alone is install() with its defaults)" for word in ("1", "true", "on", "yes")}}
-
-
-def _error(value: Optional[str], problem: str) -> ValueError:
-    return ValueError(f"{ENV_VAR}={value!r}: {problem}; {ACCEPTED}")
-
-
-def install_call(options: Dict[str, Any]) -> str:
-    """``install(...)`` as the variable's options spell it."""
-    return "install(" + ", ".join(f"{name}={arg!r}" for name, arg in options.items()) + ")"
-
-
-def describe(value: Optional[str]) -> str:
-    """What a process importing twinkle would do with this value (``python -m twinkle_mem``)."""
-    if value is None:
-        return f"{ENV_VAR} unset: off (twinkle-kit runs as shipped)"
-    try:
-        options = parse(value)
-    except ValueError as error:
-        return f"invalid, `import twinkle` raises: {error}"
-    if options is None:
-        return f"{ENV_VAR}={value!r}: off (twinkle-kit runs as shipped)"
-    return f"{ENV_VAR}={value!r}: {install_call(options)} in every process that imports twinkle"
+OPTIONS = {setting.name: setting.parser.parse for setting in SETTINGS.settings}
+parse, install_call, describe = VARIABLE.parse, VARIABLE.install_call, VARIABLE.describe
 
 
 def hook_status() -> str:
@@ -150,43 +54,9 @@ def install_from_environment() -> Optional[Dict[str, Any]]:
 
     Returns the options installed (``None`` when off). Any failure raises, naming the variable; so does a part
     of twinkle-kit install() does not recognize (an explicit install() would leave it as shipped)."""
-    from . import install, install_settings
-    value = os.environ.get(ENV_VAR)
-    options = parse(value)
-    if options is None:
-        return None
-    try:
-        install_settings({**install.__kwdefaults__, **options}, strict=True)
-    except Exception as error:
-        raise RuntimeError(f"{ENV_VAR}={value!r}: {install_call(options)} failed when twinkle was imported: "
-                           f"{error}. To run twinkle-kit as shipped, unset {ENV_VAR} (or set it to 0); "
-                           "install() called in the script patches the parts it recognizes and leaves the others "
-                           "as shipped.") from error
-    _announce(value, options)
-    return options
-
-
-_announced = False
-
-
-def _announce(value: str, options: Dict[str, Any]) -> None:
-    """One line per process, at INFO (unless the application set the logger's level). Where no logging is set
-    up (no handler on the logger or above it) it gets a stderr handler of its own, so that the line shows in a
-    Ray worker's log and a torchrun child's output; otherwise it goes where the application's handlers send it."""
-    global _announced
-    if _announced:
-        return
-    _announced = True
-    if logger.level == logging.NOTSET:  # a level the application set stays
-        logger.setLevel(logging.INFO)
-    if not logger.hasHandlers():  # no logging set up (a Ray worker, a torchrun child): stderr
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
+    from . import install_settings
     from .twinkle_names import version
-    rank = os.environ.get("RANK")
-    where = f"pid {os.getpid()}" + (f", rank {rank}" if rank is not None else "")
-    if os.environ.get("LOCAL_RANK") is not None:
-        where += f", local rank {os.environ['LOCAL_RANK']}"
-    logger.info("twinkle-mem installed into twinkle-kit %s by %s=%r: %s (%s)", version(), ENV_VAR, value,
-                install_call(options), where)
+    return VARIABLE.install_from_environment(
+        lambda settings: install_settings(settings, strict=True), version,
+        advice=f"To run twinkle-kit as shipped, unset {ENV_VAR} (or set it to 0); install() called in the script "
+               "patches the parts it recognizes and leaves the others as shipped.")

@@ -30,9 +30,10 @@ def forward_only(original, plan):
 
 
 def _forward(original, plan, status: str):
-    if plan.transformers_fused:
+    if plan.patches(twinkle_names.TRANSFORMERS_FUSED_LM_HEAD):
         original = transformers_model_forward(original, plan)
-    if plan.transformers_drop:  # outermost: notes return_logits once twinkle's forward has filled the status
+    # outermost: notes return_logits once twinkle's forward has filled the status
+    if plan.patches(twinkle_names.TRANSFORMERS_LOGITS_DROP):
         original = forward_noting_return_logits(original, status)
     return original
 
