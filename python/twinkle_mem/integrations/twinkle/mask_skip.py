@@ -8,7 +8,7 @@ from contextvars import ContextVar
 
 from twinkle_mem.processor import dense_causal_mask, resolve_mask_type, skip_dense_mask
 
-from . import fused_head, twinkle_names
+from . import fused_call, twinkle_names
 from .settings import MASK_SKIP
 
 
@@ -61,7 +61,7 @@ def processor_call(original, plan):
             outputs = original(self, inputs, **kwargs)
         finally:
             _skip_mask.reset(token)
-        call = fused_head.current()
+        call = fused_call.current()
         if call is not None and call.labels_from_processor and isinstance(outputs, Mapping):
             call.set_labels(outputs.get("labels"))  # what TransformersModel pops before the model call
         return _drop_skipped(outputs)

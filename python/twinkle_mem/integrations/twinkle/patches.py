@@ -55,12 +55,12 @@ def _log_softmax_adapter(original, plan):
         import twinkle_mem
         if fused and logits.shape[-1] == 0:
             # A fused output layer's placeholder: its log-probs were computed from the layer's input.
-            from .fused_head import take
+            from .fused_call import take
             return take(logits, index, return_entropy)
         # Under vocab tensor parallelism (TP > 1) the logits are this rank's vocab shard, as for twinkle's own
         # function (Megatron's vocab-parallel CE there): the op combines the shards over the TP group, entropy too.
-        from ._model import tensor_parallel_group
-        return twinkle_mem.selective_log_softmax(logits, index, return_entropy, process_group=tensor_parallel_group())
+        return twinkle_mem.selective_log_softmax(logits, index, return_entropy,
+                                                 process_group=names.tensor_parallel_group())
 
     selective_log_softmax.twinkle_original = original
     return selective_log_softmax
