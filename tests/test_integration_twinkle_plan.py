@@ -165,7 +165,7 @@ def fake_path(name="transformers", layers=None, reason=None, vocab=12, tensor_pa
 def the_plan(**features):
     features = {"megatron_skips_unused_log_probs": True, "transformers_skips_unused_log_probs": True,
                 "megatron_logits": "when asked", **features}
-    return patches.Plan({"fused_lm_head": True, "fused_chunk_bytes": None}, frozenset(), {}, features)
+    return patches.TwinkleInstallPlan({"fused_lm_head": True, "fused_chunk_bytes": None}, frozenset(), {}, features)
 
 
 def plan(kwargs, loss, model=None, path=None, **features):

@@ -57,7 +57,7 @@ def _import_twinkle() -> None:
     import twinkle  # noqa: F401
 
 
-INTEGRATION = Integration("twinkle-kit", SETTINGS, twinkle_names.PARTS, patches.PATCHER, patches.Plan,
+INTEGRATION = Integration("twinkle-kit", SETTINGS, twinkle_names.PARTS, patches.PATCHER, patches.TwinkleInstallPlan,
                           twinkle_names.found, "version.py", before_install=_import_twinkle)
 
 
@@ -97,7 +97,7 @@ def install(**settings) -> None:
 install.__signature__ = SETTINGS.signature()
 
 
-def install_settings(settings: Dict[str, Any], strict: bool = False) -> patches.Plan:
+def install_settings(settings: Dict[str, Any], strict: bool = False) -> patches.TwinkleInstallPlan:
     """install() itself; ``strict`` (TWINKLE_MEM_INSTALL): a part not recognized raises, nothing patched."""
     return INTEGRATION.install_settings(settings, strict)
 
