@@ -9,9 +9,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "python" / "twinkle_mem"
 # The package's layers (docs/architecture.md), each importing only those of a lower or equal rank: the op's
 # Python side; distillation math; the fused heads; the public API (__init__.py); the integrations; the
-# command line. A module at the package's root other than these two is standalone (processor.py,
-# megatron.py, measure.py): rank 0, it imports no layer.
+# command line. A module at the package's root other than these two is standalone (measure.py): rank 0, it
+# imports no layer; or the public import path of a framework-agnostic fix that lives in integrations/twinkle/
+# (DESIGN.md, docs/twinkle_integration.md), of the integrations' layer: it re-exports that module and defines nothing.
 LAYER_RANK = {"op": 0, "distill": 1, "heads": 2, "__init__": 3, "integrations": 4, "__main__": 5}
+PUBLIC_PATHS = {"processor": "integrations.twinkle.causal_mask", "megatron": "integrations.twinkle.logits_guard"}
 
 
 def _imported_modules(path):
@@ -45,6 +47,8 @@ def _layer(parts) -> str:
     """The layer of a module given by its path under the package (("heads", "engine"), ("processor",), ())."""
     if len(parts) > 1 or (parts and parts[0] in LAYER_RANK):
         return parts[0]
+    if parts and parts[0] in PUBLIC_PATHS:
+        return "integrations"
     return "__init__" if not parts or parts == ("__init__",) else "standalone"
 
 
@@ -81,6 +85,26 @@ def test_layers_import_only_layers_below():
             if layer != source and rank[layer] > rank[source]:
                 bad.append(f"{path.relative_to(PACKAGE)} ({source}) imports {'.'.join(module) or name} ({layer})")
     assert not bad, bad
+
+
+def test_public_paths_only_re_export_their_module():
+    """twinkle_mem.processor and twinkle_mem.megatron: a docstring, the names of their module in
+    integrations/twinkle/, and __all__ naming exactly those; no code of their own, and nothing imports them."""
+    for name, target in PUBLIC_PATHS.items():
+        body = ast.parse((PACKAGE / f"{name}.py").read_text()).body
+        docstring, imported, exported = body[0], body[1], body[2:]
+        assert isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant), name
+        assert isinstance(imported, ast.ImportFrom) and (imported.level, imported.module) == (1, target), name
+        names = [alias.name for alias in imported.names if alias.asname is None]
+        assert len(exported) == 1 and isinstance(exported[0], ast.Assign), name
+        assert sorted(ast.literal_eval(exported[0].value)) == sorted(names), name
+        defined = {node.name for node in ast.parse((PACKAGE / f"{target.replace('.', '/')}.py").read_text()).body
+                   if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_")}
+        assert defined <= set(names), (name, defined - set(names))  # every public function of its module
+    users = [f"{path.relative_to(PACKAGE)} imports {'.'.join(module) or name}"
+             for path in sorted(PACKAGE.rglob("*.py")) for module, name in _package_imports(path)
+             if module in {(n,) for n in PUBLIC_PATHS} or (not module and name in PUBLIC_PATHS)]
+    assert not users, users
 
 
 def test_no_module_imports_a_private_name_of_another():

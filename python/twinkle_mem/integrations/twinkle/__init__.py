@@ -3,11 +3,13 @@
 This module owns install() / uninstall() and their settings. What twinkle-kit is expected to be, how a
 twinkle-kit is recognized (by its code, not its version string) and every twinkle name the integration
 touches: ``twinkle_names.py``. What is replaced, and when (each twinkle module when the process imports it):
-``patches.py``. Each patched concern lives in a module of its own: ``mask_skip`` (the causal-mask skip),
-``megatron_steps`` (twinkle's Megatron forward_backward, the scheduler's step hooks, the guarded reduce_loss),
-``failed_micro_batches``, ``transformers_path`` (twinkle's TransformersModel), ``fused_call_plan`` (a fused call
-planned, for both paths), ``loss_heads`` (the loss heads a fused call serves), ``fused_call`` (the deferred
-output layer) and ``distill_loss`` (GKDLoss).
+``patches.py``. Each patched concern lives in a module of its own: ``mask_skip`` (the causal-mask skip in
+twinkle's InputProcessor, decided by ``causal_mask``), ``megatron_steps`` (twinkle's Megatron forward_backward
+under ``logits_guard``, the scheduler's step hooks, the guarded reduce_loss), ``failed_micro_batches``,
+``transformers_path`` (twinkle's TransformersModel), ``fused_call_plan`` (a fused call planned, for both paths),
+``loss_heads`` (the loss heads a fused call serves), ``fused_call`` (one fused call: its state, the deferred
+output layer) and ``distill_loss`` (GKDLoss). ``causal_mask`` and ``logits_guard`` are framework-agnostic, public
+as ``twinkle_mem.processor`` and ``twinkle_mem.megatron``.
 
 ``install()`` patches, in the current process (in Ray mode: in every worker that runs a model; call it
 before training starts, or set ``TWINKLE_MEM_INSTALL``: ``startup.py``), the parts of twinkle_names.PARTS its

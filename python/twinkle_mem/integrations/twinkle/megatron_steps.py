@@ -10,11 +10,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from twinkle_mem.megatron import current_logits_reporting, guard_report
-from twinkle_mem.megatron import logits_guard as _logits_guard
-
 from . import fused_call, fused_call_plan, fused_eligibility, twinkle_names
 from .failed_micro_batches import report_failed_micro_batches
+from .logits_guard import current_logits_reporting, guard_report
+from .logits_guard import logits_guard as _logits_guard
 from .settings import FUSED_CHUNK_BYTES
 
 
