@@ -1,5 +1,6 @@
-"""What the distillation test modules share (tests/test_distill*.py): the gradient bound of the GKD heads,
-twinkle's GKDLoss per token, and the cases, tolerance and top-k teacher of the GKD ops from logits."""
+"""What the distillation test modules share (tests/test_distill*.py): the gradient bound of the GKD heads, and
+the cases, tolerance and top-k teacher of the GKD ops from logits. twinkle's GKDLoss per token, their reference:
+twinkle_mem.distill.reference.gkd_per_token_ref."""
 from __future__ import annotations
 
 import torch
@@ -17,17 +18,6 @@ def gkd_grad_bounds(hidden, weight, ids, sizes, eps):
     count = torch.zeros(weight.shape[0], dtype=torch.float64).index_add_(0, ids.flatten(),
                                                                          (sizes > 0).double().flatten())
     return bh, (count + 4).unsqueeze(1) * eps * (dense.t() @ hf.abs()), (count + 4) * eps * dense.sum(0)
-
-
-def twinkle_per_token(loss_fn, labels, logits, **teacher):
-    """twinkle's GKDLoss (``loss_fn``) for each kept token alone: its average over one token is that token's
-    sum (float64 [labels.shape], 0 on ignored tokens). ``teacher``: the loss's teacher keyword arguments."""
-    per_token = torch.zeros(labels.shape, dtype=torch.float64)
-    for i in (labels != -100).nonzero():
-        one = torch.full_like(labels, -100)
-        one[tuple(i)] = 0
-        per_token[tuple(i)] = loss_fn({"labels": one}, {"logits": logits.detach()}, **teacher)["loss"]
-    return per_token
 
 
 GKD_LOSS_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-6, torch.float64: 1e-12}

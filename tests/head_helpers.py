@@ -1,12 +1,12 @@
 """What the fused heads' test modules share (tests/test_linear_*.py, test_distill*.py): LM heads with exact
-logits (``make_head``), their float64 reference, the op's gradient bound and its carry through the matmuls,
-and a vocab-parallel head on one rank. The small blocks and tiles (``blocks``) are in helpers.py."""
+logits (``make_head``), the op's gradient bound and its carry through the matmuls, and a vocab-parallel head on
+one rank. Their float64 reference is twinkle_mem.heads.reference; the small blocks and tiles (``blocks``) are
+in helpers.py."""
 from __future__ import annotations
 
 import torch
 
 from numerics import SUBNORMAL_STEP, ulp
-from twinkle_mem.op.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
 
 
 def _dyadic(shape, scale, gen):
@@ -31,21 +31,6 @@ def make_head(n, h, v, dtype, *, bias=True, ignore_frac=0.0, k=None, seed=0, lea
     if lead is not None:
         hidden, labels = hidden.view(*lead, h), labels.view(*lead, *labels.shape[1:])
     return hidden, weight, b, labels
-
-
-def reference(hidden, weight, bias, labels, g_logp, g_entropy, temperature, ignore_index):
-    """float64 values and gradients, from the logits as the dtype's matmul rounds them
-    (exact fp32 sums of exact products, rounded once to the dtype)."""
-    h2 = hidden.reshape(-1, hidden.shape[-1])
-    x = (h2.double() @ weight.double().t() + (0 if bias is None else bias.double()))
-    x = x.to(hidden.dtype).double()  # the logits' rounding, as any matmul in that dtype rounds them
-    y = labels.reshape(h2.shape[0], *labels.shape[hidden.dim() - 1:])
-    logp, entropy, lse, mean = selective_log_softmax_ref(x, y, temperature, ignore_index)
-    gl = g_logp.reshape(y.shape).double()
-    ge = None if g_entropy is None else g_entropy.reshape(-1).double()
-    d = selective_log_softmax_grad_ref(x, y, gl, ge, temperature, ignore_index)
-    return dict(logp=logp.view(labels.shape), entropy=entropy.view(labels.shape[:hidden.dim() - 1]), d=d, x=x,
-                lse=lse, mean=mean)
 
 
 def op_bound(d, dtype):

@@ -5,8 +5,9 @@ megatron-core and mcore_bridge, shared with bench/, is cpu_harness/ at the repos
   lives in tests/numerics.py (check_outputs): logp and entropy within 1e-6 absolute + 1e-6 relative
   of float64, gradients within 2 ulp + 2^-22 of the row's largest + the subnormal step, or no worse
   than 2x torch's own fp32 path on the same input.
-- The fused LM heads: small vocab blocks and row tiles (``blocks``); their exact LM heads, float64
-  references and bounds are in head_helpers.py, the distillation's in distill_helpers.py.
+- The fused LM heads: small vocab blocks and row tiles (``blocks``); their exact LM heads and bounds
+  are in head_helpers.py, the distillation's in distill_helpers.py; the float64 references in the
+  package, one ``reference`` module per layer (twinkle_mem.op/heads/distill.reference).
 - The fused head in twinkle-kit: the shared model sizes, a recording GRPOLoss, the tolerance, a
   dispatch mode that sees every tensor an op returns (``VocabTensors``).
 - gloo worlds (``Cases``): CPU processes that run a test module's registered cases.

@@ -45,16 +45,8 @@ def test_ignore_value():
 def test_public_names_stay_where_the_docs_import_them_from():
     import twinkle_mem
     from twinkle_mem.integrations import twinkle as integration
-    from twinkle_mem.integrations import twinkle_lm_head
-    from twinkle_mem.integrations.twinkle import fused_head
     for name in ("install", "uninstall", "is_installed", "refused", "FailedMicroBatchWarning",
                  "TwinklePartsNotRecognized"):
         assert hasattr(integration, name), name
     for name in ("selective_log_softmax", "linear_selective_log_softmax", "entropy_from_logits", "backends"):
         assert callable(getattr(twinkle_mem, name)), name
-    # the fused head's former module: every public name it had, the same object as where it lives now
-    from twinkle_mem.integrations.twinkle import fused_eligibility
-    for name in ("IGNORE_INDEX", "FusedCall", "current", "take", "deferred", "megatron_forward", "transformers_forward",
-                 "call_ineligible", "megatron_output_layers", "transformers_lm_head"):
-        owner = fused_head if hasattr(fused_head, name) else fused_eligibility
-        assert getattr(twinkle_lm_head, name) is getattr(owner, name), name

@@ -27,11 +27,12 @@ import pytest
 import torch
 
 import twinkle_mem
-from distill_helpers import gkd_grad_bounds, twinkle_per_token
+from distill_helpers import gkd_grad_bounds
 from head_helpers import make_head
 from helpers import json_child, saved_for_backward
 from numerics import ulp
 from twinkle_mem.distill import divergence
+from twinkle_mem.distill.reference import gkd_per_token_ref
 from twinkle_mem.heads import gkd_topk
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
@@ -106,7 +107,7 @@ def twinkle_reference(hidden, weight, bias, ids, lp, labels, beta, temperature):
     cols = torch.arange(ids.shape[-1]).expand(ids.shape)
     avg_k = loss_fn({"labels": labels}, {"logits": xk}, teacher_topk_logprobs=lp, teacher_topk_indices=cols)["loss"]
     (d_entries,) = torch.autograd.grad(avg_k, xk)
-    per_token = twinkle_per_token(loss_fn, labels, xk, teacher_topk_logprobs=lp, teacher_topk_indices=cols)
+    per_token = gkd_per_token_ref(loss_fn, labels, xk, teacher_topk_logprobs=lp, teacher_topk_indices=cols)
     return avg.detach(), per_token, grads, d_entries
 
 

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 import twinkle_mem
-from distill_helpers import gkd_grad_bounds, twinkle_per_token
+from distill_helpers import gkd_grad_bounds
 from head_helpers import make_head
 from helpers import VocabTensors, saved_for_backward
 from numerics import ulp
+from twinkle_mem.distill.reference import gkd_per_token_ref
 from twinkle_mem.heads import engine, gkd_full
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
@@ -81,7 +82,7 @@ def twinkle_reference(hidden, weight, bias, teacher, labels, beta, temperature, 
     loss_fn = GKDLoss(beta=beta, temperature=temperature)
     avg = loss_fn({"labels": labels}, {"logits": logits / call_temperature}, teacher_logits=t)["loss"]
     avg.backward()
-    per_token = twinkle_per_token(loss_fn, labels, logits / call_temperature, teacher_logits=t)
+    per_token = gkd_per_token_ref(loss_fn, labels, logits / call_temperature, teacher_logits=t)
     return avg.detach(), per_token, (h.grad, w.grad, b.grad), logits.grad
 
 

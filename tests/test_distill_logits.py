@@ -21,10 +21,11 @@ import pytest
 import torch
 
 import twinkle_mem
-from distill_helpers import assert_gkd_loss_close, gkd_logits_case, twinkle_per_token
+from distill_helpers import assert_gkd_loss_close, gkd_logits_case
 from helpers import json_child, saved_for_backward
 from numerics import ulp
 from twinkle_mem.distill import local_teacher
+from twinkle_mem.distill.reference import gkd_per_token_ref
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
 
@@ -38,7 +39,7 @@ def twinkle_reference(student, teacher, labels, beta, temperature, topk):
     loss_fn = GKDLoss(beta=beta, temperature=temperature)
     avg = loss_fn({"labels": labels}, {"logits": s}, teacher_logits=t, topk=topk)["loss"]
     (grad,) = torch.autograd.grad(avg, s)
-    per_token = twinkle_per_token(loss_fn, labels, s, teacher_logits=t, topk=topk)
+    per_token = gkd_per_token_ref(loss_fn, labels, s, teacher_logits=t, topk=topk)
     return avg.detach(), per_token, grad
 
 

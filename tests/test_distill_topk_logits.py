@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import twinkle_mem
-from distill_helpers import assert_gkd_loss_close, gkd_logits_case, gkd_topk_teacher, twinkle_per_token
+from distill_helpers import assert_gkd_loss_close, gkd_logits_case, gkd_topk_teacher
 from head_helpers import make_head
 from helpers import saved_for_backward
 from numerics import ulp
+from twinkle_mem.distill.reference import gkd_per_token_ref
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
 
@@ -30,7 +31,7 @@ def reference(student, ids, lp, labels, beta, temperature):
     teacher = dict(teacher_topk_logprobs=lp.double(), teacher_topk_indices=ids)
     avg = loss_fn({"labels": labels}, {"logits": s}, **teacher)["loss"]
     (grad,) = torch.autograd.grad(avg, s)
-    return avg.detach(), twinkle_per_token(loss_fn, labels, s, **teacher), grad
+    return avg.detach(), gkd_per_token_ref(loss_fn, labels, s, **teacher), grad
 
 
 def run_op(student, ids, lp, labels, beta, temperature):

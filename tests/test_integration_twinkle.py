@@ -196,7 +196,7 @@ def test_tensor_parallel_passes_the_tp_group_to_the_op(monkeypatch):
     # path, entropy included) instead of twinkle's function; without TP, no group.
     # The op itself under a real TP group: tests/test_vocab_parallel.py.
     import twinkle.loss.grpo as grpo
-    from twinkle_mem.integrations.twinkle import _model
+    from twinkle_mem.integrations.twinkle import twinkle_names
     calls = []
     real_op = twinkle_mem.selective_log_softmax
 
@@ -209,10 +209,10 @@ def test_tensor_parallel_passes_the_tp_group_to_the_op(monkeypatch):
     labels = torch.randint(0, 97, (2, 5))
     integration.install()
     try:
-        monkeypatch.setattr(_model, "tensor_parallel_group", lambda: "tp-group")
+        monkeypatch.setattr(twinkle_names, "tensor_parallel_group", lambda: "tp-group")
         logp, entropy = grpo.selective_log_softmax(logits, labels, return_entropy=True)
         assert logp.dtype == entropy.dtype == torch.float32 and calls == ["tp-group"]
-        monkeypatch.setattr(_model, "tensor_parallel_group", lambda: None)
+        monkeypatch.setattr(twinkle_names, "tensor_parallel_group", lambda: None)
         assert grpo.selective_log_softmax(logits, labels).dtype == torch.float32 and calls == ["tp-group", None]
     finally:
         integration.uninstall()

@@ -1,5 +1,5 @@
 """install(fused_lm_head=True): twinkle-kit 0.5.1 computes log-probs and entropy from the output
-layer's input (python/twinkle_mem/integrations/twinkle/fused_head.py), on the CPU:
+layer's input (python/twinkle_mem/integrations/twinkle/fused_call.py), on the CPU:
 
 - twinkle's real MegatronModel around a real megatron-core GPTModel (TP = 1; TP = 2:
   tests/test_integration_twinkle_fused_tp.py), and twinkle's real TransformersModel around a
@@ -25,7 +25,7 @@ from helpers import (ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, SEQ, TOL,
                      blocks, grpo, scale_output, twinkle_has, twinkle_wrapped)
 from twinkle_mem.integrations import twinkle as integration
 from twinkle_mem.integrations.twinkle import fused_eligibility as eligibility
-from twinkle_mem.integrations.twinkle import fused_head as lm_head
+from twinkle_mem.integrations.twinkle import fused_call as lm_head
 from twinkle_mem.integrations.twinkle import twinkle_names, twinkle_source
 
 # conftest.py: megatron-core and twinkle on the CPU for the module; every test starts and ends uninstalled

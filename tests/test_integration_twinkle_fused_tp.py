@@ -117,7 +117,7 @@ def sequence_parallel_output_layer(rank, world):
     from megatron.core.tensor_parallel import ColumnParallelLinear
     from megatron.core.transformer import TransformerConfig
 
-    from twinkle_mem.integrations.twinkle import fused_head as lm_head
+    from twinkle_mem.integrations.twinkle import fused_call as lm_head
     mpu.initialize_model_parallel(tensor_model_parallel_size=WORLD)
     current_device = torch.cuda.current_device
     torch.cuda.current_device = lambda: "cpu"  # megatron's SP gather/scatter buffers

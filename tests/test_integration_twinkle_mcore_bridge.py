@@ -226,7 +226,7 @@ def test_mtp_model_called_with_labels_runs_unchanged(checkpoints, fused_calls, o
     """The same model called with labels inside a fused call (not twinkle's forward step): the MTP head
     runs, the output layer runs once more for it, and the deferred head steps aside (the model's own loss)."""
     from twinkle_mem.integrations.twinkle import fused_eligibility as eligibility
-    from twinkle_mem.integrations.twinkle import fused_head as lm_head
+    from twinkle_mem.integrations.twinkle import fused_call as lm_head
     model = build(checkpoints[False], mtp_num_layers=1)
     chunk = model.model[0].eval()  # in training mode MTP's loss logging asks for a CUDA device
     calls = output_layer_calls(model)

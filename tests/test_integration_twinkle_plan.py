@@ -1,7 +1,7 @@
-"""How install(fused_lm_head=True) plans a fused call (python/twinkle_mem/integrations/twinkle/fused_plan.py) and
-the loss heads it serves (loss_heads.py), on the CPU:
+"""How install(fused_lm_head=True) plans a fused call
+(python/twinkle_mem/integrations/twinkle/fused_call_plan.py) and the loss heads it serves (loss_heads.py), on the CPU:
 
-- both twinkle paths (Megatron, transformers) plan their calls through the one function, fused_plan.plan_call;
+- both twinkle paths (Megatron, transformers) plan their calls through the one function, fused_call_plan.plan_call;
 - the loss head registry: a GKD training step is claimed by the GKD head, every other call by the log-probs head;
   a new head, registered, claims its calls before them, and the deferred output layers (Megatron's and
   transformers') hand it the layer's input and weight, or its refusal where they cannot defer;
@@ -15,7 +15,7 @@ import torch
 from cpu_harness import megatron as th
 from helpers import ADVANTAGES, LENGTHS, PROMPT, VOCAB, gkd_teacher, grpo, twinkle_has
 from twinkle_mem.integrations import twinkle as integration
-from twinkle_mem.integrations.twinkle import distill_loss, fused_head, fused_plan, loss_heads, patches
+from twinkle_mem.integrations.twinkle import distill_loss, fused_call, fused_call_plan, loss_heads, patches
 
 # conftest.py: megatron-core and twinkle on the CPU for the module; every test starts and ends uninstalled
 pytestmark = pytest.mark.usefixtures("gpt_step_cpu", "uninstalled")
@@ -23,14 +23,14 @@ pytestmark = pytest.mark.usefixtures("gpt_step_cpu", "uninstalled")
 
 def test_both_paths_plan_through_one_function(monkeypatch):
     planned = []
-    real = fused_plan.plan_call
+    real = fused_call_plan.plan_call
 
     def spy(path, model, kwargs, loss, plan):
         result = real(path, model, kwargs, loss, plan)
         planned.append((path.name, type(result.call.head) if result.call is not None else None))
         return result
 
-    monkeypatch.setattr(fused_plan, "plan_call", spy)
+    monkeypatch.setattr(fused_call_plan, "plan_call", spy)
     integration.install(mask_skip="never", fused_lm_head=True)
     try:
         samples = th.lm_samples(LENGTHS, VOCAB, prompt=PROMPT)
@@ -79,7 +79,7 @@ class Dummy(loss_heads.LossHead):
 
     def output(self, call, hidden, weight, labels, process_group, seq_first):
         self.seen.append((hidden, weight, labels, process_group, seq_first))
-        return fused_head.make_placeholder(hidden)
+        return fused_call.make_placeholder(hidden)
 
 
 @pytest.fixture
@@ -96,12 +96,12 @@ def test_a_registered_head_claims_its_calls(dummy_registered):
     assert loss_heads.claiming({}, GRPOLoss()) is loss_heads.LogProbs
     path = fake_path(layers=[torch.nn.Linear(4, 12, bias=False)])
     assert plan({"dummy": "its own refusal"}, GRPOLoss(), path=path) == "its own refusal"
-    call = fused_plan.plan_call(path, FakeModel(), {"dummy": None}, GRPOLoss(), the_plan()).call
+    call = fused_call_plan.plan_call(path, FakeModel(), {"dummy": None}, GRPOLoss(), the_plan()).call
     assert type(call.head) is Dummy and call.labels_from_processor
 
 
 def run_deferred(layer, make_forward, call, *args):
-    with fused_head.deferred([layer], make_forward, call):
+    with fused_call.deferred([layer], make_forward, call):
         return layer(*args)
 
 
@@ -110,13 +110,13 @@ def test_deferred_layers_dispatch_to_the_calls_head(path):
     b, s = 2, 5
     labels = torch.randint(0, VOCAB, (b, s))
     if path == "megatron":
-        layer, make, seq_first = th.gpt_model(VOCAB).output_layer, fused_head.megatron_forward, True
+        layer, make, seq_first = th.gpt_model(VOCAB).output_layer, fused_call.megatron_forward, True
         hidden = torch.randn(s, b, layer.weight.shape[1])
     else:
-        layer, make, seq_first = torch.nn.Linear(32, VOCAB, bias=False), fused_head.transformers_forward, False
+        layer, make, seq_first = torch.nn.Linear(32, VOCAB, bias=False), fused_call.transformers_forward, False
         hidden = torch.randn(b, s, 32)
     head = Dummy()
-    call = fused_head.FusedCall(1.0, False, None, head=head)
+    call = fused_call.FusedCall(1.0, False, None, head=head)
     call.set_labels(labels)
     out = run_deferred(layer, make, call, hidden)
     out = out[0] if seq_first else out
@@ -129,7 +129,7 @@ def test_deferred_layers_dispatch_to_the_calls_head(path):
     with pytest.raises(RuntimeError, match="the dummy head cannot run its layer unchanged"):
         run_deferred(layer, make, call, hidden)
     assert call.refused == Dummy.cannot_defer
-    logits = run_deferred(layer, make, fused_head.FusedCall(1.0, False, None), hidden)
+    logits = run_deferred(layer, make, fused_call.FusedCall(1.0, False, None), hidden)
     assert (logits[0] if seq_first else logits).shape == (*hidden.shape[:2], VOCAB)
 
 
@@ -157,19 +157,20 @@ def fake_path(name="transformers", layers=None, reason=None, vocab=12, tensor_pa
             raise AssertionError("the model was read before the call's own refusals")
         return ([] if layers is None else layers), reason
 
-    return fused_plan.FusedPath(name, output_layers, lambda layers: (vocab, tensor_parallel),
-                                fused_head.transformers_forward, labels_from_processor=name == "transformers",
-                                checked=checked or (lambda layers: None))
+    return fused_call_plan.FusedPath(name, output_layers, lambda layers: (vocab, tensor_parallel),
+                                     fused_call.transformers_forward, labels_from_processor=name == "transformers",
+                                     checked=checked or (lambda layers: None))
 
 
 def the_plan(**features):
     features = {"megatron_skips_unused_log_probs": True, "transformers_skips_unused_log_probs": True,
                 "megatron_logits": "when asked", **features}
-    return patches.Plan({"fused_lm_head": True, "fused_chunk_bytes": None}, frozenset(), {}, features)
+    return patches.TwinkleInstallPlan({"fused_lm_head": True, "fused_chunk_bytes": None}, frozenset(), {}, features)
 
 
 def plan(kwargs, loss, model=None, path=None, **features):
-    return fused_plan.plan_call(path or fake_path(), model or FakeModel(), kwargs, loss, the_plan(**features)).reason
+    return fused_call_plan.plan_call(path or fake_path(), model or FakeModel(), kwargs, loss,
+                                     the_plan(**features)).reason
 
 
 def losses():
@@ -234,15 +235,15 @@ def test_gkd_refusals_in_the_plans_order(kwargs, model, path, features, message)
 
 def test_a_planned_call():
     checked = []
-    gkd = fused_plan.plan_call(fake_path("megatron", layers=[LAYER], checked=checked.append), FakeModel(),
+    gkd = fused_call_plan.plan_call(fake_path("megatron", layers=[LAYER], checked=checked.append), FakeModel(),
                                {**local_teacher(topk=3), "temperature": 0.7}, gkd_loss(), the_plan())
     assert gkd.reason is None and gkd.layers == [LAYER] and checked == [[LAYER]]
     assert type(gkd.call.head) is distill_loss.GKD and gkd.call.temperature == 0.7
     assert not gkd.call.labels_from_processor
-    grpo_call = fused_plan.plan_call(fake_path(layers=[LAYER]), FakeModel(), {}, losses()["grpo"], the_plan())
+    grpo_call = fused_call_plan.plan_call(fake_path(layers=[LAYER]), FakeModel(), {}, losses()["grpo"], the_plan())
     assert type(grpo_call.call.head) is loss_heads.LogProbs and grpo_call.call.labels_from_processor
     # no output layer (not the last pipeline stage): no call, no refusal, the chunk budget judged all the same
-    none = fused_plan.plan_call(fake_path("megatron", layers=[], checked=checked.append), FakeModel(), {},
+    none = fused_call_plan.plan_call(fake_path("megatron", layers=[], checked=checked.append), FakeModel(), {},
                                 losses()["grpo"], the_plan())
     assert none == (None, [], None) and checked[-1] == []
 
@@ -252,8 +253,8 @@ def test_fused_gkd_on_a_tied_megatron_model(monkeypatch):
     holds no weight): the call is fused, with install()'s loss and gradients."""
     from twinkle.loss.gkd import GKDLoss
     planned = []
-    real = fused_plan.plan_call
-    monkeypatch.setattr(fused_plan, "plan_call", lambda *args: planned.append(real(*args)) or planned[-1])
+    real = fused_call_plan.plan_call
+    monkeypatch.setattr(fused_call_plan, "plan_call", lambda *args: planned.append(real(*args)) or planned[-1])
     runs = []
     for fused in (False, True):
         integration.install(mask_skip="never", fused_lm_head=fused)

@@ -21,13 +21,14 @@ import pytest
 import torch
 
 import twinkle_mem
-from head_helpers import make_head, op_bound, reference, through_matmul
+from head_helpers import make_head, op_bound, through_matmul
 from helpers import assert_stats_close, blocks
 from numerics import Impl, check_case, make_cases, ulp
 from twinkle_mem.heads import engine, logprobs
 from twinkle_mem.heads.engine import block_width, fit_width, tile_budget, tile_bytes, tiles_in_flight
 from twinkle_mem.heads.frozen import frozen_grad
 from twinkle_mem.heads.logprobs import linear_bwd, linear_fwd
+from twinkle_mem.heads.reference import linear_selective_log_softmax_ref
 from twinkle_mem.op import composite
 
 lsls = twinkle_mem.linear_selective_log_softmax
@@ -132,7 +133,7 @@ def _check_against_float64(hidden, weight, bias, labels, *, temperature, ignore_
     g_ent = torch.randn(hidden.shape[:-1], generator=gen, dtype=torch.float64).to(want) if entropy else None
     total = (logp * g_logp).sum() + ((ent * g_ent).sum() if entropy else 0)
     grads = torch.autograd.grad(total, [t for t in (h, w, b) if t is not None and t.requires_grad])
-    ref = reference(hidden, weight, bias, labels, g_logp, g_ent, temperature, ignore_index)
+    ref = linear_selective_log_softmax_ref(hidden, weight, bias, labels, g_logp, g_ent, temperature, ignore_index)
 
     assert_stats_close(logp, ref["logp"].view(logp.shape), "logp")
     if entropy:
@@ -208,7 +209,7 @@ def test_reduced_precision_gradients_no_worse_than_unfused(dtype):
     hidden, weight, bias, labels = make_head(n, h, v, dtype, bias=False, seed=5)
     gen = torch.Generator().manual_seed(9)
     g_logp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-    ref = reference(hidden, weight, None, labels, g_logp, g_ent, 1.0, None)
+    ref = linear_selective_log_softmax_ref(hidden, weight, None, labels, g_logp, g_ent, 1.0, None)
     ref_h, ref_w = ref["d"] @ weight.double(), ref["d"].t() @ hidden.double()
     hf, wf = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     with blocks(256, 16):  # 32 vocab blocks, 4 row tiles: grad_hidden and grad_weight summed in fp32
@@ -230,7 +231,7 @@ def test_float64_tight_and_gradcheck():
     with blocks(13, 16):
         assert torch.autograd.gradcheck(f, (h, w, b))
         logp, ent = f(h, w, b)
-    ref = reference(hidden, weight, bias, labels, torch.zeros(7, 2), None, 0.8, -100)
+    ref = linear_selective_log_softmax_ref(hidden, weight, bias, labels, torch.zeros(7, 2), None, 0.8, -100)
     torch.testing.assert_close(logp, ref["logp"], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ent, ref["entropy"], rtol=1e-12, atol=1e-12)
 
@@ -291,7 +292,7 @@ def test_entropy_only_k0_labels():
     no_labels = torch.zeros(5, 0, dtype=torch.long)
     with blocks(16, 16):
         logp, ent = lsls(hidden, weight, no_labels, True, bias=bias)
-    ref = reference(hidden, weight, bias, no_labels, torch.zeros(5, 0), None, 1.0, None)
+    ref = linear_selective_log_softmax_ref(hidden, weight, bias, no_labels, torch.zeros(5, 0), None, 1.0, None)
     assert logp.shape == (5, 0)
     torch.testing.assert_close(ent.double(), ref["entropy"], rtol=1e-6, atol=1e-6)
 

@@ -17,9 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from head_helpers import make_head, op_bound, reference, through_matmul, tp_head_leaves, vocab_shard
+from head_helpers import make_head, op_bound, through_matmul, tp_head_leaves, vocab_shard
 from helpers import Cases, assert_stats_close, blocks
 from numerics import ulp
+from twinkle_mem.heads.reference import linear_selective_log_softmax_ref
 
 cases = Cases(__name__, timeout_s=180)
 case = cases.register
@@ -68,7 +69,7 @@ def _run_and_check(rank, world, *, n=24, h=32, shard=250, dtype=torch.float32, b
                                                                  chunk_bytes=chunk)
     one = torch.autograd.grad((one_logp * g_logp).sum() + (one_ent * g_ent).sum(),
                               [t for t in (hs, ws, bs) if t is not None])
-    ref = reference(hidden, weight, b, labels, g_logp, g_ent, temperature, ignore)
+    ref = linear_selective_log_softmax_ref(hidden, weight, b, labels, g_logp, g_ent, temperature, ignore)
     for name, got, single, r in (("logp", logp, one_logp, ref["logp"]), ("entropy", ent, one_ent, ref["entropy"])):
         assert_stats_close(got, r.view(got.shape), f"{name} vs float64")
         assert ((got.double() - single.double()).abs() <= 2 * (1e-6 + 1e-6 * r.view(got.shape).abs())).all(), \

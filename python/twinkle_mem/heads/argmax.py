@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..op.vocab_parallel import VocabShard
-from .engine import Plan, RowTiles, acc_dtype, block_width, forward_sweep, pad_rows
+from .engine import BlockPlan, RowTiles, acc_dtype, block_width, forward_sweep, pad_rows
 
 
 def _fold(best: Tensor, index: Tensor, value: Tensor, column: Tensor) -> None:
@@ -56,7 +56,7 @@ def linear_argmax(hidden: Tensor, weight: Tensor, rows: Optional[Tensor] = None,
             value, column = logits.max(-1)
             _fold(best[rows], index[rows], value.to(dtype), column + v0)
 
-        forward_sweep(tiles, weight, None, Plan(block_width(weight.shape[0], x.shape[1]), 1, x.dtype), step)
+        forward_sweep(tiles, weight, None, BlockPlan(block_width(weight.shape[0], x.shape[1]), 1, x.dtype), step)
         best, index = best[:n], index[:n]
     shard = VocabShard.of(process_group, weight.shape[0], "weight")
     if shard.group_name:

@@ -234,7 +234,7 @@ class Needs(NamedTuple):
                 "bias": grad_bias if self.bias else None}
 
 
-class Plan(NamedTuple):
+class BlockPlan(NamedTuple):
     """How a head's sweep cuts the work: vocab blocks of ``width`` columns, ``group`` row tiles per buffer of
     logits (the chunk budget), logits in ``logits_dtype`` (the input dtype, as the model's layer would give
     them; or the accumulation dtype, for math in fp32 / fp64)."""
@@ -243,13 +243,13 @@ class Plan(NamedTuple):
     logits_dtype: torch.dtype
 
 
-def logits_buffer(tiles: RowTiles, plan: Plan) -> Tensor:
+def logits_buffer(tiles: RowTiles, plan: BlockPlan) -> Tensor:
     """The reused buffer of a sweep's logits: plan.group row tiles of plan.width columns, never more tiles than
     the rows present fill (a 22-row call holds one tile, not the budget's)."""
     return tiles.rows.new_empty(min(plan.group, tiles.count) * tiles.tile * plan.width, dtype=plan.logits_dtype)
 
 
-def _groups(tiles: RowTiles, plan: Plan, buf: Tensor, cols: int):
+def _groups(tiles: RowTiles, plan: BlockPlan, buf: Tensor, cols: int):
     """(the padded rows' slice, their logits' view of the buffer [rows, cols]) of each group of row tiles."""
     for g0 in range(0, tiles.count, plan.group):
         g1 = min(g0 + plan.group, tiles.count)
@@ -282,7 +282,7 @@ def _group_logits(tiles: RowTiles, tile_ids: range, x: Tensor, w: Tensor, b: Opt
     return h
 
 
-def forward_sweep(tiles: RowTiles, weight: Tensor, bias: Optional[Tensor], plan: Plan,
+def forward_sweep(tiles: RowTiles, weight: Tensor, bias: Optional[Tensor], plan: BlockPlan,
                   step: Callable[[int, int, slice, Tensor], None]) -> None:
     """step(v0, v1, rows, x) for each vocab block [v0, v1) in order and, within it, each group of row tiles in
     order: x [rows, v1 - v0], the logits of the padded rows ``rows`` (a slice) in plan.logits_dtype, is one
@@ -320,7 +320,7 @@ class BlockProducts:
         return out
 
 
-def backward_sweep(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], plan: Plan, needs: Needs,
+def backward_sweep(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], plan: BlockPlan, needs: Needs,
                    block_grad: Callable[[int, int, slice, Tensor], Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden [N, H], grad_weight, grad_bias) from block_grad(v0, v1, rows, x) -> d: the gradient of the
     loss w.r.t. the logits x of a forward_sweep step ([rows, v1 - v0], any float dtype; it may be x itself,

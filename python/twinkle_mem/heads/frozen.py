@@ -54,7 +54,7 @@ from torch import Tensor
 
 from ..op import ops
 from ..op.contract import acc_dtype
-from .engine import BlockProducts, Plan, Rows
+from .engine import BlockPlan, BlockProducts, Rows
 from .matmul import reduced
 
 
@@ -88,7 +88,7 @@ class FrozenGrads:
     blocks of a forward_sweep (``block`` in each step, after the statistics' fold), finished by ``vectors``."""
 
     def __init__(self, rows: Rows, weight: Tensor, labels: Tensor, ignore_index: int, vocab_start: int,
-                 vocab_size: int, inv_temperature: float, entropy: bool, plan: Plan):
+                 vocab_size: int, inv_temperature: float, entropy: bool, plan: BlockPlan):
         tiles = rows.tiles
         self.weight, self.ignore_index, self.vocab_start, self.inv_t = weight, ignore_index, vocab_start, inv_temperature
         self.tile = tiles.tile

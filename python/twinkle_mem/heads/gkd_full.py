@@ -32,7 +32,7 @@ from ..distill.arguments import GkdOptions, check_teacher_logits, checked_gkd, f
 from ..distill.divergence import gkd_grad, gkd_terms, log_add_exp
 from ..op.contract import stats_dtype
 from ..op.op_args import call, named_inputs, pick, register_autograd
-from .engine import (BlockProducts, Needs, Plan, Rows, acc_dtype, backward_sweep, check_head_args, fake_grads,
+from .engine import (BlockPlan, BlockProducts, Needs, Rows, acc_dtype, backward_sweep, check_head_args, fake_grads,
                      forward_sweep, frozen_head)
 from .frozen import row_scaled
 
@@ -42,10 +42,10 @@ M_S, L_S, M_T, L_T, LOSS, K = range(6)
 STATS = 6
 
 
-def _plan(hidden: Tensor, v: int) -> Plan:
+def _plan(hidden: Tensor, v: int) -> BlockPlan:
     """Blocks of FULL_BLOCK columns, one row tile at a time, logits in fp32 (fp64 for fp64): the float64 math
     takes them as they are."""
-    return Plan(min(FULL_BLOCK, v), 1, acc_dtype(hidden.dtype))
+    return BlockPlan(min(FULL_BLOCK, v), 1, acc_dtype(hidden.dtype))
 
 
 def _fold(state, z: Tensor, temperature: float):

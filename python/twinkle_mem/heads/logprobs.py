@@ -41,7 +41,7 @@ from ..op.contract import check_index_and_options, check_op_label_range, ignore_
 from ..op.op_args import call, named_inputs, pick, register_autograd
 from ..op.row_stats import combine_shard_stats_in_tiles, output_shift
 from ..op.vocab_parallel import VocabShard, gather_shard_stats
-from .engine import (VOCAB_BLOCK, Needs, Plan, Rows, backward_sweep, check_head_args, fake_grads, fit_width,
+from .engine import (VOCAB_BLOCK, BlockPlan, Needs, Rows, backward_sweep, check_head_args, fake_grads, fit_width,
                      forward_sweep, frozen_head, tile_budget, tiles_in_flight)
 from .frozen import FrozenGrads, frozen_grad
 
@@ -71,13 +71,13 @@ class LogprobOptions(NamedTuple):
     entropy_grad: bool  # the entropy may receive a gradient (False: a metric; a gradient reaching it raises)
 
 
-def _plan(hidden: Tensor, shard: int, chunk_bytes: int, backward: bool, vectors: int = 0) -> Plan:
+def _plan(hidden: Tensor, shard: int, chunk_bytes: int, backward: bool, vectors: int = 0) -> BlockPlan:
     """Vocab blocks of engine.fit_width columns (the same for a call's forward and backward), as many row tiles per
     op call as chunk_bytes holds, logits in the input dtype (the op reads them as the model's layer would give
     them)."""
     h_size, dtype = hidden.shape[1], hidden.dtype
     cols = fit_width(shard, h_size, dtype, chunk_bytes, vectors)
-    return Plan(cols, tiles_in_flight(cols, h_size, dtype, chunk_bytes, backward, vectors), dtype)
+    return BlockPlan(cols, tiles_in_flight(cols, h_size, dtype, chunk_bytes, backward, vectors), dtype)
 
 
 # ------------------------------------------------------------------ forward op

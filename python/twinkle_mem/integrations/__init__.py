@@ -1,6 +1,6 @@
 """Integrations of twinkle-mem into training frameworks (each imported on demand): twinkle-kit (``twinkle/``) and
 verl (``verl/``), both on the shared core (``core/``)."""
-_MODULES = ("twinkle", "verl", "twinkle_lm_head")
+_MODULES = ("twinkle", "verl")
 
 
 def __getattr__(name):

@@ -142,8 +142,9 @@ def released(tmp_path_factory):
 
 
 def _plan(folder, logits_path=True):
-    return patches.Plan.for_settings(verl_names.PARTS, {"logits_path": logits_path, "fused_chunk_bytes": None},
-                                     verl_names.recognize(folder))
+    return patches.VerlInstallPlan.for_settings(verl_names.PARTS,
+                                                {"logits_path": logits_path, "fused_chunk_bytes": None},
+                                                verl_names.recognize(folder))
 
 
 def test_this_verl_and_0_9_0_are_recognized_whole(released):

@@ -4,7 +4,7 @@
 - ``settings.py``: each setting declared once (name, default, parser, check, doc); the settings both share.
 - ``source.py``: a framework's source read without importing it.
 - ``recognition.py``: names, features and parts; a framework recognized by its code, refused part by part.
-- ``plan.py``: install()'s plan: its settings and the parts patched, refused, described.
+- ``install_plan.py``: install()'s plan: its settings and the parts patched, refused, described.
 - ``patching.py``: patch points, each declared once with real references; each module patched on import.
 - ``startup.py``: an integration's environment variable (grammar, checks, install at start-up, log line).
 - ``integration.py``: install / uninstall / describe / the refusal message, alike for every framework.

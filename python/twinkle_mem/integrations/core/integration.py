@@ -9,7 +9,7 @@ and how it finds the framework), and thin public functions around it (``integrat
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 from .patching import Patcher
-from .plan import Plan
+from .install_plan import InstallPlan
 from .recognition import Found, Part
 from .settings import Settings
 
@@ -25,14 +25,14 @@ class PartsNotRecognized(UserWarning):
 
 class Integration:
     def __init__(self, framework: str, settings: Settings, parts: Tuple[Part, ...], patcher: Patcher,
-                 plan_class: Type[Plan], found: Callable[[], Found], version_file: str,
+                 plan_class: Type[InstallPlan], found: Callable[[], Found], version_file: str,
                  before_install: Callable[[], None] = lambda: None):
         self.framework, self.settings, self.parts, self.patcher = framework, settings, parts, patcher
         self.plan_class, self.found, self.before_install = plan_class, found, before_install
         self.version_file = version_file  # where the framework says its version (messages quote it)
-        self.plan: Optional[Plan] = None  # the plan in effect in this process (None: not installed)
+        self.plan: Optional[InstallPlan] = None  # the plan in effect in this process (None: not installed)
 
-    def install_settings(self, values: Dict[str, Any], strict: bool = False) -> Plan:
+    def install_settings(self, values: Dict[str, Any], strict: bool = False) -> InstallPlan:
         """install() itself, with every setting given (``values``); ``strict`` (a variable's install): a part not
         recognized raises, nothing patched. The same settings again are a no-op; others reinstall."""
         self.settings.check(values)

@@ -9,21 +9,21 @@ integration's names table), the part or parts that want it, and the function tha
 import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Tuple, Union
 
-from .plan import Plan
+from .install_plan import InstallPlan
 from .recognition import Name, Part
 
 
 class Point(NamedTuple):
     target: Name  # the object replaced: a function, a method, a module attribute
-    wanted: Union[Part, Tuple[Part, ...], Callable[[Plan], bool]]  # a part patched (any of them), or a rule
-    make: Callable[[Any, Plan], Any]  # (the original, the plan) -> the replacement
+    wanted: Union[Part, Tuple[Part, ...], Callable[[InstallPlan], bool]]  # a part patched (any of them), or a rule
+    make: Callable[[Any, InstallPlan], Any]  # (the original, the plan) -> the replacement
     # The framework's modules that imported the original by name get the replacement too (put back by restore(),
     # and in the framework's modules imported since, which bound the replacement)
     rebound_by_name: bool = False
     # make() imports a module that imports torch (and twinkle-mem's ops): the package's API is loaded first
     loads_torch: bool = True
 
-    def is_wanted(self, plan: Plan) -> bool:
+    def is_wanted(self, plan: InstallPlan) -> bool:
         if isinstance(self.wanted, Part):
             return plan.patches(self.wanted)
         if isinstance(self.wanted, tuple):
@@ -51,7 +51,7 @@ class Patcher:
         self.waiting: List[Callable] = []  # callbacks given to twinkle_mem_startup.after_import
         self.rebound: List[Tuple[str, Any, Any]] = []  # (a rebound point's attribute, the original, its replacement)
 
-    def apply(self, plan: Plan) -> None:
+    def apply(self, plan: InstallPlan) -> None:
         """Patch every wanted point: at once in the modules already imported (all of them resolved before any is
         patched, so a failure leaves the framework as it was), the others when the process imports them."""
         by_module: Dict[str, List[Point]] = {}
@@ -73,7 +73,7 @@ class Patcher:
                 self.waiting.append(callback)
                 twinkle_mem_startup.after_import(module, callback)
 
-    def _patch(self, owner, point: Point, plan: Plan) -> None:
+    def _patch(self, owner, point: Point, plan: InstallPlan) -> None:
         if point.loads_torch:
             import twinkle_mem
             twinkle_mem._load_api()  # (the package may have been imported without torch: the start-up hook)
@@ -90,7 +90,7 @@ class Patcher:
                 self.saved.append((module, name, original))
                 setattr(module, name, new)
 
-    def _patch_on_import(self, points: List[Point], plan: Plan) -> Callable:
+    def _patch_on_import(self, points: List[Point], plan: InstallPlan) -> Callable:
         def patch(module):
             self.waiting.remove(patch)
             owners = [point.owner(module) for point in points]

@@ -3,11 +3,13 @@
 This module owns install() / uninstall() and their settings. What twinkle-kit is expected to be, how a
 twinkle-kit is recognized (by its code, not its version string) and every twinkle name the integration
 touches: ``twinkle_names.py``. What is replaced, and when (each twinkle module when the process imports it):
-``patches.py``. Each patched concern lives in a module of its own: ``mask_skip`` (the causal-mask skip),
-``megatron_steps`` (twinkle's Megatron forward_backward, the scheduler's step hooks, the guarded reduce_loss),
-``failed_micro_batches``, ``transformers_path`` (twinkle's TransformersModel), ``fused_plan`` (a fused call
-planned, for both paths), ``loss_heads`` (the loss heads a fused call serves), ``fused_head`` (the deferred
-output layer) and ``distill_loss`` (GKDLoss).
+``patches.py``. Each patched concern lives in a module of its own: ``mask_skip`` (the causal-mask skip in
+twinkle's InputProcessor, decided by ``causal_mask``), ``megatron_steps`` (twinkle's Megatron forward_backward
+under ``logits_guard``, the scheduler's step hooks, the guarded reduce_loss), ``failed_micro_batches``,
+``transformers_path`` (twinkle's TransformersModel), ``fused_call_plan`` (a fused call planned, for both paths),
+``loss_heads`` (the loss heads a fused call serves), ``fused_call`` (one fused call: its state, the deferred
+output layer) and ``distill_loss`` (GKDLoss). ``causal_mask`` and ``logits_guard`` are framework-agnostic, public
+as ``twinkle_mem.processor`` and ``twinkle_mem.megatron``.
 
 ``install()`` patches, in the current process (in Ray mode: in every worker that runs a model; call it
 before training starts, or set ``TWINKLE_MEM_INSTALL``: ``startup.py``), the parts of twinkle_names.PARTS its
@@ -25,7 +27,7 @@ settings ask for and the twinkle-kit has as expected:
   (``MegatronStrategy.reduce_loss`` patched too; not where twinkle reports logits only when asked itself), and
   the hooks report failed micro-batches (:class:`FailedMicroBatchWarning`, NaN rows in the returned log-probs)
   instead of letting the collected log-probs shift onto other samples; with ``fused_lm_head=True`` the output
-  layer is deferred for the call where it applies (``fused_head.py``);
+  layer is deferred for the call where it applies (``fused_call.py``);
 - ``TransformersModel.calculate_loss``, ``forward`` and ``forward_only`` (with ``logits_guard=True``): once the
   loss has been computed the step's logits leave the train (eval) status unless the caller asked for them or a
   metric may read them (``transformers_path.py``); with ``fused_lm_head=True`` the output layer is deferred in
@@ -57,7 +59,7 @@ def _import_twinkle() -> None:
     import twinkle  # noqa: F401
 
 
-INTEGRATION = Integration("twinkle-kit", SETTINGS, twinkle_names.PARTS, patches.PATCHER, patches.Plan,
+INTEGRATION = Integration("twinkle-kit", SETTINGS, twinkle_names.PARTS, patches.PATCHER, patches.TwinkleInstallPlan,
                           twinkle_names.found, "version.py", before_install=_import_twinkle)
 
 
@@ -83,7 +85,7 @@ def install(**settings) -> None:
 
     Its keyword arguments are the settings of ``settings.py`` (the signature below is built from them):
     ``mask_skip`` is one of :data:`MASK_SKIP_MODES` (``"npu"`` by default). ``fused_lm_head``: compute log-probs
-    and entropy from the output layer's input where that is the same computation (see ``fused_head.py`` and
+    and entropy from the output layer's input where that is the same computation (see ``fused_call.py`` and
     docs/twinkle_integration.md); needs ``log_softmax``. ``fused_chunk_bytes``: the fused op's ``chunk_bytes``
     (its block working memory, 256 MiB by default); needs ``fused_lm_head``. Calling again with other settings
     reinstalls.
@@ -97,7 +99,7 @@ def install(**settings) -> None:
 install.__signature__ = SETTINGS.signature()
 
 
-def install_settings(settings: Dict[str, Any], strict: bool = False) -> patches.Plan:
+def install_settings(settings: Dict[str, Any], strict: bool = False) -> patches.TwinkleInstallPlan:
     """install() itself; ``strict`` (TWINKLE_MEM_INSTALL): a part not recognized raises, nothing patched."""
     return INTEGRATION.install_settings(settings, strict)
 

@@ -12,7 +12,7 @@ chunk (about 7 [N, V] at beta = 0.5). Here, for twinkle's GKDLoss itself (a subc
   teacher's logits (``teacher_logits=``, with or without ``topk=``) to ``twinkle_mem.gkd_from_logits`` (no
   per-chunk graph; recomputed in backward), where student and teacher have one vocab; under TP a local
   teacher's ``topk=`` goes to ``gkd_topk_from_logits`` (its k largest logits, global ids).
-- ``install(fused_lm_head=True)``, a distillation call: the deferred output layer (fused_head.py) returns a
+- ``install(fused_lm_head=True)``, a distillation call: the deferred output layer (fused_call.py) returns a
   zero-width placeholder carrying its input and weight; twinkle's forward step hands it to the loss as
   ``outputs['logits']`` and the loss is computed from the hidden states: ``linear_gkd_topk`` for a top-k
   teacher (also a local teacher's ``topk=``: its k largest logits, the ids global under TP) and
@@ -31,8 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import fused_head, loss_heads, twinkle_names
-from ._model import tensor_parallel_group
+from . import fused_call, loss_heads, twinkle_names
 from .settings import FUSED_LM_HEAD
 
 
@@ -144,7 +143,7 @@ class GKD(loss_heads.LossHead):
         return cls(path.accuracy_metrics())
 
     def output(self, call, hidden, weight, labels, process_group, seq_first: bool):
-        placeholder = fused_head.make_placeholder(hidden)
+        placeholder = fused_call.make_placeholder(hidden)
         placeholder._twinkle_mem_head = DeferredHead(hidden, weight, process_group, seq_first, call.temperature,
                                                      self.accuracy)
         return placeholder
@@ -230,7 +229,7 @@ def gkd_call(original, plan):
                                "unchanged.")
         # (a class whose divergence is not twinkle-kit's own, a subclass's or one replaced since, computes its own)
         if logits is not None and labels is not None and type(self)._generalized_jsd_loss is twinkles_divergence \
-                and (masks_ignore_index or self.ignore_index == fused_head.IGNORE_INDEX):
+                and (masks_ignore_index or self.ignore_index == fused_call.IGNORE_INDEX):
             result = _gkd_from_logits(self, labels, logits, teacher)
             if result is not None:
                 return result
@@ -273,7 +272,7 @@ def _count_accuracy(head: DeferredHead, inputs, labels) -> None:
 def _gkd_from_logits(loss, labels, logits, teacher_kwargs):
     """GKDLoss from the student's logits (the call covered), or None (twinkle's own code runs)."""
     from twinkle_mem import gkd_average, gkd_from_logits, gkd_topk_from_logits
-    group = tensor_parallel_group()  # the logits are this rank's vocab shard under Megatron's TP
+    group = twinkle_names.tensor_parallel_group()  # the logits are this rank's vocab shard under Megatron's TP
     if not _has_topk_teacher(teacher_kwargs) and (
             teacher_kwargs["teacher_logits"] is None  # (half a top-k teacher: twinkle's own assertion)
             or local_teacher_ineligible(teacher_kwargs["teacher_logits"], teacher_kwargs["topk"],

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from . import loss_heads, twinkle_names
-from .fused_head import IGNORE_INDEX
+from .fused_call import IGNORE_INDEX
 
 # Config attributes that mean the logits are transformed after the output layer.
 # (Gemma 2/3/4 soft-capping, Cohere's logit_scale, Granite's logits_scaling, MuseGlimmer's output_multiplier)

@@ -3,7 +3,7 @@
 A loss head says which twinkle calls are its own (:meth:`LossHead.claims`), why a call of its own cannot take
 the fused path (its layout, before the model is read; its own inputs, once the output layer's vocab is known),
 what the deferred output layer returns in place of the logits (:meth:`LossHead.output`), and what the loss runs
-under for the call (:meth:`LossHead.loss_context`). fused_plan.py plans every fused call through them, in the
+under for the call (:meth:`LossHead.loss_context`). fused_call_plan.py plans every fused call through them, in the
 same order on both twinkle paths.
 
 The heads are tried from the last registered to the first: :class:`LogProbs` (twinkle's
@@ -48,13 +48,13 @@ class LossHead:
 
     @classmethod
     def for_call(cls, path) -> "LossHead":
-        """The head's state for one call on ``path`` (fused_plan.FusedPath)."""
+        """The head's state for one call on ``path`` (fused_call_plan.FusedPath)."""
         return cls()
 
     def output(self, call, hidden, weight, labels, process_group, seq_first: bool):
         """What the deferred output layer returns for a micro-batch in place of its logits: ``hidden`` [s, b, H]
         when ``seq_first`` (Megatron) else [b, s, H], ``labels`` [b, s], ``weight`` this rank's vocab shard
-        under ``process_group``; ``call`` the fused_head.FusedCall."""
+        under ``process_group``; ``call`` the fused_call.FusedCall."""
         raise NotImplementedError
 
     def loss_context(self, loss):
@@ -84,7 +84,7 @@ def registered() -> List[Type[LossHead]]:
 @register
 class LogProbs(LossHead):
     """The log-probs (and entropy) of the micro-batch's labels, computed through the fused head and handed to
-    twinkle's ``selective_log_softmax`` (fused_head.take) by a zero-width placeholder."""
+    twinkle's ``selective_log_softmax`` (fused_call.take) by a zero-width placeholder."""
     name = "log-probs"
 
     @classmethod

@@ -1,14 +1,13 @@
 """The causal-mask skip in twinkle's ``InputProcessor``: whether collate builds the dense
-``[B, 1, S, S]`` mask is decided before it allocates anything (twinkle_mem.processor decides), and
+``[B, 1, S, S]`` mask is decided before it allocates anything (causal_mask.py decides), and
 where the mask is still needed it is built with one allocation. Also notes, for a fused
 transformers call, the labels the processor returns (what the model call will not see)."""
 import functools
 from collections.abc import Mapping
 from contextvars import ContextVar
 
-from twinkle_mem.processor import dense_causal_mask, resolve_mask_type, skip_dense_mask
-
-from . import fused_head, twinkle_names
+from . import fused_call, twinkle_names
+from .causal_mask import dense_causal_mask, resolve_mask_type, skip_dense_mask
 from .settings import MASK_SKIP
 
 
@@ -61,7 +60,7 @@ def processor_call(original, plan):
             outputs = original(self, inputs, **kwargs)
         finally:
             _skip_mask.reset(token)
-        call = fused_head.current()
+        call = fused_call.current()
         if call is not None and call.labels_from_processor and isinstance(outputs, Mapping):
             call.set_labels(outputs.get("labels"))  # what TransformersModel pops before the model call
         return _drop_skipped(outputs)

@@ -10,12 +10,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from twinkle_mem.megatron import current_logits_reporting, guard_report
-from twinkle_mem.megatron import logits_guard as _logits_guard
-
-from . import fused_eligibility, fused_head, fused_plan, twinkle_names
-from ._model import tensor_parallel_group
+from . import fused_call, fused_call_plan, fused_eligibility, twinkle_names
 from .failed_micro_batches import report_failed_micro_batches
+from .logits_guard import current_logits_reporting, guard_report
+from .logits_guard import logits_guard as _logits_guard
 from .settings import FUSED_CHUNK_BYTES
 
 
@@ -60,16 +58,16 @@ def megatron_forward_backward(original, plan):
 
 
 def _fused_megatron(model, kwargs, loss, plan):
-    """The fused call for one MegatronModel.forward_backward (fused_plan.py), or None where it does not apply."""
-    return fused_plan.fused(megatron_fused_path(model, plan.value(FUSED_CHUNK_BYTES)), model, kwargs, loss, plan)
+    """The fused call for one MegatronModel.forward_backward (fused_call_plan.py), or None where it does not apply."""
+    return fused_call_plan.fused(megatron_fused_path(model, plan.value(FUSED_CHUNK_BYTES)), model, kwargs, loss, plan)
 
 
-def megatron_fused_path(model, chunk_bytes: Optional[int]) -> fused_plan.FusedPath:
+def megatron_fused_path(model, chunk_bytes: Optional[int]) -> fused_call_plan.FusedPath:
     """What the Megatron path knows for planning a fused call: the output layers of the model's chunks (none off
     the last pipeline stage), vocab shards under tensor parallelism, the chunk budget judged on every stage."""
 
     def vocab(layers):
-        group = tensor_parallel_group()
+        group = twinkle_names.tensor_parallel_group()
         world = 1 if group is None else torch.distributed.get_world_size(group)
         # (the layer's own weight, or the word embeddings' where it shares them: a tied model's layer holds none)
         return fused_eligibility.megatron_output_weights(model.model)[0].shape[0] * world, group is not None
@@ -78,9 +76,9 @@ def megatron_fused_path(model, chunk_bytes: Optional[int]) -> fused_plan.FusedPa
         if chunk_bytes is not None:  # (on every stage: the call's eligibility is the same on all of them)
             _check_chunk_bytes(model, layers, chunk_bytes)
 
-    return fused_plan.FusedPath("megatron", lambda: fused_eligibility.megatron_output_layers(model.model), vocab,
-                                fused_head.megatron_forward, checked=checked,
-                                around=lambda call: fused_head.mtp_called_without_labels(model.model, call))
+    return fused_call_plan.FusedPath("megatron", lambda: fused_eligibility.megatron_output_layers(model.model), vocab,
+                                     fused_call.megatron_forward, checked=checked,
+                                     around=lambda call: fused_call.mtp_called_without_labels(model.model, call))
 
 
 def _check_chunk_bytes(model, layers, chunk_bytes: int) -> None:
@@ -169,7 +167,7 @@ class _MegatronSteps:
         # None from a micro-batch is no failure and stays in the report (with fixed lengths twinkle-kit 0.5.1
         # hands those None to torch.cat, which raises: the guard's fix, `logps` None, stands there).
         self.reports_none_logps = not self.expects_logps and twinkle_names.variable_seq_lengths(model)
-        self.fused: Optional[fused_head.FusedCall] = None
+        self.fused: Optional[fused_call.FusedCall] = None
         self.labels = None
         self.loss_steps = 0  # micro-batches seen by the last pipeline stage
         self.failed: List[int] = []
@@ -198,7 +196,7 @@ class _MegatronSteps:
                 # the other stages would wait in their p2p receives (see _refusals_after_the_step).
                 refused, pending, taken = call.finish_micro_batch()
                 if refused is None and pending is not None and not lost:
-                    refused = fused_head.NOT_TAKEN
+                    refused = fused_call.NOT_TAKEN
                 if refused is not None:
                     self.refused.append((index, refused))
                 elif lost:

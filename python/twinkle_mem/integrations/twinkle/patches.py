@@ -1,6 +1,6 @@
 """What install() replaces in twinkle-kit, point by point (:data:`POINTS`), and the plan the replacements read
-(:class:`Plan`). The machinery (each twinkle module patched when the process first imports it, every original
-saved and put back) is the integrations' shared core (``core/patching.py``).
+(:class:`TwinkleInstallPlan`). The machinery (each twinkle module patched when the process first imports it,
+every original saved and put back) is the integrations' shared core (``core/patching.py``).
 
 Nothing here imports torch, twinkle or twinkle_mem's ops at module level: a patch is made by the module that owns
 its concern (``mask_skip``, ``megatron_steps``, ``transformers_path``, ``distill_loss``), imported by its maker
@@ -10,13 +10,13 @@ twinkle-mem's op at its first call.
 """
 from typing import List, Optional, Tuple
 
-from ..core import plan as core_plan
+from ..core.install_plan import InstallPlan
 from ..core.patching import Patcher, Point
 from . import twinkle_names as names
 from .settings import FUSED_LM_HEAD
 
 
-class Plan(core_plan.Plan):
+class TwinkleInstallPlan(InstallPlan):
     """install()'s settings and what it patches on the twinkle-kit it found."""
     __slots__ = ()
     framework = "twinkle-kit"
@@ -55,12 +55,12 @@ def _log_softmax_adapter(original, plan):
         import twinkle_mem
         if fused and logits.shape[-1] == 0:
             # A fused output layer's placeholder: its log-probs were computed from the layer's input.
-            from .fused_head import take
+            from .fused_call import take
             return take(logits, index, return_entropy)
         # Under vocab tensor parallelism (TP > 1) the logits are this rank's vocab shard, as for twinkle's own
         # function (Megatron's vocab-parallel CE there): the op combines the shards over the TP group, entropy too.
-        from ._model import tensor_parallel_group
-        return twinkle_mem.selective_log_softmax(logits, index, return_entropy, process_group=tensor_parallel_group())
+        return twinkle_mem.selective_log_softmax(logits, index, return_entropy,
+                                                 process_group=names.tensor_parallel_group())
 
     selective_log_softmax.twinkle_original = original
     return selective_log_softmax

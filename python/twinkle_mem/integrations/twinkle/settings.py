@@ -3,7 +3,8 @@ settings dict, ``TWINKLE_MEM_INSTALL``'s grammar and its accepted values, and th
 A new option is one more :class:`Setting` below. No torch: the variable is read at ``import twinkle``."""
 from ..core.settings import BOOLEAN, FUSED_CHUNK_BYTES, Needs, Setting, Settings, choice, one_of
 
-# twinkle_mem.processor.MASK_SKIP_MODES (a test holds them equal): that module imports torch.
+# npu: skip where the kernel builds its own mask (default); always: skip on every backend (the caller's attention
+# must be causal on its own); never: always build the dense mask. (causal_mask.py and twinkle_mem.processor's too)
 MASK_SKIP_MODES = ("npu", "always", "never")
 
 LOG_SOFTMAX = Setting("log_softmax", True, BOOLEAN,

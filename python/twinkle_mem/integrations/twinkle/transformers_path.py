@@ -10,13 +10,13 @@
   at the next forward: the same count from the same tensors, and at the next forward it sees no logits and
   adds nothing, so every metric's result is twinkle-kit's.
 - ``forward`` / ``forward_only`` with the fused LM head: for an eligible call the ``lm_head`` is deferred
-  (fused_head.py) and its result must be taken by twinkle's ``selective_log_softmax``.
+  (fused_call.py) and its result must be taken by twinkle's ``selective_log_softmax``.
 """
 import functools
 
 import torch
 
-from . import fused_eligibility, fused_head, fused_plan, twinkle_names
+from . import fused_call, fused_call_plan, fused_eligibility, twinkle_names
 
 
 def forward(original, plan):
@@ -42,7 +42,7 @@ def transformers_model_forward(original, plan):
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        if fused_head.current() is not None:  # forward called from within a fused call
+        if fused_call.current() is not None:  # forward called from within a fused call
             return original(self, *args, **kwargs)
         # forward_only computes no loss: a distillation call there would defer a head nothing reads
         train = original.__name__ == "forward"
@@ -56,13 +56,13 @@ def transformers_model_forward(original, plan):
 
 
 def _fused_transformers(model, kwargs, plan):
-    """The fused call for one TransformersModel.forward / forward_only (fused_plan.py), or None where it does not
+    """The fused call for one TransformersModel.forward / forward_only (fused_call_plan.py), or None where it does not
     apply."""
     loss = twinkle_names.loss_instance(model, kwargs)
-    return fused_plan.fused(transformers_fused_path(model, kwargs), model, kwargs, loss, plan)
+    return fused_call_plan.fused(transformers_fused_path(model, kwargs), model, kwargs, loss, plan)
 
 
-def transformers_fused_path(model, kwargs) -> fused_plan.FusedPath:
+def transformers_fused_path(model, kwargs) -> fused_call_plan.FusedPath:
     """What the transformers path knows for planning a fused call: the model's lm_head (no tensor parallelism),
     the labels from twinkle's processor, the Accuracy metrics of the train status (the model's default metric,
     which reads the step's logits: a logits-free loss head counts it from their argmax over vocab blocks)."""
@@ -77,9 +77,9 @@ def transformers_fused_path(model, kwargs) -> fused_plan.FusedPath:
         status = twinkle_names.status(model, kwargs, forward_only=False)
         return tuple(m for m in getattr(status, "metrics", ()) if type(m) is accuracy)
 
-    return fused_plan.FusedPath("transformers", output_layers, lambda layers: (layers[0].weight.shape[0], False),
-                                fused_head.transformers_forward, labels_from_processor=True,
-                                accuracy_metrics=accuracy_metrics)
+    return fused_call_plan.FusedPath("transformers", output_layers, lambda layers: (layers[0].weight.shape[0], False),
+                                     fused_call.transformers_forward, labels_from_processor=True,
+                                     accuracy_metrics=accuracy_metrics)
 
 
 # --- the step's logits, dropped once its loss has used them --------------------------------------------------

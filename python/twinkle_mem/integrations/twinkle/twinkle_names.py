@@ -20,6 +20,7 @@ types (Name, Feature, Part, Found) and the reading are the integrations' shared 
 """
 import functools
 import importlib
+import sys
 from typing import Dict, Optional, Tuple
 
 from ..core import source as src
@@ -203,7 +204,7 @@ TRANSFORMERS_FUSED_LM_HEAD = Part("transformers_fused_lm_head", "transformers fu
 PARTS: Tuple[Part, ...] = (LOG_SOFTMAX_PART, GKD_LOSS, MASK_SKIP_PART, MEGATRON_LOGITS_GUARD, MEGATRON_FUSED_LM_HEAD,
                            TRANSFORMERS_LOGITS_DROP, TRANSFORMERS_FUSED_LM_HEAD)
 
-# The two fused paths (fused_plan.FusedPath.name): the part that patches each, and the feature that lets a
+# The two fused paths (fused_call_plan.FusedPath.name): the part that patches each, and the feature that lets a
 # distillation call on it hand its loss the output layer's input.
 FUSED_PATHS: Dict[str, Tuple[Part, Feature]] = {
     "megatron": (MEGATRON_FUSED_LM_HEAD, MEGATRON_SKIPS_UNUSED_LOG_PROBS),
@@ -328,6 +329,20 @@ def metrics_without_logits() -> tuple:
     (EmbeddingMetric reads them: the sentence embeddings of the embedding task)."""
     metric = importlib.import_module("twinkle.metric")
     return tuple(getattr(metric, name) for name in _METRICS_WITHOUT_LOGITS if hasattr(metric, name))
+
+
+def tensor_parallel_group():
+    """Megatron's tensor-parallel group where TP > 1 (the logits are then vocab shards), else None: twinkle's
+    Megatron path sets it up (megatron-core's ``parallel_state``)."""
+    if "megatron.core" not in sys.modules:  # Megatron not in use: no vocab sharding
+        return None
+    try:
+        from megatron.core import parallel_state as mpu
+        if mpu.model_parallel_is_initialized() and mpu.get_tensor_model_parallel_world_size() > 1:
+            return mpu.get_tensor_model_parallel_group()
+    except (ImportError, AssertionError, RuntimeError):
+        pass
+    return None
 
 
 def post_process_owner(chunk):

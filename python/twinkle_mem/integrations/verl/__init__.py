@@ -33,8 +33,8 @@ __all__ = ["install", "uninstall", "is_installed", "installed_settings", "refuse
 
 logger = logging.getLogger("twinkle_mem.verl")
 
-INTEGRATION = Integration("verl", SETTINGS, verl_names.PARTS, patches.PATCHER, patches.Plan, verl_names.found,
-                          "version/version")
+INTEGRATION = Integration("verl", SETTINGS, verl_names.PARTS, patches.PATCHER, patches.VerlInstallPlan,
+                          verl_names.found, "version/version")
 
 
 class VerlPartsNotRecognized(PartsNotRecognized):

@@ -11,12 +11,12 @@ has), every original saved and put back by uninstall().
 """
 from typing import List, Tuple
 
-from ..core import plan as core_plan
+from ..core.install_plan import InstallPlan
 from ..core.patching import Patcher, Point
 from . import verl_names as names
 
 
-class Plan(core_plan.Plan):
+class VerlInstallPlan(InstallPlan):
     """install()'s settings and what it patches on the verl it found."""
     __slots__ = ()
     framework = "verl"

@@ -1,8 +1,8 @@
-"""The fused LM head for twinkle-kit: log-probs and entropy from the output layer's input.
+"""One fused twinkle model call: the output layer deferred, the fused heads computed from its input.
 
 This module owns the per-call state (:class:`FusedCall`: only its methods and this module's
 functions change it) and the deferred output layers, which return what the call's loss head
-(``loss_heads.py``; planned in ``fused_plan.py``) makes of the layer's input: below, the log-probs head.
+(``loss_heads.py``; planned in ``fused_call_plan.py``) makes of the layer's input: below, the log-probs head.
 
 For one eligible model call (``MegatronModel.forward_backward`` / ``forward_only``,
 ``TransformersModel.forward`` / ``forward_only``), the model's output layer

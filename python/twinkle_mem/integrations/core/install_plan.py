@@ -5,7 +5,7 @@ from .recognition import Feature, Found, Part
 from .settings import Setting
 
 
-class Plan(NamedTuple):
+class InstallPlan(NamedTuple):
     """install()'s settings and what it patches on the framework it found. An integration subclasses it for
     what its patches ask of the plan beyond :meth:`patches`, :meth:`value` and :meth:`feature`."""
     settings: Dict[str, Any]
@@ -16,7 +16,7 @@ class Plan(NamedTuple):
     framework = "the framework"  # (a class attribute: the name the describe() lines give it)
 
     @classmethod
-    def for_settings(cls, parts: Tuple[Part, ...], settings: Dict[str, Any], found: Found) -> "Plan":
+    def for_settings(cls, parts: Tuple[Part, ...], settings: Dict[str, Any], found: Found) -> "InstallPlan":
         asked = [p for p in parts if p.is_asked(settings)]
         refused = {p.key: found.refusals(p) for p in asked if found.refusals(p)}
         return cls(dict(settings), frozenset(p.key for p in asked if p.key not in refused), refused,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, List, NamedTuple, Optional, Tuple
 
 from . import distill_loss  # noqa: F401  (registers its loss head, GKD)
-from . import fused_eligibility, fused_head, loss_heads, twinkle_names
+from . import fused_call, fused_eligibility, loss_heads, twinkle_names
 from .settings import FUSED_CHUNK_BYTES
 
 logger = logging.getLogger("twinkle_mem")
@@ -29,17 +29,17 @@ class FusedPath:
     name: str  # "megatron" / "transformers" (install()'s plan.fused_distillation(name))
     output_layers: Callable[[], Tuple[List[Any], Optional[str]]]  # the layers to defer, or why not
     vocab: Callable[[List[Any]], Tuple[int, bool]]  # (the layers' whole vocab, under tensor parallelism)
-    forward: Callable  # the deferred forward's maker (fused_head.megatron_forward / transformers_forward)
+    forward: Callable  # the deferred forward's maker (fused_call.megatron_forward / transformers_forward)
     labels_from_processor: bool = False  # FusedCall.labels_from_processor
     # After the model's layers were read, whether or not they can serve (Megatron: the chunk budget, judged on
     # every pipeline stage)
     checked: Callable[[List[Any]], None] = lambda layers: None
     accuracy_metrics: Callable[[], tuple] = tuple  # twinkle's Accuracy metrics a logits-free loss head counts
-    around: Callable[[fused_head.FusedCall], ContextManager] = lambda call: contextlib.nullcontext()
+    around: Callable[[fused_call.FusedCall], ContextManager] = lambda call: contextlib.nullcontext()
 
 
 class Planned(NamedTuple):
-    call: Optional[fused_head.FusedCall]  # None: the call runs twinkle's own code
+    call: Optional[fused_call.FusedCall]  # None: the call runs twinkle's own code
     layers: List[Any]
     reason: Optional[str]  # why not fused (None with no call: no output layer on this pipeline stage)
 
@@ -60,7 +60,7 @@ def plan_call(path: FusedPath, model, kwargs, loss, plan) -> Planned:
         if reason is not None:
             logger.debug("twinkle-mem fused LM head not used: %s", reason)
         return Planned(None, [], reason)
-    call = fused_head.FusedCall.for_call(kwargs, loss, plan.value(FUSED_CHUNK_BYTES), head=head.for_call(path),
+    call = fused_call.FusedCall.for_call(kwargs, loss, plan.value(FUSED_CHUNK_BYTES), head=head.for_call(path),
                                          labels_from_processor=path.labels_from_processor)
     return Planned(call, layers, None)
 
@@ -73,5 +73,5 @@ def fused(path: FusedPath, model, kwargs, loss, plan):
     if call is None:
         yield None
         return
-    with fused_head.deferred(layers, path.forward, call), path.around(call), call.head.loss_context(loss):
+    with fused_call.deferred(layers, path.forward, call), path.around(call), call.head.loss_context(loss):
         yield call
