@@ -39,7 +39,7 @@ ALLOW_COMPOSITE = "--allow-composite"  # the one flag that lets a benchmark meas
 def local_out(name: str) -> str:
     """The default output path of a benchmark's results named ``name`` (a file stem, a file or a folder):
     bench/results/local/NAME, which git ignores; the committed bench/results/ only through ``--out``."""
-    return os.path.join(LOCAL_RESULTS, name)
+    return os.path.join(LOCAL_RESULTS, name) if name else LOCAL_RESULTS
 
 
 def add_allow_composite(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -101,15 +101,14 @@ def twinkle_mem_ran(device: str = "cpu", where: str = "this process") -> dict:
 def merge_ran(records: list[dict]) -> list[dict]:
     """``records`` (twinkle_mem_ran of several processes) with each distinct run once, the ``where`` of the
     processes that ran it joined ("driver, worker 0, worker 1"), in the order first seen."""
-    merged: dict[tuple, dict] = {}
+    merged: dict[tuple, tuple[dict, list]] = {}
     for record in records:
         key = tuple(record.get(k) for k in ("backend", "cpu_path", "library", "package", "device"))
-        if key in merged:
-            if record.get("where") and record["where"] not in merged[key]["where"].split(", "):
-                merged[key]["where"] += ", " + record["where"]
-        else:
-            merged[key] = dict(record, where=record.get("where") or "?")
-    return list(merged.values())
+        first, wheres = merged.setdefault(key, (record, []))
+        where = record.get("where") or "?"
+        if where not in wheres:
+            wheres.append(where)
+    return [dict(first, where=", ".join(wheres)) for first, wheres in merged.values()]
 
 
 def ran_fields(records: list[dict]) -> dict:

@@ -162,11 +162,14 @@ def _table(rows, meta):
              f"load average at the end {meta['load_average'][0]:.2f}")
     exact = next((r["loss"] for r in rows if r["case"] == EXACT_GKD[0]), None)
     cells = []
+
+    def vs(a, b):  # (a tiny run's peak rise can be 0)
+        return f"{a / b:.2f}x" if b else "-"
     for r in rows:
         base = next(b for b in rows if b["mode"] == r["mode"])  # the first case run
         cells.append([r["mode"], r["case"], f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB",
-                      f"{r['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}x", f"{r['s_median']:.2f} s",
-                      f"{r['s_median'] / base['s_median']:.2f}x", f"{r['loss']:.6f}"])
+                      vs(r["peak_rss_bytes"], base["peak_rss_bytes"]), f"{r['s_median']:.2f} s",
+                      vs(r["s_median"], base["s_median"]), f"{r['loss']:.6f}"])
         if exact is None:
             cells[-1].append(f"{r['logps_sum']:.4f}")
         else:  # GKD: each loss against the exact one
