@@ -13,7 +13,15 @@ and libtorch_cuda), and links the CUDA runtime statically: it depends on no
 libcudart soname, so it loads under a torch built for another CUDA major.
 TWINKLE_MEM_SIMULATE_TORCH_CUDA=12.8 (CI) makes the build see that torch
 version, to prove the point where only one nvcc is installed.
+
+What the build left out, and why (no nvcc; nvcc found but the build environment's
+torch is CPU-only; no CANN), goes where a user sees it: pip shows a build's output
+only on failure or with -v, so the build also writes the line to the terminal
+itself (/dev/tty, where there is one) and records it in the package
+(twinkle_mem/_build_info.json), which `python -m twinkle_mem` and backends() report,
+and which makes the first use of twinkle-mem under a CUDA torch warn.
 """
+import json
 import glob
 import os
 import re
@@ -60,19 +68,37 @@ def _torch_has_cuda_libs():
     return bool(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.*")))
 
 
-def _want_cuda():
+def cuda_decision():
+    """Whether this build makes _C_cuda: (the CUDA toolkit root, None) to build it, or (None, why not) where it
+    does not; a contradiction with FORCE_CUDA=1 ends the build."""
     if os.environ.get("TWINKLE_MEM_NO_CUDA") == "1":
-        return None
+        return None, "TWINKLE_MEM_NO_CUDA=1"
     cuda_home = _find_nvcc()
     forced = os.environ.get("FORCE_CUDA") == "1"
     if forced and cuda_home is None:
         sys.exit("FORCE_CUDA=1 but nvcc was not found (set CUDA_HOME)")
-    if cuda_home and not _torch_has_cuda_libs():
+    if cuda_home is None:
+        return None, "no nvcc found (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda)"
+    if not _torch_has_cuda_libs():
         if forced:
             sys.exit("FORCE_CUDA=1 but the build environment's torch has no CUDA libraries (libtorch_cuda)")
-        print("twinkle-mem: nvcc found, but the build environment's torch is CPU-only: not building _C_cuda")
-        return None
-    return cuda_home
+        return None, (f"nvcc found ({cuda_home}), but the build environment's torch {torch.__version__} is CPU-only "
+                      "(no libtorch_cuda to link); to build it, install a CUDA build of torch and run "
+                      "`pip install --no-build-isolation .`")
+    return cuda_home, None
+
+
+def tell_user(message):
+    """A line the user sees: on stdout (pip shows it under -v), and, where pip captures the build's output (a
+    plain `pip install .` shows none of it), on the terminal itself where the build has one."""
+    print(message, flush=True)
+    if sys.stdout.isatty():
+        return
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(f"\n{message}\n")
+    except OSError:  # no terminal (CI, a log): stdout and _build_info.json carry it
+        pass
 
 
 def _nvcc_version(cuda_home):
@@ -114,7 +140,7 @@ ext_modules = [
     )
 ]
 
-cuda_home = _want_cuda()
+cuda_home, CUDA_NOT_BUILT = cuda_decision()
 cuda_sources = _rel("csrc/cuda/*.cu")
 # No --use_fast_math: it implies -ftz=true, which flushes subnormal gradients
 # (e^-100 in fp32/bf16) to 0; the contract wants them correctly rounded.
@@ -161,9 +187,13 @@ if cuda_home and cuda_sources:
     ext_modules.append(cuda_ext)
 
 
+BUILD_INFO = "_build_info.json"  # in the package, beside the libraries: what this build left out, and why
+
+
 class BuildExt(BuildExtension):
     """BuildExtension that accepts any nvcc (see check_cuda_version_any_nvcc), plus the
-    CMake build of the AscendC library when CANN is present."""
+    CMake build of the AscendC library when CANN is present; says what it left out (tell_user) and records it
+    in the package (BUILD_INFO, read by twinkle_mem/op/native.py)."""
 
     def build_extensions(self):
         original = cpp_ext._check_cuda_version
@@ -175,18 +205,36 @@ class BuildExt(BuildExtension):
             cpp_ext._check_cuda_version = original
 
     def run(self):
+        if CUDA_NOT_BUILT and _find_nvcc() and os.environ.get("TWINKLE_MEM_NO_CUDA") != "1":  # (asked for: silent)
+            tell_user(f"twinkle-mem: not building the CUDA library (_C_cuda): {CUDA_NOT_BUILT}. CUDA tensors will "
+                      "run the composite PyTorch fallback; `python -m twinkle_mem` shows this again.")
         super().run()
-        self._build_npu()
+        npu_not_built = self._build_npu()
+        info = {"torch": torch.__version__,
+                "cuda": {"built": CUDA_NOT_BUILT is None, "why_not": CUDA_NOT_BUILT, "nvcc": _find_nvcc(),
+                         "disabled": os.environ.get("TWINKLE_MEM_NO_CUDA") == "1"},
+                "npu": {"built": npu_not_built is None, "why_not": npu_not_built}}
+        for folder in {os.path.dirname(self.get_ext_fullpath(ext.name)) for ext in self.extensions}:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, BUILD_INFO), "w") as f:
+                json.dump(info, f, indent=1)
+
+    def get_outputs(self):
+        return super().get_outputs() + [os.path.join(os.path.dirname(self.get_ext_fullpath(self.extensions[0].name)),
+                                                     BUILD_INFO)]
 
     def _build_npu(self):
+        """Build the AscendC library where CANN and torch_npu are present; returns why not (None where built)."""
         cann = os.environ.get("ASCEND_HOME_PATH")
-        if not cann or not os.path.exists(os.path.join(ROOT, "csrc", "npu", "CMakeLists.txt")):
-            return
+        if not cann:
+            return "ASCEND_HOME_PATH is not set (no CANN)"
+        if not os.path.exists(os.path.join(ROOT, "csrc", "npu", "CMakeLists.txt")):
+            return "csrc/npu/CMakeLists.txt is missing from this source"
         try:
             import torch_npu  # noqa: F401
         except ImportError:
-            print("twinkle-mem: ASCEND_HOME_PATH is set but torch_npu is not importable; skipping NPU kernels")
-            return
+            tell_user("twinkle-mem: ASCEND_HOME_PATH is set but torch_npu is not importable; skipping NPU kernels")
+            return "ASCEND_HOME_PATH is set, but torch_npu was not importable"
         build_dir = os.path.join(self.build_temp, "npu")
         out_dir = os.path.join(os.path.abspath(self.build_lib), "twinkle_mem")
         os.makedirs(build_dir, exist_ok=True)
@@ -198,6 +246,7 @@ class BuildExt(BuildExtension):
         if self.inplace:
             for so in glob.glob(os.path.join(out_dir, "_C_npu*.so")):
                 shutil.copy(so, os.path.join(ROOT, "python", "twinkle_mem"))
+        return None
 
 
 STARTUP_PTH = "twinkle_mem_startup.pth"  # beside twinkle_mem_startup.py; see that module

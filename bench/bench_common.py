@@ -1,4 +1,7 @@
-"""What the benchmarks in bench/ share: the run's metadata record, how loaded the machine was (MachineLoad),
+"""What the benchmarks in bench/ share: the run's metadata record, what twinkle-mem ran (its backend and CPU
+kernel path, in each process a benchmark starts: twinkle_mem_ran; the refusal to measure the composite fallback
+unless ``--allow-composite``: refuse_composite), the default output folder (bench/results/local/, not tracked:
+the committed bench/results/ only through ``--out``), how loaded the machine was (MachineLoad),
 writing results as JSON, running one measurement in a fresh process and reading back its JSON line, numbered
 progress lines, the command line's common options (bench_parser), Markdown tables, matplotlib figures written
 as PNG files, and the step table of the device checks (gpu_check.sh, npu_check.sh:
@@ -28,17 +31,168 @@ if ROOT not in sys.path:
 
 
 # ------------------------------------------------------------------ the command line
+RESULTS = os.path.join(HERE, "results")  # the committed results: written only where --out names them
+LOCAL_RESULTS = os.path.join(RESULTS, "local")  # every benchmark's default output folder (not tracked by git)
+ALLOW_COMPOSITE = "--allow-composite"  # the one flag that lets a benchmark measure the composite fallback
+
+
+def local_out(name: str) -> str:
+    """The default output path of a benchmark's results named ``name`` (a file stem, a file or a folder):
+    bench/results/local/NAME, which git ignores; the committed bench/results/ only through ``--out``."""
+    return os.path.join(LOCAL_RESULTS, name) if name else LOCAL_RESULTS
+
+
+def add_allow_composite(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--allow-composite`` (args.allow_composite): run even where twinkle-mem would run without its native
+    library for the device (refuse_composite)."""
+    parser.add_argument(ALLOW_COMPOSITE, action="store_true",
+                        help="measure twinkle-mem's composite fallback where its native library for the device "
+                             "is not loaded (without it, such a run refuses to start)")
+    return parser
+
+
 def bench_parser(doc: str, out: str | None = None, **ints: int) -> argparse.ArgumentParser:
     """A benchmark's parser: described by its docstring's first line, an int option ``--name`` for each
-    keyword (its default, in the order given), and ``--out`` (a results file stem, default
-    bench/results/OUT) when ``out`` is given. The script adds its other options."""
+    keyword (its default, in the order given), ``--allow-composite``, and ``--out`` (a results file stem,
+    default bench/results/local/OUT) when ``out`` is given. The script adds its other options."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     for name, default in ints.items():
         parser.add_argument(f"--{name}", type=int, default=default)
+    add_allow_composite(parser)
     if out is not None:
-        parser.add_argument("--out", default=os.path.join(HERE, "results", out),
-                            help="results file stem: writes OUT.json and OUT.png")
+        parser.add_argument("--out", default=local_out(out),
+                            help="results file stem: writes OUT.json and OUT.png (default under bench/results/local/, "
+                                 "not tracked; the committed results: --out bench/results/...)")
     return parser
+
+
+# ------------------------------------------------------------------ what twinkle-mem ran
+def twinkle_mem_ran(device: str = "cpu", where: str = "this process") -> dict:
+    """What twinkle-mem runs on ``device`` in this process, for the run's record:
+
+    - ``backend``: the native library of the device ("cpu", "cuda", "npu") where it is loaded, else
+      "composite" (the PyTorch fallback); None where twinkle_mem does not import;
+    - ``cpu_path``: the CPU kernel path an op call on CPU tensors takes now (TWINKLE_MEM_CPU_ISA applied),
+      None without the CPU library, "unknown" where this twinkle_mem cannot say (an older tree);
+    - ``library``: twinkle_mem.backends()'s line for the device ("loaded", or why not);
+    - ``package``: the folder twinkle_mem was imported from (an installed package, or a tree's python/);
+    - ``device``, and ``where``: which process(es) this is.
+
+    It imports only twinkle_mem, so the processes a benchmark starts (children, Ray workers, another tree's)
+    record their own."""
+    try:
+        import twinkle_mem
+        status = twinkle_mem.backends()
+    except Exception as error:  # noqa: BLE001  (a broken tree still gets its run recorded)
+        return {"backend": None, "cpu_path": None, "library": f"twinkle_mem does not import: {error}",
+                "package": None, "device": device, "where": where}
+    library = status.get(device, f"no {device} backend in this twinkle_mem")
+    cpu_path = None
+    if status.get("cpu") == "loaded":
+        try:
+            from twinkle_mem.op import native
+            cpu_path = native.cpu_kernel_path() or "unknown"
+        except (ImportError, AttributeError, ValueError):  # an older tree; a cap naming no path
+            cpu_path = "unknown"
+    return {"backend": device if library == "loaded" else "composite", "cpu_path": cpu_path, "library": library,
+            "package": os.path.dirname(os.path.abspath(twinkle_mem.__file__)), "device": device, "where": where}
+
+
+def merge_ran(records: list[dict]) -> list[dict]:
+    """``records`` (twinkle_mem_ran of several processes) with each distinct run once, the ``where`` of the
+    processes that ran it joined ("driver, worker 0, worker 1"), in the order first seen."""
+    merged: dict[tuple, tuple[dict, list]] = {}
+    for record in records:
+        key = tuple(record.get(k) for k in ("backend", "cpu_path", "library", "package", "device"))
+        first, wheres = merged.setdefault(key, (record, []))
+        where = record.get("where") or "?"
+        if where not in wheres:
+            wheres.append(where)
+    return [dict(first, where=", ".join(wheres)) for first, wheres in merged.values()]
+
+
+def ran_fields(records: list[dict]) -> dict:
+    """The run's metadata fields of ``records``: ``twinkle_mem_backend`` and ``twinkle_mem_cpu_path`` (each
+    distinct value, joined by ", "), and ``twinkle_mem_ran``, every distinct run with where it ran."""
+    merged = merge_ran(records)
+
+    def joined(key):
+        return ", ".join(dict.fromkeys(str(r.get(key)) for r in merged)) if merged else None
+    return {"twinkle_mem_backend": joined("backend"), "twinkle_mem_cpu_path": joined("cpu_path"),
+            "twinkle_mem_ran": merged}
+
+
+def describe_ran(record: dict) -> str:
+    """One run in words: "cpu backend, CPU path avx2" or "composite (cpu: not built ...), no CPU kernel path"."""
+    backend = record.get("backend")
+    if backend == "composite":
+        text = f"composite (the native library: {record.get('library')})"
+    elif backend is None:
+        text = f"nothing ({record.get('library')})"
+    else:
+        text = f"{backend} backend"
+    path = record.get("cpu_path")
+    return text + (f", CPU path {path}" if path else ", no CPU kernel path")
+
+
+def ran_line(meta: dict) -> str:
+    """The line a benchmark's table carries: what twinkle-mem ran, in which processes ("" for a run recorded
+    before benchmarks recorded it, so that its table re-renders as it was)."""
+    merged = meta.get("twinkle_mem_ran")
+    if not merged:
+        return ""
+    return "twinkle-mem ran: " + "; ".join(f"{describe_ran(r)} ({r.get('where')})" for r in merged)
+
+
+def composite_refusal(record: dict, script: str | None = None) -> str:
+    """Why a benchmark refuses to run where ``record`` (twinkle_mem_ran) says the composite would run, and
+    what to do (several lines)."""
+    script = script or os.path.basename(sys.argv[0]) or "this benchmark"
+    package = record.get("package")
+    source = package is not None and os.path.realpath(package) == os.path.realpath(os.path.join(ROOT, "python",
+                                                                                              "twinkle_mem"))
+    source = source and str(record.get("library")).startswith("not built")
+    lines = [f"{script}: not run: twinkle-mem's native {record.get('device')} library is not loaded, so this run would "
+             "measure the composite fallback, not twinkle-mem's kernels.",
+             f"  {record.get('where')}: {record.get('library')}"]
+    if package:
+        note = " (this source tree, e.g. through PYTHONPATH=python: no library is built in it)" if source else ""
+        lines.append(f"  twinkle_mem imported from {package}{note}")
+    lines += ["Fix: install the package (`pip install .` in the repository root) and run the benchmark without "
+              "PYTHONPATH=python,",
+              "  or build the library in place (`python setup.py build_ext --inplace`).",
+              f"To measure the composite on purpose, pass {ALLOW_COMPOSITE}."]
+    return "\n".join(lines)
+
+
+def refuse_composite(records, allowed: bool, script: str | None = None) -> None:
+    """Exit (SystemExit with composite_refusal's message) where a record of ``records`` (one twinkle_mem_ran or a
+    list) ran the composite, unless ``allowed`` (``--allow-composite``)."""
+    for record in [records] if isinstance(records, dict) else records:
+        if record.get("backend") == "composite" and not allowed:
+            raise SystemExit(composite_refusal(record, script))
+
+
+def check_twinkle_mem(allowed: bool, device: str = "cpu", where: str = "this process") -> dict:
+    """This process's twinkle_mem_ran(device), after refuse_composite; what a benchmark calls before measuring."""
+    record = twinkle_mem_ran(device, where)
+    refuse_composite(record, allowed)
+    return record
+
+
+# Appended to the setup of cpu_harness.memory.measure_in_subprocess (whose process has the parent's sys.path and
+# an EXTRA dict it returns): what twinkle-mem runs in that process, read before anything is measured.
+RAN_SETUP = "\nimport bench_common\nEXTRA['ran'] = bench_common.twinkle_mem_ran(where='measuring process')\n"
+
+PROBE = ("import json, sys; sys.path.insert(0, {here!r}); import bench_common; "
+         "print(json.dumps(bench_common.twinkle_mem_ran({device!r}, {where!r})))")
+
+
+def probe_twinkle_mem(env: dict | None = None, device: str = "cpu", where: str = "a child") -> dict:
+    """twinkle_mem_ran(device) in a fresh process of this interpreter with ``env`` (another tree's PYTHONPATH):
+    what the children a benchmark starts there will run, known before it starts them."""
+    return run_child([sys.executable, "-c", PROBE.format(here=HERE, device=device, where=where)], timeout=300,
+                     env=env)
 
 
 # ------------------------------------------------------------------ the run's record
@@ -56,10 +210,12 @@ def git_commit() -> str | None:
     return lines[1]
 
 
-def run_metadata(**fields) -> dict:
+def run_metadata(ran: dict | list[dict] | None = None, **fields) -> dict:
     """The record each results file carries: torch, twinkle_mem (None where it does not import) and
     python versions, the machine, CPU model and core count, torch's thread count, the git commit and
-    the date; then ``fields`` (the run's shape and settings), which override a default of the same
+    the date; what twinkle-mem ran (ran_fields: its backend and CPU kernel path, and in which processes)
+    from ``ran``, the twinkle_mem_ran records of the processes that measured (default: this process's, on
+    the CPU); then ``fields`` (the run's shape and settings), which override a default of the same
     name (``threads=1`` where the measured processes run with one thread)."""
     import torch
 
@@ -74,6 +230,7 @@ def run_metadata(**fields) -> dict:
             "machine": platform.machine(), "cpu": cpu, "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "git_commit": git_commit(),
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M")}
+    meta.update(ran_fields([twinkle_mem_ran()] if ran is None else [ran] if isinstance(ran, dict) else ran))
     meta.update(fields)
     return meta
 

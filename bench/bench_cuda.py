@@ -21,7 +21,9 @@ and faster than every peer.
 Also checks twinkle_mem's first and last rows (N * V > 2^31 at the default shape) against a
 float64 reference: logp, entropy and the gradient.
 
-Writes a table to stdout, and bench_cuda.json + bench_cuda.png to --out.
+Writes a table to stdout, and bench_cuda.json + bench_cuda.png to --out (default bench/results/local/, not
+tracked). The table and the JSON name what twinkle-mem ran (its backend on the device, the CPU kernel path); where
+its native library for the device is not loaded, the run refuses to start unless --allow-composite.
 
   python bench/bench_cuda.py                       # N=16384, V=151936, bf16
   python bench/bench_cuda.py --n 4096 --dtype fp32 --peers twinkle_mem,naive
@@ -40,9 +42,9 @@ import traceback
 
 import torch
 
-from bench_common import new_figure, run_metadata, save_png, write_json
+from bench_common import (add_allow_composite, check_twinkle_mem, local_out, new_figure, ran_fields, ran_line,
+                          run_metadata, save_png, twinkle_mem_ran, write_json)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PEERS = ["naive", "compiled", "twinkle_mem", "twinkle_mem+H", "liger", "liger_ce"]
 
@@ -50,6 +52,7 @@ PEERS = ["naive", "compiled", "twinkle_mem", "twinkle_mem+H", "liger", "liger_ce
 # -------------------------------------------------------------------- timing
 # DEVICE is "cuda" for real runs; "cpu" only dry-runs this script's own logic (--device cpu).
 DEVICE = "cuda"
+ALLOW_COMPOSITE = False  # --allow-composite: twinkle_mem's peers may run the composite on DEVICE
 
 
 def sync() -> None:
@@ -118,7 +121,7 @@ def make_peer(name: str):
     if name in ("twinkle_mem", "twinkle_mem+H"):
         import twinkle_mem
 
-        if DEVICE == "cuda" and twinkle_mem.backends().get("cuda") != "loaded":
+        if DEVICE == "cuda" and twinkle_mem.backends().get("cuda") != "loaded" and not ALLOW_COMPOSITE:
             raise ImportError(f"twinkle_mem CUDA backend not loaded: {twinkle_mem.backends()}")
         modes = ("fwd", "fwd+bwd", "fwd+bwd_inplace")
         if name == "twinkle_mem":
@@ -292,19 +295,23 @@ def main() -> int:
     p.add_argument("--modes", default="fwd,fwd+bwd,fwd+bwd_inplace")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=local_out(""), help="results folder (default bench/results/local/, not tracked)")
     p.add_argument("--smoke", action="store_true", help="small correctness pass over every kernel path, then exit")
     p.add_argument("--smoke-dtypes", default="bf16,fp16,fp32,fp64", help="logits dtypes of the smoke pass")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: dry-run of this script's logic only (no CUDA kernels, meaningless numbers)")
+    add_allow_composite(p)
     args = p.parse_args()
-    global DEVICE
-    DEVICE = args.device
+    global DEVICE, ALLOW_COMPOSITE
+    DEVICE, ALLOW_COMPOSITE = args.device, args.allow_composite
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench_cuda: no CUDA device")
         return 2
     if args.smoke:  # --device cpu --smoke: the same pass on the CPU kernels (a dry run of the script)
         return smoke(args.smoke_dtypes.split(","))
+    peers = args.peers.split(",")
+    ran = (check_twinkle_mem(args.allow_composite, DEVICE) if {"twinkle_mem", "twinkle_mem+H"} & set(peers) else
+           twinkle_mem_ran(DEVICE))
 
     os.makedirs(args.out, exist_ok=True)
     if DEVICE == "cuda":
@@ -360,6 +367,7 @@ def main() -> int:
               f"{check.get(r['peer'], float('nan')):15.2e}")
     for name, why in skipped.items():
         print(f"{name:14s} skipped: {why}")
+    print(ran_line(ran_fields([ran])))
 
     # ---- targets
     verdicts = {}
@@ -380,7 +388,8 @@ def main() -> int:
 
     # ---- JSON (flat: the run's metadata beside the results)
     result = run_metadata(
-        shape={"n": args.n, "v": args.v, "dtype": args.dtype}, device=device_name, sms=sms, cuda=torch.version.cuda,
+        ran, shape={"n": args.n, "v": args.v, "dtype": args.dtype}, device=device_name, sms=sms,
+        cuda=torch.version.cuda,
         copy_gbps=copy_gbps, edge_rows_vs_float64=edge, rows=rows, skipped=skipped, max_abs_diff_vs_naive=check,
         verdicts=verdicts, time=time.strftime("%Y-%m-%dT%H:%M:%S"),
     )

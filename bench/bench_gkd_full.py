@@ -1,15 +1,18 @@
 """linear_gkd_full's forward + backward time on the CPU: this tree against an earlier commit's (the ratio measured
 in the same run, the two alternating), and twinkle's GKDLoss on the full logits for scale.
 
-    PYTHONPATH=python python bench/bench_gkd_full.py [--base REV] [--n 1024] [--h 128] [--v 32768] [--reps 2]
-        [--mmap-threshold 65536] [--out PATH]
+    python bench/bench_gkd_full.py [--base REV] [--n 1024] [--h 128] [--v 32768] [--reps 2]
+        [--mmap-threshold 65536] [--out PATH] [--allow-composite]
 
 Each measurement is one forward + backward (gradients of hidden and weight; beta 0.5, T 1, fp32, every
-row kept) in a fresh process, after a small warm-up call there: ``this tree`` imports python/ of this
-checkout, ``base`` the package of REV (``git archive``, with this checkout's built native library), and
+row kept) in a fresh process, after a small warm-up call there: ``this tree`` imports the twinkle_mem this
+interpreter imports (the installed package, or a tree on PYTHONPATH), ``base`` the package of REV (``git archive``,
+with the native library of the twinkle_mem this interpreter imports), and
 ``twinkle`` runs GKDLoss(beta=0.5) on ``hidden @ weight.T`` (the whole [N, V] logits). Paths alternate
 rep by rep, so that a change in the machine's load hits both; the table gives the medians and the ratio
-base / this tree. Writes bench/results/local/gkd_full_speed.json (another path: --out).
+base / this tree. Each child records what twinkle-mem ran there (backend, CPU kernel path), named in the table
+and the JSON; where twinkle-mem would run its composite fallback, the run refuses to start unless
+--allow-composite. Writes bench/results/local/gkd_full_speed.json (another path: --out).
 """
 import argparse
 import glob
@@ -22,7 +25,9 @@ import sys
 import tempfile
 import time
 
-from bench_common import MachineLoad, ROOT, load_warning, markdown_table, run_child, run_metadata, write_json
+from bench_common import (ROOT, MachineLoad, add_allow_composite, check_twinkle_mem, load_warning, local_out,
+                          markdown_table, probe_twinkle_mem, ran_line, refuse_composite, run_child, run_metadata,
+                          twinkle_mem_ran, write_json)
 
 PATHS = ("base", "this tree", "twinkle")
 
@@ -53,14 +58,16 @@ def child(cfg: dict) -> dict:
 
     once(min(n, 16))  # warm-up (imports, first allocations)
     fwd, bwd, loss = once(n)
-    return {"fwd_s": fwd, "bwd_s": bwd, "loss": loss, "module": twinkle_mem.__file__}
+    return {"fwd_s": fwd, "bwd_s": bwd, "loss": loss, "module": twinkle_mem.__file__,
+            "ran": twinkle_mem_ran() if cfg["path"] != "twinkle" else None}
 
 
-def base_tree(rev: str, tmp: str) -> str:
-    """python/ of ``rev`` under tmp, with this checkout's native library (the CPU kernels are not what changes)."""
+def base_tree(rev: str, tmp: str, package: str) -> str:
+    """python/ of ``rev`` under tmp, with the native library of ``package`` (the twinkle_mem folder this interpreter
+    imports: the CPU kernels are not what changes)."""
     archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "python"], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-    for lib in glob.glob(os.path.join(ROOT, "python", "twinkle_mem", "_C_*.so")):
+    for lib in glob.glob(os.path.join(package, "_C_*.so")):
         shutil.copy(lib, os.path.join(tmp, "python", "twinkle_mem"))
     return os.path.join(tmp, "python")
 
@@ -75,24 +82,28 @@ def main():
     ap.add_argument("--mmap-threshold", type=int, default=None,
                     help="MALLOC_MMAP_THRESHOLD_ for the children (65536: as the peak-memory tests run theirs, every "
                          "large tensor fresh pages from the OS, so that allocations cost what they cost there)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "local", "gkd_full_speed.json"))
-    ap.add_argument("--child")
+    ap.add_argument("--out", default=local_out("gkd_full_speed.json"))
+    add_allow_composite(ap)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
+    this = check_twinkle_mem(args.allow_composite)  # "this tree" and "twinkle": the children import the same
     load = MachineLoad()
     times = {p: [] for p in PATHS}
     with tempfile.TemporaryDirectory() as tmp:
-        src = {"base": base_tree(args.base, tmp), "this tree": os.path.join(ROOT, "python"),
-               "twinkle": os.path.join(ROOT, "python")}
+        env = {p: dict(os.environ) for p in PATHS}
+        env["base"]["PYTHONPATH"] = base_tree(args.base, tmp, this["package"])
+        refuse_composite(probe_twinkle_mem(env["base"], where="base"), args.allow_composite)
+        for path in PATHS if args.mmap_threshold is not None else ():
+            env[path]["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
         for rep in range(args.reps):
             for path in PATHS:
                 cfg = dict(n=args.n, h=args.h, v=args.v, path=path)
-                env = dict(os.environ, PYTHONPATH=src[path])
-                if args.mmap_threshold is not None:
-                    env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
-                r = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env)
+                r = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env[path])
+                if r["ran"]:
+                    r["ran"]["where"] = path
                 times[path].append(r)
                 print(f"rep {rep} {path}: forward {r['fwd_s']:.2f} s, backward {r['bwd_s']:.2f} s, loss {r['loss']:.9g}",
                       flush=True)
@@ -100,9 +111,11 @@ def main():
     total = {p: med[p]["fwd_s"] + med[p]["bwd_s"] for p in PATHS}
     rows = [[p, f"{med[p]['fwd_s']:.2f}", f"{med[p]['bwd_s']:.2f}", f"{total[p]:.2f}",
              f"{total['base'] / total[p]:.2f}x"] for p in PATHS]
-    print(markdown_table(["path", "forward s", "backward s", "total s", "base / path"], rows, "lrrrr"))
-    record = run_metadata(n=args.n, h=args.h, v=args.v, beta=0.5, dtype="float32", base=args.base, reps=args.reps,
+    ran = [r["ran"] for p in PATHS for r in times[p] if r["ran"]]
+    record = run_metadata(ran, n=args.n, h=args.h, v=args.v, beta=0.5, dtype="float32", base=args.base, reps=args.reps,
                           mmap_threshold=args.mmap_threshold, load=load.record())
+    print(markdown_table(["path", "forward s", "backward s", "total s", "base / path"], rows, "lrrrr"))
+    print(ran_line(record))
     warning = load_warning(record["load"])
     if warning:
         print(warning)

@@ -1,20 +1,23 @@
 """Every fused head, this tree against another checkout's (and the unfused equivalent), side by side in one run:
 time and peak memory.
 
-    PYTHONPATH=python python bench/bench_heads.py --base-python /path/to/other/checkout/python \\
+    python bench/bench_heads.py --base-python /path/to/other/checkout/python \\
         [--n 512] [--h 1024] [--vocab 151936] [--k 64] [--dtypes bfloat16 float32] [--reps 2] [--out DIR] \\
-        [--head trainable|frozen] [--unfused]
+        [--head trainable|frozen] [--unfused] [--allow-composite]
 
 The heads: ``linear_selective_log_softmax`` (log-probs and entropy), ``linear_gkd_topk`` (a top-k teacher,
 k = --k) and ``linear_gkd_full`` (a whole-vocab teacher), each one forward + backward (gradients of hidden
 and weight, or of hidden alone for a ``--head frozen``, LoRA's; a quarter of the rows ignored, the prompt) in a
-fresh process, after a small warm-up call there. ``this tree`` imports python/ of this checkout, ``base`` the
---base-python directory (its own native library, built in place); with ``--unfused``, ``unfused`` is this tree's
+fresh process, after a small warm-up call there. ``this tree`` imports the twinkle_mem this interpreter imports
+(the installed package, or a tree on PYTHONPATH), ``base`` the --base-python directory (its own native library,
+built in place); with ``--unfused``, ``unfused`` is this tree's
 same loss from the logits ``hidden @ weight.T`` (``selective_log_softmax``, ``gkd_topk_from_logits``,
 ``gkd_from_logits``). The reps alternate the trees, so that the machine's load falls on all; the table
 gives the fastest time and the largest peak. Peak: the rise of the resident set's high-water mark over the
 call (glibc's mmap threshold fixed, so that freed buffers go back to the OS); "beyond" subtracts the
-outputs and the gradients: the head's working memory. Writes DIR/heads.{json,md,png} (DIR: --out,
+outputs and the gradients: the head's working memory. Each child records what twinkle-mem ran there
+(backend, CPU kernel path), named in the table and the JSON; where either tree would run the composite
+fallback, the run refuses to start unless --allow-composite. Writes DIR/heads.{json,md,png} (DIR: --out,
 bench/results/local by default); progress on stderr.
 """
 import argparse
@@ -23,8 +26,9 @@ import os
 import sys
 import time
 
-from bench_common import (MachineLoad, Progress, ROOT, load_warning, markdown_table, peak_and_time_figure,
-                          run_child, run_metadata, write_json)
+from bench_common import (MachineLoad, Progress, add_allow_composite, check_twinkle_mem, load_warning, local_out,
+                          markdown_table, peak_and_time_figure, probe_twinkle_mem, ran_line, refuse_composite,
+                          run_child, run_metadata, twinkle_mem_ran, write_json)
 
 HEADS = ("logprobs", "gkd_topk", "gkd_full")
 TREES = ("base", "this tree", "unfused")
@@ -81,7 +85,8 @@ def child(cfg: dict) -> dict:
         seconds = time.perf_counter() - t0
     held = sum(t.numel() * t.element_size() for t in kept)
     return {"seconds": seconds, "peak_mib": peak.bytes / MIB, "beyond_mib": (peak.bytes - held) / MIB,
-            "checksum": float(sum(t.double().sum() for t in kept)), "module": twinkle_mem.__file__}
+            "checksum": float(sum(t.double().sum() for t in kept)), "module": twinkle_mem.__file__,
+            "ran": twinkle_mem_ran()}
 
 
 def main():
@@ -97,19 +102,22 @@ def main():
     ap.add_argument("--head", choices=["trainable", "frozen"], default="trainable",
                     help="frozen: the weight needs no gradient (LoRA's LM head), grad_hidden alone")
     ap.add_argument("--unfused", action="store_true", help="also this tree's same loss from the logits")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "local"))
-    ap.add_argument("--child")
+    ap.add_argument("--out", default=local_out(""), help="results folder (default bench/results/local/, not tracked)")
+    add_allow_composite(ap)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
     if not args.base_python:
         ap.error("--base-python is required")
-    load = MachineLoad()
     trees = TREES if args.unfused else TREES[:2]
-    src = {"base": os.path.abspath(args.base_python), "this tree": os.path.join(ROOT, "python"),
-           "unfused": os.path.join(ROOT, "python")}
-    env = {t: dict(os.environ, PYTHONPATH=src[t], MALLOC_MMAP_THRESHOLD_="65536") for t in trees}
+    this = check_twinkle_mem(args.allow_composite)  # this tree's children import the same twinkle_mem
+    src = {"base": os.path.abspath(args.base_python), "this tree": this["package"], "unfused": this["package"]}
+    env = {t: dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536") for t in trees}
+    env["base"]["PYTHONPATH"] = src["base"]
+    refuse_composite(probe_twinkle_mem(env["base"], where="base"), args.allow_composite)
+    load = MachineLoad()
     cases = [(head, dtype) for head in args.heads for dtype in args.dtypes]
     runs = {f"{head} {dtype}": {t: [] for t in trees} for head, dtype in cases}
     progress = Progress(args.reps * len(cases) * len(trees), stream=sys.stderr)
@@ -120,6 +128,7 @@ def main():
                            train_head=args.head == "trainable", unfused=tree == "unfused")
                 progress.step(f"{head} {dtype} {tree}")
                 r = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env[tree])
+                r["ran"]["where"] = tree
                 runs[f"{head} {dtype}"][tree].append(r)
                 progress.done(f"{r['seconds']:.2f} s, peak {r['peak_mib']:.0f} MiB")
     best = {case: {t: {"seconds": min(r["seconds"] for r in rs), "peak_mib": max(r["peak_mib"] for r in rs),
@@ -134,10 +143,11 @@ def main():
     header = ["head dtype", "base s", "this tree s", "base / this",
               *(["unfused s", "this / unfused", "unfused peak MiB"] if args.unfused else []), "base peak MiB",
               "this peak MiB", "base beyond MiB", "this beyond MiB", "bitwise same sums"]
-    table = (f"{args.head} head, N = {args.n}, H = {args.h}, V = {args.vocab}, k = {args.k}, fastest of {args.reps}\n\n"
-             + markdown_table(header, rows, "l" + "r" * (len(header) - 2) + "c"))
-    record = run_metadata(n=args.n, h=args.h, vocab=args.vocab, k=args.k, reps=args.reps, base=src["base"],
+    ran = [r["ran"] for by_tree in runs.values() for rs in by_tree.values() for r in rs]
+    record = run_metadata(ran, n=args.n, h=args.h, vocab=args.vocab, k=args.k, reps=args.reps, base=src["base"],
                           head=args.head, load=load.record())
+    table = (f"{args.head} head, N = {args.n}, H = {args.h}, V = {args.vocab}, k = {args.k}, fastest of {args.reps}\n\n"
+             + markdown_table(header, rows, "l" + "r" * (len(header) - 2) + "c") + f"\n{ran_line(record)}\n")
     warning = load_warning(record["load"])
     print(table + (f"\n{warning}\n" if warning else ""))
     os.makedirs(args.out, exist_ok=True)

@@ -4,7 +4,8 @@ twinkle-mem's fused path against the unfused path and the chunked peers, side by
     python3 -m venv /tmp/linear-peers-venv
     /tmp/linear-peers-venv/bin/pip install torch==2.13.0 trl cut-cross-entropy matplotlib
     /tmp/linear-peers-venv/bin/pip install --no-deps verl      # its torch module only (no Ray)
-    PYTHONPATH=python /tmp/linear-peers-venv/bin/python bench/bench_linear_selective_log_softmax.py \\
+    /tmp/linear-peers-venv/bin/pip install .                 # twinkle-mem itself, its native library built
+    /tmp/linear-peers-venv/bin/python bench/bench_linear_selective_log_softmax.py \\
         [--n 1024 4096] [--h 1024] [--vocab 151936] [--dtype fp32|bf16] [--reps 2] [--chunk-mib 256] \\
         [--rss-n 4096 16384] [--device cpu|cuda|npu] [--head trainable|frozen] [--no-entropy-grad] \\
         [--warm-reps 5]
@@ -27,7 +28,7 @@ packages:
 - twinkle-mem fused: ``twinkle_mem.linear_selective_log_softmax`` (chunk_bytes = --chunk-mib),
   and again with 3/4 of the rows ignored (the prompt tokens of RL);
 - with ``--base-tree DIR`` (another checkout of twinkle-mem, built in place): its fused path, the same
-  call imported from DIR/python, side by side with this tree's;
+  call imported from DIR/python, side by side with this tree's (the twinkle_mem this interpreter imports);
 - unfused: ``hidden @ weight.T`` then ``twinkle_mem.selective_log_softmax``;
 - TRL ``trl.kernels.ChunkedLogProbFunction`` (its torch path off Triton devices), vocab chunk
   width set so that its logits tile has the same bytes as twinkle-mem's chunk;
@@ -36,6 +37,9 @@ packages:
 - Cut Cross-Entropy ``linear_cross_entropy(..., impl="torch_compile", reduction="none")``, its
   implementation off CUDA (log-probs only, no entropy).
 --rss-n runs twinkle-mem's fused path alone at those N (one timed call) for the memory figures.
+Every child records what twinkle-mem ran there (backend, CPU kernel path); the table and the JSON name them.
+A run whose twinkle-mem (this tree's or --base-tree's) would take the composite fallback on --device refuses to
+start unless --allow-composite.
 Writes bench/results/local/linear_selective_log_softmax.{json,md,png} (--out, --name); progress on stderr.
 """
 import argparse
@@ -47,8 +51,9 @@ import sys
 import tempfile
 import time
 
-from bench_common import (HERE, ROOT, ChildFailed, Progress, markdown_table, new_figure, read_json, run_child,
-                          run_metadata, save_png, write_json)
+from bench_common import (ChildFailed, Progress, add_allow_composite, check_twinkle_mem, local_out, markdown_table,
+                          new_figure, probe_twinkle_mem, ran_line, read_json, refuse_composite, run_child, run_metadata,
+                          save_png, twinkle_mem_ran, write_json)
 
 IGNORE = -100
 
@@ -63,6 +68,8 @@ PEERS = {
     "Cut Cross-Entropy (torch_compile)": "cce",
 }
 CHUNKED = ("trl", "verl")
+PEER_NAMES = {kind: name for name, kind in PEERS.items()}
+TWINKLE_KINDS = ("fused", "fused_base", "fused_ignored", "unfused")  # the peers that run twinkle-mem
 
 
 # ------------------------------------------------------------------ the peers (run in the child)
@@ -78,12 +85,8 @@ def _make_step(kind, hidden, weight, labels, chunk_bytes, elem, entropy_grad=Tru
         loss = logp.sum() + (entropy.sum() if entropy is not None and entropy_grad else 0)
         return torch.autograd.grad(loss, leaves)
 
-    if kind in ("fused", "fused_base", "fused_ignored", "unfused"):
-        import twinkle_mem
-        # A source tree without built libraries would run the composite: measure the native kernels.
-        status = twinkle_mem.backends()
-        if status.get(hidden.device.type) not in ("loaded", None):
-            raise RuntimeError(f"twinkle_mem's native kernels are not loaded here: {status}")
+    if kind in TWINKLE_KINDS:
+        import twinkle_mem  # (the parent checked the backend of both trees: composite only if asked)
 
     if kind in ("fused", "fused_base", "fused_ignored"):
         # (a base tree before the option has no entropy_grad: its entropy is then left out of the loss alone)
@@ -190,7 +193,8 @@ def child(cfg):
             logp, ent = out[0].detach().float().cpu(), (None if out[1] is None else out[1].detach().float().cpu())
             torch.save({"logp": logp, "entropy": ent}, cfg["out"])
         del out
-    print(json.dumps({"times": times, "peak": peak, "held": held, "threads": torch.get_num_threads()}))
+    ran = twinkle_mem_ran(cfg["device"]) if cfg["kind"] in TWINKLE_KINDS else None  # (after the timed calls)
+    print(json.dumps({"times": times, "peak": peak, "held": held, "threads": torch.get_num_threads(), "ran": ran}))
 
 
 def warm_child(cfg, hidden, weight, labels, elem):
@@ -213,21 +217,32 @@ def warm_child(cfg, hidden, weight, labels, elem):
             step()
             sync()
             times[kind].append(time.perf_counter() - t0)
-    print(json.dumps({"times": times, "threads": torch.get_num_threads()}))
+    ran = twinkle_mem_ran(cfg["device"]) if set(steps) & set(TWINKLE_KINDS) else None
+    print(json.dumps({"times": times, "threads": torch.get_num_threads(), "ran": ran}))
 
 
 # ------------------------------------------------------------------ the parent
+def _env(base_tree=None):
+    """A child's environment: this interpreter's (the twinkle_mem it imports), or with ``base_tree``'s python/
+    first on PYTHONPATH."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    if base_tree:
+        env["PYTHONPATH"] = os.pathsep.join([os.path.join(base_tree, "python"), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
 def _run(cfg):
-    """One child run of ``cfg`` (its own process: its own peak RSS); its JSON, with ``wall_s``."""
-    tree = cfg["base_tree"] if cfg["kind"] == "fused_base" else ROOT
-    env = dict(os.environ, PYTHONPATH=os.path.join(tree, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               MALLOC_MMAP_THRESHOLD_="65536")
+    """One child run of ``cfg`` (its own process: its own peak RSS); its JSON, with ``wall_s``, and what
+    twinkle-mem ran there (``ran``, named after the peer)."""
+    env = _env(cfg["base_tree"] if cfg["kind"] == "fused_base" else None)
     t0 = time.monotonic()
     try:
         res = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env)
     except ChildFailed as e:
         res = {"error": f"exit {e.returncode}: {e.last_line[:300]}"}
     res["wall_s"] = time.monotonic() - t0
+    if res.get("ran"):
+        res["ran"]["where"] = "warm process" if cfg.get("warm") else PEER_NAMES[cfg["kind"]]
     return res
 
 
@@ -256,10 +271,11 @@ def main(argv=None):
                    help="the entropy a metric: the loss is sum(logp) (twinkle-mem: entropy_grad=False)")
     p.add_argument("--warm-reps", type=int, default=0,
                    help="then one process running every peer of this tree this many times, alternating")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "local"))
+    p.add_argument("--out", default=local_out(""), help="results folder (default bench/results/local/, not tracked)")
     p.add_argument("--name", default="linear_selective_log_softmax", help="file stem of the results in --out")
     p.add_argument("--base-tree", help="another twinkle-mem checkout (built in place): the fused_base peer")
     p.add_argument("--replot", action="store_true", help="redraw the table and PNG from the JSON in --out")
+    add_allow_composite(p)
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -273,9 +289,13 @@ def main(argv=None):
 
     if "fused_base" in args.peers and not args.base_tree:
         p.error("the fused_base peer needs --base-tree")
+    ran = [check_twinkle_mem(args.allow_composite, args.device, "this process")]
+    if "fused_base" in args.peers:  # the base tree's children: known before any starts
+        ran.append(probe_twinkle_mem(_env(args.base_tree), args.device, "--base-tree"))
+        refuse_composite(ran[-1], args.allow_composite)
     import torch
 
-    names = {kind: name for name, kind in PEERS.items()}
+    names = PEER_NAMES
     # Round robin: rep r of every peer at one N before rep r + 1 of any, so that a change of load on a
     # shared machine falls on all peers alike. Each run is its own process with one timed call.
     plan = [(n, kind, rep) for n in args.n for rep in range(args.reps) for kind in args.peers]
@@ -293,6 +313,7 @@ def main(argv=None):
             acc = results.setdefault((n, kind), {"peer": names[kind], "kind": kind, "n": n, "times": [],
                                                  "peaks": [], "wall_s": 0.0})
             acc["wall_s"] += res.get("wall_s", 0.0)
+            ran += [res["ran"]] if res.get("ran") else []
             if res.get("error"):
                 acc["error"] = res["error"]
                 progress.done(f"failed: {res['error'][:200]}")
@@ -311,6 +332,7 @@ def main(argv=None):
             if res.get("error"):
                 progress.done(f"failed: {res['error'][:200]}")
                 continue
+            ran += [res["ran"]] if res.get("ran") else []
             for kind, ts in res["times"].items():
                 q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
                 results.setdefault((n, kind), {"peer": names[kind], "kind": kind, "n": n, "times": [], "peaks": [],
@@ -345,7 +367,8 @@ def main(argv=None):
                 row["vs_base_tree"] = row["time_s"] / base_tree["time_s"]
             if row["kind"] == "fused_ignored" and row.get("time_s") and full:
                 row["vs_all_rows"] = row["time_s"] / full["time_s"]
-    meta = run_metadata(h=args.h, vocab=args.vocab, dtype=args.dtype, reps=args.reps, chunk_mib=args.chunk_mib,
+    ran = [r for r in ran if r["where"] not in ("this process", "--base-tree")] or ran  # the children's, if any
+    meta = run_metadata(ran, h=args.h, vocab=args.vocab, dtype=args.dtype, reps=args.reps, chunk_mib=args.chunk_mib,
                         device=args.device, head=args.head, entropy_grad=args.entropy_grad,
                         warm_reps=args.warm_reps, loadavg_before=load_before, loadavg_after=_loadavg(),
                         total_s=progress.elapsed(), command=" ".join([os.path.basename(sys.executable)] + sys.argv),
@@ -400,7 +423,8 @@ def _table(rows, meta):
                       f"{r.get('max_dlogp', float('nan')):.2g}", f"{r.get('max_dentropy', float('nan')):.2g}"])
     header = ["peer", "N", "entropy", "time (s)", "vs unfused", "warm process (s), vs unfused", "peak rise (MiB)",
               "beyond outputs + grads (MiB)", "max abs dlogp vs unfused", "max abs dentropy"]
-    return title + "\n\n" + markdown_table(header, cells, align="lrcrrrrrrr")
+    line = ran_line(meta)  # (none in a run recorded before it: its table re-renders as it was)
+    return title + "\n\n" + markdown_table(header, cells, align="lrcrrrrrrr") + (f"\n{line}\n" if line else "")
 
 
 def _plot(rows, meta, path):

@@ -1,7 +1,7 @@
 """Logits kept alive across twinkle-kit's Megatron ``forward_backward`` with 2 micro-batches,
 before and after twinkle-mem's logits guard, each case in a fresh process.
 
-    PYTHONPATH=python python bench/bench_logits_guard.py [--seq 4096] [--vocab 32000] [--reps 2]
+    python bench/bench_logits_guard.py [--seq 4096] [--vocab 32000] [--reps 2]
 
 twinkle-kit 0.5.1's real ``MegatronModel.forward_backward`` / ``forward_only`` on
 megatron-core 0.16.1's real no-pipelining scheduler (gloo, world size 1, CPU),
@@ -9,12 +9,15 @@ around a one-layer bf16 toy LM (``cpu_harness.megatron.ToyLM``), ``return_logits
 Per case: logits bytes still alive when the scheduler returns (weak references to
 the logits' storages), the most logits bytes alive at once, the rise of the
 resident-set high-water mark over the call, and its time.
-Writes bench/results/bench_logits_guard.json and .png (another stem: --out).
+What twinkle-mem ran in each measuring process (backend, CPU kernel path) is printed and recorded in the JSON;
+where it would run the composite fallback, the run refuses to start unless --allow-composite.
+Writes bench/results/local/bench_logits_guard.json and .png (another stem: --out; the recorded results: --out
+bench/results/bench_logits_guard).
 """
-import os
 import statistics
 
-from bench_common import HERE, bench_parser, new_figure, run_metadata, save_png, write_json
+from bench_common import (RAN_SETUP, bench_parser, check_twinkle_mem, new_figure, ran_line, run_metadata, save_png,
+                          write_json)
 from cpu_harness import memory  # importable once bench_common has put the repository root on sys.path
 
 VARIANTS = [
@@ -52,6 +55,7 @@ return out
 def main():
     parser = bench_parser(__doc__, "bench_logits_guard", seq=4096, vocab=32000, hidden=16, reps=2)
     args = parser.parse_args()
+    check_twinkle_mem(args.allow_composite)  # the measuring processes import the same twinkle_mem
 
     import megatron.core
     import twinkle.version
@@ -60,22 +64,25 @@ def main():
     for forward_only in (False, True):
         for name, install in VARIANTS:
             got = memory.measure_in_subprocess(
-                SETUP.format(install=install or "", vocab=args.vocab, hidden=args.hidden),
+                SETUP.format(install=install or "", vocab=args.vocab, hidden=args.hidden) + RAN_SETUP,
                 STMT.format(seq=args.seq, vocab=args.vocab, forward_only=forward_only), reps=args.reps)
             extra = got["extra"]
             rows.append(dict(mode="forward_only" if forward_only else "forward_backward", case=name,
                              retained_bytes=extra["retained"], peak_live_logits_bytes=extra["peak_live"],
                              peak_rss_bytes=got["peak"], s_median=statistics.median(got["times"]),
-                             loss=extra["loss"]))
+                             loss=extra["loss"], ran=dict(extra["ran"], where=name)))
             r = rows[-1]
             print(f"{r['mode']:16} {name:26} retained {r['retained_bytes'] / 2**20:7.1f} MiB"
                   f"  peak live logits {r['peak_live_logits_bytes'] / 2**20:7.1f} MiB"
                   f"  peak RSS rise {r['peak_rss_bytes'] / 2**20:7.1f} MiB  {r['s_median']:6.2f} s"
                   f"  loss {r['loss']:.4f}", flush=True)
 
-    meta = run_metadata(seq=args.seq, vocab=args.vocab, hidden=args.hidden, micro_batches=2, micro_batch_size=1,
-                        dtype="bfloat16", logits_bytes_per_micro_batch=logits_bytes, reps=args.reps, threads=1,
+    ran = [r["ran"] for r in rows]
+    meta = run_metadata(ran, seq=args.seq, vocab=args.vocab, hidden=args.hidden, micro_batches=2,
+                        micro_batch_size=1, dtype="bfloat16", logits_bytes_per_micro_batch=logits_bytes,
+                        reps=args.reps, threads=1,
                         twinkle_kit=twinkle.version.__version__, megatron_core=megatron.core.__version__)
+    print(ran_line(meta))
     write_json(args.out + ".json", dict(meta=meta, rows=rows))
     _plot(rows, meta, args.out + ".png")
 

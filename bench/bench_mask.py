@@ -1,18 +1,21 @@
 """Dense causal mask at collate time: twinkle-kit's builder vs twinkle-mem's skip vs
 its one-allocation builder, peak memory and time, each case in a fresh process.
 
-    PYTHONPATH=python python bench/bench_mask.py [--batch 1] [--seq 16384] [--reps 5]
+    python bench/bench_mask.py [--batch 1] [--seq 16384] [--reps 5]
 
 Two levels: the mask builder alone, and twinkle's whole ``InputProcessor`` call as
 ``MegatronModel.forward_backward`` makes it (a simulated NPU for the skip, CUDA for
 the dense path, tensors on the CPU). Peak = rise of the resident-set high-water mark
 during one call (``/proc/self/status`` VmHWM, reset through ``clear_refs``).
-Writes bench/results/bench_mask.json and .png (another stem: --out).
+What twinkle-mem ran in each measuring process (backend, CPU kernel path) is printed and recorded in the JSON;
+where it would run the composite fallback, the run refuses to start unless --allow-composite.
+Writes bench/results/local/bench_mask.json and .png (another stem: --out; the recorded results: --out
+bench/results/bench_mask).
 """
-import os
 import statistics
 
-from bench_common import HERE, bench_parser, new_figure, run_metadata, save_png, write_json
+from bench_common import (RAN_SETUP, bench_parser, check_twinkle_mem, new_figure, ran_line, run_metadata, save_png,
+                          write_json)
 from cpu_harness import memory  # importable once bench_common has put the repository root on sys.path
 
 BUILDER_SETUP = """
@@ -61,23 +64,26 @@ CASES = [
 def main():
     parser = bench_parser(__doc__, "bench_mask", batch=1, seq=16384, reps=5)
     args = parser.parse_args()
+    check_twinkle_mem(args.allow_composite)  # the measuring processes import the same twinkle_mem
 
     import twinkle.version
     mask_bytes = args.batch * args.seq * args.seq
     rows = []
     for level, name, setup, stmt in CASES:
         fmt = dict(batch=args.batch, seq=args.seq)
-        got = memory.measure_in_subprocess(setup.format(**fmt), stmt.format(**fmt), reps=args.reps)
+        got = memory.measure_in_subprocess(setup.format(**fmt) + RAN_SETUP, stmt.format(**fmt), reps=args.reps)
         times = sorted(t * 1e3 for t in got["times"])
         rows.append(dict(level=level, case=name, peak_bytes=got["peak"], peak_x_mask=got["peak"] / mask_bytes,
                          ms_median=statistics.median(times), ms_min=times[0], ms_max=times[-1],
-                         mask=got["extra"].get("mask")))
+                         mask=got["extra"].get("mask"), ran=dict(got["extra"]["ran"], where=f"{level}: {name}")))
         r = rows[-1]
         print(f"{level:8} {name:48} peak {r['peak_bytes'] / 2**20:8.1f} MiB ({r['peak_x_mask']:4.2f}x mask)"
               f"  median {r['ms_median']:8.2f} ms  [min {r['ms_min']:.2f}, max {r['ms_max']:.2f}]", flush=True)
 
-    meta = run_metadata(batch=args.batch, seq=args.seq, mask_bytes=mask_bytes, reps=args.reps, threads=1,
+    ran = [r["ran"] for r in rows]
+    meta = run_metadata(ran, batch=args.batch, seq=args.seq, mask_bytes=mask_bytes, reps=args.reps, threads=1,
                         twinkle_kit=twinkle.version.__version__)
+    print(ran_line(meta))
     write_json(args.out + ".json", dict(meta=meta, rows=rows))
     _plot(rows, meta, args.out + ".png")
 

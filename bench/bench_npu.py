@@ -8,7 +8,10 @@ forward+backward (median, p20, p80 over --iters runs; the in-place backward
 for twinkle-mem as its own row) and the peak NPU memory above the inputs;
 without entropy only, the agreement with a float64 reference (max |logp error|
 on the first 256 rows). Rows go to a JSON file tagged with the device, SoC and
-versions.
+versions, and what twinkle-mem ran (its backend on the NPU, the CPU kernel path); where the
+AscendC library is not loaded, the run refuses to start unless --allow-composite (the
+twinkle_mem_composite row measures the composite on purpose, either way). Writes
+bench/results/local/bench_npu.json unless --out names another file.
 
 Run on a CANN node (bench/npu_check.sh does): python bench/bench_npu.py --out results.json
 """
@@ -22,7 +25,7 @@ import torch
 import torch_npu  # noqa: F401
 
 import twinkle_mem
-from bench_common import run_metadata, write_json
+from bench_common import add_allow_composite, check_twinkle_mem, local_out, ran_line, run_metadata, write_json
 from twinkle_mem.op import composite
 from twinkle_mem.op.reference import selective_log_softmax_ref
 
@@ -116,11 +119,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
-    parser.add_argument("--out", default="bench_npu.json")
+    parser.add_argument("--out", default=local_out("bench_npu.json"),
+                        help="results file (default bench/results/local/bench_npu.json, not tracked)")
+    add_allow_composite(parser)
     args = parser.parse_args()
+    ran = check_twinkle_mem(args.allow_composite, "npu")
     rows = run(args)
-    meta = run_metadata(device=torch.npu.get_device_name(0), torch_npu=torch_npu.__version__,
+    meta = run_metadata(ran, device=torch.npu.get_device_name(0), torch_npu=torch_npu.__version__,
                         backends=twinkle_mem.backends(), host=platform.node())
+    print(ran_line(meta))
     write_json(args.out, {"meta": meta, "rows": rows}, indent=1)
     print(f"wrote {args.out}")
 

@@ -1,8 +1,9 @@
 """What one training step of twinkle-kit's Megatron recipes costs with TWINKLE_MEM_INSTALL unset (twinkle-kit as shipped),
 ``1`` and ``fused_lm_head``: each worker's peak memory, the step time, the loss.
 
-    PYTHONPATH=python python bench/bench_recipe.py [--vocab 151936] [--seq 4096] [--prompt 512] [--hidden 64]
+    python bench/bench_recipe.py [--vocab 151936] [--seq 4096] [--prompt 512] [--hidden 64]
         [--layers 2] [--k 64] [--recipes grpo,gkd] [--modes unset,1,fused_lm_head] [--base-tree DIR]
+        [--allow-composite]
 
 ``--base-tree DIR`` (another twinkle-mem checkout, built in place) adds the mode ``base:fused_lm_head``: the variable
 ``fused_lm_head`` with DIR/python first on the driver's and the workers' path, so that the step of another version of
@@ -19,8 +20,11 @@ vocab, as the recipe's vLLM teacher gives them). A local Qwen3 (V = ``--vocab``,
 fp32. Each mode in a fresh driver process (the variable set before Ray starts), each recipe a model of its own, one
 warm-up step, then the measured step: the rise of each worker's resident-set high-water mark over the step, read in
 the worker (``/proc/self/clear_refs`` before, ``VmHWM`` after), and the step's wall time in the driver. The loss of
-both steps (the first from the same weights in every mode). Writes bench/results/local/recipe.{json,md,png} (--out);
-``--replot`` redraws the table and the PNG from the JSON. Progress on stderr.
+both steps (the first from the same weights in every mode). What twinkle-mem ran (backend, CPU kernel path) is read
+in each driver and each worker, and named in the table and the JSON; a run whose twinkle-mem (this one's or
+--base-tree's) would take the composite fallback refuses to start unless --allow-composite. Writes
+bench/results/local/recipe.{json,md,png} (--out); ``--replot`` redraws the table and the PNG from the JSON. Progress on
+stderr.
 """
 import argparse
 import json
@@ -29,8 +33,10 @@ import sys
 import tempfile
 import time
 
-from bench_common import (HERE, bench_parser, Progress, markdown_table,
-                          peak_and_time_figure, read_json, run_metadata, write_json)
+import bench_common
+from bench_common import (Progress, bench_parser, check_twinkle_mem, local_out, markdown_table, peak_and_time_figure,
+                          probe_twinkle_mem, ran_line, read_json, refuse_composite, run_metadata, twinkle_mem_ran,
+                          write_json)
 
 MODES = {"unset": "twinkle-kit 0.5.1 as shipped (unset)", "1": "`TWINKLE_MEM_INSTALL=1`",
          "fused_lm_head": "`TWINKLE_MEM_INSTALL=fused_lm_head`",
@@ -53,6 +59,12 @@ def _status(key, actor=None):
 
 def _peak(actor=None):
     return _status("VmHWM")
+
+
+def _ran(actor=None):
+    """What twinkle-mem runs in this worker (bench_common, which the driver sends by value: workers cannot import
+    bench/)."""
+    return twinkle_mem_ran(where="worker")
 
 
 # --- in a driver (one per mode) ------------------------------------------------------------------------------------
@@ -118,6 +130,8 @@ def _measure(ckpt, recipe, args):
             peaks = [p - b for p, b in zip(tr.on_workers(model, _peak), base)]
             losses.append(recipes.loss_of(out))
         result.update(losses=losses, step_s=seconds[-1], warmup_s=seconds[0], peak_bytes=peaks)
+        result["ran"] = [twinkle_mem_ran(where="driver")] + [dict(r, where=f"worker {rank}") for rank, r in
+                                                             enumerate(tr.on_workers(model, _ran))]
     except Exception as error:  # noqa: BLE001  (shipped's GKD at TP = 2: recorded, shown in the table)
         result["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}"
         print(f"  {recipe} failed: {error}", file=sys.stderr, flush=True)
@@ -127,7 +141,9 @@ def _measure(ckpt, recipe, args):
 
 
 def child(mode, ckpt, args):
+    import ray.cloudpickle
     from cpu_harness import twinkle_ray as tr
+    ray.cloudpickle.register_pickle_by_value(bench_common)  # _ran's twinkle_mem_ran, to the workers
     results = {}
     with tr.ray_session():
         for recipe in args.recipes.split(","):
@@ -142,7 +158,8 @@ def main():
     parser.add_argument("--recipes", default="grpo,gkd")
     parser.add_argument("--modes", default="unset,1,fused_lm_head")
     parser.add_argument("--base-tree", help="another checkout: adds the mode base:fused_lm_head")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "local", "recipe"), help="results stem")
+    parser.add_argument("--out", default=local_out("recipe"),
+                        help="results stem (default bench/results/local/recipe, not tracked)")
     parser.add_argument("--replot", action="store_true", help="redraw the table and the PNG from the JSON only")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "CKPT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -153,6 +170,10 @@ def main():
         saved = read_json(args.out + ".json")
         _write(saved["meta"], saved["results"], args.out)
         return
+    check_twinkle_mem(args.allow_composite)  # the drivers and their workers import the same twinkle_mem
+    if args.base_tree:
+        refuse_composite(probe_twinkle_mem(_base_env(args.base_tree, dict(os.environ)), where="--base-tree"),
+                         args.allow_composite)
     from cpu_harness import mcore_bridge as mb
     from cpu_harness.twinkle_ray import run_driver
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -167,8 +188,7 @@ def main():
             if mode != "unset":
                 env[VAR] = mode.split(":")[-1]
             if mode.startswith("base:"):
-                env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.abspath(args.base_tree), "python"),
-                                                     *filter(None, [env.get("PYTHONPATH")])])
+                env = _base_env(args.base_tree, env)
             cmd = [sys.executable, "-W", "ignore", os.path.abspath(__file__), "--child", mode, ckpt] + [
                 f"--{name}={getattr(args, name)}" for name in ("vocab", "seq", "prompt", "hidden", "layers", "k", "recipes")]
             log = args.out + f".{mode.replace(':', '_')}.log"  # the driver's and its workers' messages
@@ -180,11 +200,20 @@ def main():
             results[mode] = json.loads(output.strip().splitlines()[-1])
             progress.done(", ".join(f"{r}: " + (res.get("error") or " / ".join(
                 f"{p / 2**20:,.0f}" for p in res["peak_bytes"]) + " MiB") for r, res in results[mode].items()))
-    meta = run_metadata(base_tree=args.base_tree, vocab=args.vocab, seq=args.seq, prompt=args.prompt, hidden=args.hidden, layers=args.layers,
+    ran = [dict(r, where=f"{mode}: {r['where']}") for mode, per_recipe in results.items()
+           for res in per_recipe.values() for r in res.get("ran", [])]
+    meta = run_metadata(ran, base_tree=args.base_tree, vocab=args.vocab, seq=args.seq, prompt=args.prompt,
+                        hidden=args.hidden, layers=args.layers,
                         k=args.k, world=2, tp=2, dtype="float32", threads=1, threads_per_worker=1, lora_r=8,
                         one_micro_batch_logits_shard_mib=args.seq * (args.vocab // 2) * 4 / 2**20)
     write_json(args.out + ".json", dict(meta=meta, results=results), indent=1)
     _write(meta, results, args.out)
+
+
+def _base_env(base_tree, env):
+    """``env`` with --base-tree's python/ first on PYTHONPATH."""
+    return dict(env, PYTHONPATH=os.pathsep.join([os.path.join(os.path.abspath(base_tree), "python"),
+                                                 *filter(None, [env.get("PYTHONPATH")])]))
 
 
 def _table(meta, results):
@@ -209,7 +238,8 @@ def _table(meta, results):
              f"weights in every row) against the recipe's first row that ran")
     header = ["recipe", "TWINKLE_MEM_INSTALL", "peak RSS rise per worker (TP rank 0 / 1)", "step time",
               "loss (first step)", "vs first row"]
-    return title + "\n\n" + markdown_table(header, rows, "llrrrr")
+    line = ran_line(meta)  # (none in a run recorded before it: its table re-renders as it was)
+    return title + "\n\n" + markdown_table(header, rows, "llrrrr") + (f"\n{line}\n" if line else "")
 
 
 def _write(meta, results, stem):

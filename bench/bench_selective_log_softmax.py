@@ -27,8 +27,9 @@ forward with entropy / read, forward with entropy + in-place backward / (read + 
 ops), the in-place backward alone / read-write, and the public path: selective_log_softmax(...,
 inplace_backward=True) and .backward() through autograd, on logits that are an intermediate (a view of
 a leaf: its own backward costs nothing) and on leaf logits (the gradient kept in their .grad), each /
-(read + read-write). Every twinkle_mem row says which backend ran (the native CPU kernels or the
-composite) and on which CPU kernel path.
+(read + read-write). Every twinkle_mem row, the table and the JSON say which backend ran (the native CPU
+kernels or the composite) and on which CPU kernel path; a run where twinkle_mem's native CPU library is not
+loaded (a source tree on PYTHONPATH with no library built) refuses to start unless --allow-composite.
 
   python bench/bench_selective_log_softmax.py                      # N=512,1024,2048, V=151936
   python bench/bench_selective_log_softmax.py --sizes 2048 --peers twinkle_mem_inplace --op-reps 31
@@ -44,8 +45,9 @@ import subprocess
 import sys
 import time
 
-from bench_common import (ChildFailed, MachineLoad, Progress, load_warning, new_figure, read_json, run_child,
-                          run_metadata, save_png, write_json)
+from bench_common import (ChildFailed, MachineLoad, Progress, add_allow_composite, check_twinkle_mem, load_warning,
+                          local_out, merge_ran, new_figure, ran_line, read_json, run_child, run_metadata, save_png,
+                          twinkle_mem_ran, write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = ["naive", "twinkle_loop", "chunked_fp32", "compiled", "twinkle_mem", "twinkle_mem_inplace"]
@@ -58,7 +60,7 @@ OP_FLOORS = {"fwd": "read", "fwd_entropy": "read", "fwd_entropy_bwd_inplace": "r
              "public_intermediate": "read+rw", "public_leaf": "read+rw"}
 NAME = "selective_log_softmax"
 RECORDED = os.path.join(HERE, "results", NAME)  # the committed results: --record
-LOCAL = os.path.join(HERE, "results", "local", NAME)  # a user's run (bench/results/local/ is not tracked)
+LOCAL = local_out(NAME)  # a user's run (bench/results/local/ is not tracked)
 TWINKLE_LOOP_COPY = "this script's copy of its algorithm (twinkle-kit not installed)"
 
 
@@ -286,20 +288,10 @@ def child(peer, n, v, reps, op_reps=0):
     if peer == "twinkle_loop":
         out["source"] = twinkle_loop_source()
     if peer in PATH_PEERS:
-        out.update(backend_ran())
+        out.update(twinkle_mem_ran())  # backend, cpu_path, library, package (where: the parent names the run)
         if peer == "twinkle_mem_inplace" and op_reps:
             out["op"] = op_ratios(base_logits, labels, op_reps)
     return out
-
-
-def backend_ran() -> dict:
-    """Which implementation the twinkle_mem peers ran on the CPU: the native kernels and their path
-    (op/native.py), or the composite where the native library did not load (and why)."""
-    from twinkle_mem.op import native as _native
-    status = _native.status.get("cpu", "unknown")
-    if status != "loaded":
-        return {"backend": f"composite ({status})", "cpu_path": None}
-    return {"backend": "native CPU kernels", "cpu_path": _native.cpu_kernel_path()}
 
 
 def time_summary(times) -> dict:
@@ -338,7 +330,10 @@ def run_peer(peer, n, v, reps, timeout, path=None, op_reps=0):
         env[CPU_ISA_ENV] = path
     label = peer if path is None else f"{peer}@{path}"
     try:
-        return {**run_child(cmd, timeout, env), "peer": label}
+        result = {**run_child(cmd, timeout, env), "peer": label}
+        if "backend" in result:
+            result["where"] = label  # the run's record (bench_common.twinkle_mem_ran) names its process
+        return result
     except subprocess.TimeoutExpired:
         return {"peer": label, "n": n, "v": v, "error": f"timed out after {timeout}s"}
     except ChildFailed as e:
@@ -359,6 +354,7 @@ def parse_args(argv=None):
                                   f"with --record {os.path.relpath(RECORDED)}, the committed results)")
     ap.add_argument("--record", action="store_true", help="write (or --replot) the committed results")
     ap.add_argument("--replot", action="store_true", help="only redraw OUT.png from OUT.json (no measurement)")
+    add_allow_composite(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.out is None:
@@ -376,6 +372,7 @@ def main(argv=None):
         print(json.dumps(child(args.child, sizes[0], args.vocab, args.reps, args.op_reps)))
         return
 
+    parent = check_twinkle_mem(args.allow_composite)  # the children import the same twinkle_mem
     paths = args.paths.split(",") if args.paths else cpu_paths()
     runs = peer_runs(args.peers.split(","), paths)
     results = []
@@ -388,7 +385,8 @@ def main(argv=None):
         progress.done(r.get("error") or f"{r['time_s']:.3f} s (spread {r['spread']:.0%}), "
                                         f"{r['vs_floor']['median']:.1f}x the floor, extra peak "
                                         f"{r['extra_peak_bytes'] / 2**20:.0f} MiB")
-    meta = run_metadata(vocab=args.vocab, reps=args.reps, op_reps=args.op_reps, load=load.record())
+    meta = run_metadata(ran_records(results) or parent, vocab=args.vocab, reps=args.reps, op_reps=args.op_reps,
+                        load=load.record())
     print()
     print(render_table(results, meta))
     ops_table = render_op_table(results, meta)
@@ -468,10 +466,17 @@ def render_op_table(results, meta) -> str:
     return "\n".join(lines + ([note] if note else []))
 
 
+RAN_KEYS = ("backend", "cpu_path", "library", "package", "device", "where")
+
+
+def ran_records(results) -> list:
+    """What the twinkle_mem runs of ``results`` ran (bench_common.twinkle_mem_ran's records, one per row)."""
+    return [{k: r.get(k) for k in RAN_KEYS} for r in results if "backend" in r]
+
+
 def backend_note(results) -> str:
-    """One line: which backend each twinkle_mem run took, by CPU kernel path ("" where none says)."""
-    backends = sorted({f"{r.get('cpu_path')}: {r['backend']}" for r in results if "backend" in r})
-    return "twinkle_mem ran: " + "; ".join(backends) if backends else ""
+    """One line: which backend and CPU kernel path each twinkle_mem run took ("" where none says)."""
+    return ran_line({"twinkle_mem_ran": merge_ran(ran_records(results))})
 
 
 # ----------------------------------------------------------------- figure

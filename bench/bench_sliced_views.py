@@ -8,7 +8,10 @@ view saves). Forward + backward with entropy, out of place and in place. Each
 measurement runs in a fresh process (as bench_selective_log_softmax.py does):
 in one process, gradients of two sizes alternating would meet a different
 allocator state (reused, already touched pages or fresh ones) and time that
-instead. Bitwise equality of logp and the gradient is checked in one process.
+instead. Bitwise equality of logp and the gradient is checked in one process. The table and the JSON name
+what twinkle-mem ran in each process (backend, CPU kernel path); where it would run the composite fallback, the
+run refuses to start unless --allow-composite. Writes bench/results/local/sliced_views.{json,png} (another stem:
+--out; the recorded results: --out bench/results/sliced_views).
 
   python bench/bench_sliced_views.py                       # B=4, S=2048, V=151936, bf16
   python bench/bench_sliced_views.py --s 512 --reps 5
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
@@ -25,9 +27,8 @@ import time
 import torch
 
 import twinkle_mem
-from bench_common import Progress, new_figure, run_child, run_metadata, save_png, write_json
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from bench_common import (Progress, add_allow_composite, check_twinkle_mem, local_out, new_figure, ran_line, run_child,
+                          run_metadata, save_png, twinkle_mem_ran, write_json)
 
 
 def make_inputs(b, s, v, layout):
@@ -55,7 +56,7 @@ def child(spec):
     if spec["dense"]:
         del view
     times = [step(x, labels, spec["inplace"])[0] for _ in range(spec["reps"] + 1)][1:]
-    print(json.dumps({"s": min(times)}))
+    print(json.dumps({"s": min(times), "ran": twinkle_mem_ran()}))
 
 
 def bitwise_equal(b, s, v, layout, inplace):
@@ -71,11 +72,14 @@ def main():
     ap.add_argument("--s", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "sliced_views"))
+    ap.add_argument("--out", default=local_out("sliced_views"),
+                    help="results file stem (default under bench/results/local/, not tracked)")
+    add_allow_composite(ap)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(json.loads(args.child))
+    ran = [check_twinkle_mem(args.allow_composite, where="this process (bitwise check)")]
     b, s, v = args.b, args.s, args.vocab
     names = {"trl": "trl logits[:, :-1]", "verl": "verl logits[:, -r-1:-1]"}
     rows = []
@@ -87,8 +91,9 @@ def main():
                 spec = dict(b=b, s=s, vocab=v, layout=layout, inplace=inplace, dense=dense, reps=args.reps)
                 progress.step(f"{names[layout]:24s} {'in place' if inplace else 'out of place':12s} "
                               f"{'contiguous' if dense else 'view'}")
-                best["contiguous" if dense else "view"] = run_child([sys.executable, __file__, "--child",
-                                                                     json.dumps(spec)])["s"]
+                got = run_child([sys.executable, __file__, "--child", json.dumps(spec)])
+                best["contiguous" if dense else "view"] = got["s"]
+                ran.append(dict(got["ran"], where="timed children"))
                 progress.done(f"{best['contiguous' if dense else 'view']:.3f} s")
             rows_n = b * (s if layout == "trl" else s // 4)
             rows.append({"layout": names[layout], "inplace": inplace, "rows": rows_n, "view_s": best["view"],
@@ -104,7 +109,8 @@ def main():
         print(f"{row['layout']:26s}{'in place' if row['inplace'] else 'out of place':>14s}{row['rows']:>7d}"
               f"{row['view_s']:>9.3f}{row['contiguous_s']:>10.3f}{row['ratio']:>13.3f}"
               f"{str(row['bitwise_equal']):>9s}")
-    meta = run_metadata(b=b, s=s, vocab=v, dtype="bfloat16", reps=args.reps)
+    meta = run_metadata(ran, b=b, s=s, vocab=v, dtype="bfloat16", reps=args.reps)
+    print(ran_line(meta))
     write_json(args.out + ".json", {"title": title, "meta": meta, "rows": rows}, indent=1)
     try:
         fig = new_figure((7, 3))

@@ -16,7 +16,12 @@
    inside each process (twinkle imported with the variable unset, then the hook's install run with it set), with
    the peak RSS it adds.
 
-    python bench/bench_startup.py [--repeats 15] [--pythonpath DIR] [--out bench/results/startup]
+What twinkle-mem runs here (backend, CPU kernel path) is printed and recorded in the JSON (the measured processes
+run no kernel: torch is not imported there); where it would run the composite fallback, the run refuses to start
+unless --allow-composite. Writes bench/results/local/startup.{json,png} (the recorded results: --out
+bench/results/startup).
+
+    python bench/bench_startup.py [--repeats 15] [--pythonpath DIR] [--out bench/results/local/startup]
 """
 import argparse
 import os
@@ -27,7 +32,8 @@ import sys
 import tempfile
 import time
 
-from bench_common import ROOT, Progress, markdown_table, new_figure, run_metadata, save_png, write_json
+from bench_common import (ROOT, Progress, add_allow_composite, check_twinkle_mem, local_out, markdown_table, new_figure,
+                          ran_line, run_metadata, save_png, write_json)
 
 HOOK_FILES = ("twinkle_mem_startup.pth", "twinkle_mem_startup.py")
 CASES = (("bare venv", "bare", None), ("venv + hook, variable unset", "hook", None),
@@ -166,9 +172,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--pythonpath", default=None, help="a folder put first on PYTHONPATH for `import twinkle` "
                    "(another twinkle-kit, installed with pip install --no-deps --target DIR)")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "startup"),
-                   help="path prefix of the .json and .png written")
+    p.add_argument("--out", default=local_out("startup"),
+                   help="path prefix of the .json and .png written (default under bench/results/local/, not tracked)")
+    add_allow_composite(p)
     args = p.parse_args()
+    ran = check_twinkle_mem(args.allow_composite, where="this process (the measured ones run no kernel)")
     twinkle_runs = measure_import_twinkle(args.repeats, args.pythonpath)
     install_runs = measure_install_in_process(args.repeats, args.pythonpath)
     with tempfile.TemporaryDirectory() as tmp:
@@ -202,7 +210,7 @@ def main() -> None:
           f"{statistics.median(install_runs['ms']):.0f} ms (min {min(install_runs['ms']):.0f}, max "
           f"{max(install_runs['ms']):.0f}), +{statistics.median(install_runs['mib']):.1f} MiB peak RSS; torch "
           f"imported: {install_runs['torch_imported']}")
-    record = run_metadata(repeats=args.repeats, hook_files_from=hook_source_dir(), hook_active=hook_active,
+    record = run_metadata(ran, repeats=args.repeats, hook_files_from=hook_source_dir(), hook_active=hook_active,
                           imported_at_startup=imported_at_start,
                           cases={label: [round(x * 1e3, 3) for x in t] for label, t in times.items()},
                           best_ms={label: round(min(t) * 1e3, 3) for label, t in times.items()},
@@ -210,6 +218,7 @@ def main() -> None:
                           load_average=os.getloadavg(),
                           install_in_process=install_runs,
                           twinkle_pythonpath=args.pythonpath)
+    print(ran_line(record))
     print("wrote", write_json(args.out + ".json", record))
     fig = new_figure((11, 3.2))
     ax, ax2 = fig.subplots(1, 2)

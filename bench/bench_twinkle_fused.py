@@ -1,8 +1,8 @@
 """twinkle-kit's Megatron forward_backward / forward_only with and without the fused LM head, each
 case in a fresh process: peak RSS rise and time.
 
-    PYTHONPATH=python python bench/bench_twinkle_fused.py [--vocab 151936] [--seq 4096] [--hidden 64] [--reps 1]
-    PYTHONPATH=python python bench/bench_twinkle_fused.py --loss gkd     # twinkle's GKD step (issue 26)
+    python bench/bench_twinkle_fused.py [--vocab 151936] [--seq 4096] [--hidden 64] [--reps 1] [--out STEM]
+    python bench/bench_twinkle_fused.py --loss gkd     # twinkle's GKD step (issue 26)
 
 twinkle-kit 0.5.1's real ``MegatronModel.forward_backward`` on megatron-core 0.16.1's real
 no-pipelining scheduler (gloo, world size 1, CPU, 1 thread) around a one-layer megatron-core
@@ -12,21 +12,23 @@ of one ``--seq`` sample each (``--prompt`` tokens of each with label -100), ``re
 Cases: twinkle-kit as shipped, ``install()`` (logits guard + twinkle-mem's op on the logits) and
 ``install(fused_lm_head=True)``. Per case: the rise of the resident-set high-water mark over one
 call after a warm-up call, the median time of ``--reps`` calls, the loss, and the sum of the
-returned log-probs under the loss mask (the cases must agree).
-Writes bench/results/twinkle_fused.json, .md and .png.
+returned log-probs under the loss mask (the cases must agree), and what twinkle-mem ran in its process (backend,
+CPU kernel path: the table and the JSON name them; where it would run the composite fallback, the run refuses to
+start unless --allow-composite).
+Writes bench/results/local/twinkle_fused.json, .md and .png (the recorded results: --out bench/results/twinkle_fused).
 
 ``--loss gkd``: twinkle's distillation step instead, GKDLoss(beta=0.5) over a top-k teacher as its recipes
 feed it (k = ``--topk``, 64: ``teacher_topk_logprobs`` fp32 and ``teacher_topk_indices`` int64, [2, S, k]),
 forward_backward only, one more case: twinkle-kit with GKDLoss's arithmetic in float64 on the same fp32
 logits (the gather is exact; only the k-wide math changes), whose loss is the exact one the others are held
-against. Writes bench/results/twinkle_gkd.*. ``--teacher local``: a local teacher's whole-vocab logits
-(``teacher_logits=``, [2, S, V] fp32) instead; writes bench/results/twinkle_gkd_local.*.
+against. Writes bench/results/local/twinkle_gkd.*. ``--teacher local``: a local teacher's whole-vocab logits
+(``teacher_logits=``, [2, S, V] fp32) instead; writes bench/results/local/twinkle_gkd_local.*.
 """
 import os
 import statistics
 
-from bench_common import (HERE, bench_parser, Progress, markdown_table,
-                          new_figure, read_json, run_metadata, save_png, write_json)
+from bench_common import (RAN_SETUP, Progress, bench_parser, check_twinkle_mem, local_out, markdown_table,
+                          new_figure, ran_line, read_json, run_metadata, save_png, write_json)
 from cpu_harness import memory  # importable once bench_common has put the repository root on sys.path
 
 CASES = [
@@ -97,20 +99,22 @@ def main():
     parser.add_argument("--cases", type=int, nargs="+", default=None,
                         help="indices into CASES (+ EXACT_GKD last with --loss gkd; the shipped case needs ~6x a "
                              "micro-batch's logits)")
-    parser.add_argument("--out", default=None, help="results file stem under bench/results/ (twinkle_fused, "
-                                                    "twinkle_gkd with --loss gkd)")
+    parser.add_argument("--out", default=None, help="results file stem (default bench/results/local/twinkle_fused, "
+                                                    "twinkle_gkd with --loss gkd, twinkle_gkd_local with "
+                                                    "--teacher local; not tracked)")
     parser.add_argument("--replot", action="store_true", help="redraw the table and PNG from the JSON only")
     args = parser.parse_args()
     gkd = args.loss == "gkd"
     cases = CASES + [EXACT_GKD] if gkd else CASES
     local = gkd and args.teacher == "local"
-    stem = os.path.join(HERE, "results", args.out or ("twinkle_fused" if not gkd else
-                                                      "twinkle_gkd_local" if local else "twinkle_gkd"))
+    args.out = stem = args.out or local_out("twinkle_fused" if not gkd else "twinkle_gkd_local" if local else
+                                            "twinkle_gkd")
     if args.replot:
         saved = read_json(stem + ".json")
         _write(saved["rows"], saved["meta"], stem)
         return
 
+    check_twinkle_mem(args.allow_composite)  # the measuring processes import the same twinkle_mem
     import megatron.core
     import twinkle.version
     logits_bytes = args.seq * args.vocab * 4  # one micro-batch's fp32 logits
@@ -123,15 +127,17 @@ def main():
         progress.step(f"{mode} {name}")
         got = memory.measure_in_subprocess(
             SETUP.format(install=install or "", vocab=args.vocab, hidden=args.hidden, seq=args.seq, prompt=args.prompt,
-                         loss=LOSSES[args.loss], topk=args.topk, local_teacher=local),
+                         loss=LOSSES[args.loss], topk=args.topk, local_teacher=local) + RAN_SETUP,
             STMT.format(forward_only=forward_only, gkd=gkd), reps=args.reps)
         rows.append(dict(mode=mode, case=name, peak_rss_bytes=got["peak"], s_median=statistics.median(got["times"]),
-                         times=got["times"], loss=got["extra"]["loss"], logps_sum=got["extra"]["logps_sum"]))
+                         times=got["times"], loss=got["extra"]["loss"], logps_sum=got["extra"]["logps_sum"],
+                         ran=dict(got["extra"]["ran"], where=f"{mode} {name}")))
         r = rows[-1]
         progress.done(f"peak RSS rise {r['peak_rss_bytes'] / 2**20:,.1f} MiB, {r['s_median']:.2f} s, "
                       f"loss {r['loss']:.6f}, sum(logps) {r['logps_sum']}")
 
-    meta = run_metadata(vocab=args.vocab, seq=args.seq, hidden=args.hidden, layers=1, heads=2, prompt=args.prompt,
+    ran = [r["ran"] for r in rows]
+    meta = run_metadata(ran, vocab=args.vocab, seq=args.seq, hidden=args.hidden, layers=1, heads=2, prompt=args.prompt,
                         micro_batches=2, micro_batch_size=1, dtype="float32", temperature=0.7,
                         loss=LOSSES[args.loss], topk=args.topk if gkd and not local else None,
                         teacher=args.teacher if gkd else None,
@@ -156,18 +162,22 @@ def _table(rows, meta):
              f"load average at the end {meta['load_average'][0]:.2f}")
     exact = next((r["loss"] for r in rows if r["case"] == EXACT_GKD[0]), None)
     cells = []
+
+    def vs(a, b):  # (a tiny run's peak rise can be 0)
+        return f"{a / b:.2f}x" if b else "-"
     for r in rows:
         base = next(b for b in rows if b["mode"] == r["mode"])  # the first case run
         cells.append([r["mode"], r["case"], f"{r['peak_rss_bytes'] / 2**20:,.0f} MiB",
-                      f"{r['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}x", f"{r['s_median']:.2f} s",
-                      f"{r['s_median'] / base['s_median']:.2f}x", f"{r['loss']:.6f}"])
+                      vs(r["peak_rss_bytes"], base["peak_rss_bytes"]), f"{r['s_median']:.2f} s",
+                      vs(r["s_median"], base["s_median"]), f"{r['loss']:.6f}"])
         if exact is None:
             cells[-1].append(f"{r['logps_sum']:.4f}")
         else:  # GKD: each loss against the exact one
             cells[-1].append(f"{(r['loss'] - exact) / abs(exact):+.1e}")
     last = "sum of logps under the mask" if exact is None else "loss vs exact (relative)"
+    line = ran_line(meta)  # (none in a run recorded before it: its table re-renders as it was)
     return title + "\n\n" + markdown_table(["mode", "case", "peak RSS rise", "vs first", "time", "vs first", "loss",
-                                             last], cells)
+                                             last], cells) + (f"\n{line}\n" if line else "")
 
 
 def _plot(rows, meta, path):

@@ -1,7 +1,7 @@
 """twinkle-kit's Megatron step at TP = 2 x PP = 2 on the CPU with an mcore_bridge-built model: peak RSS
 per rank and time, for twinkle-kit as shipped, ``install()`` and ``install(fused_lm_head=True)``.
 
-    PYTHONPATH=python python bench/bench_twinkle_mcore_bridge.py [--vocab 151936] [--seq 4096] [--hidden 64]
+    python bench/bench_twinkle_mcore_bridge.py [--vocab 151936] [--seq 4096] [--hidden 64]
         [--layers 2] [--cases shipped,install,fused]
 
 A tiny Qwen3 (``--layers`` layers, hidden ``--hidden``, vocab ``--vocab``, untied, random weights) saved
@@ -12,8 +12,10 @@ locally, built by twinkle's ``MegatronModel(model_id=...)`` through mcore_bridge
 bonus (shipped twinkle-kit refuses entropy under TP > 1), T = 0.7, 2 micro-batches of one ``--seq`` sample each (``--prompt`` tokens with label -100).
 Each case in a fresh world; per rank: the rise of the resident-set high-water mark over the step (model
 built and wrapped before, after one warm-up step) and the step's time; the loss and the sum of the returned log-probs under
-the loss mask (the cases must agree). Writes bench/results/twinkle_mcore_bridge.{json,md,png};
-``--replot`` redraws the table and the PNG from the JSON.
+the loss mask (the cases must agree), and what twinkle-mem ran in each rank (backend, CPU kernel path: the table
+and the JSON name them; where it would run the composite fallback, the run refuses to start unless
+--allow-composite). Writes bench/results/local/twinkle_mcore_bridge.{json,md,png} (the recorded results: --out
+bench/results/twinkle_mcore_bridge); ``--replot`` redraws the table and the PNG from the JSON.
 """
 import copy
 import datetime
@@ -23,8 +25,8 @@ import subprocess
 import tempfile
 import time
 
-from bench_common import (HERE, bench_parser, Progress, markdown_table,
-                          peak_and_time_figure, read_json, run_metadata, write_json)
+from bench_common import (Progress, bench_parser, check_twinkle_mem, local_out, markdown_table, peak_and_time_figure,
+                          ran_line, read_json, run_metadata, twinkle_mem_ran, write_json)
 
 CASES = {"shipped": ("twinkle-kit 0.5.1", None), "install": ("install()", dict()),
          "fused": ("install(fused_lm_head=True)", dict(fused_lm_head=True))}
@@ -74,6 +76,7 @@ def _worker(rank, init_file, out_dir, ckpt, case, args):
             result["logps_sum"] = float(out["logps"][labels != -100].double().sum())
         from megatron.core import parallel_state as mpu
         result.update(tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank())
+    result["ran"] = twinkle_mem_ran(where=f"{case}: rank {rank}")
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -95,13 +98,15 @@ def run_case(ckpt, case, args):
 def main():
     parser = bench_parser(__doc__, vocab=151936, seq=4096, hidden=64, layers=2, prompt=0)
     parser.add_argument("--cases", default="shipped,install,fused")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "twinkle_mcore_bridge"), help="results stem")
+    parser.add_argument("--out", default=local_out("twinkle_mcore_bridge"),
+                        help="results stem (default bench/results/local/twinkle_mcore_bridge, not tracked)")
     parser.add_argument("--replot", action="store_true", help="redraw the table and the PNG from the JSON only")
     args = parser.parse_args()
     if args.replot:
         saved = read_json(args.out + ".json")
         _write(saved["meta"], saved["results"], args.out)
         return
+    check_twinkle_mem(args.allow_composite)  # the ranks import the same twinkle_mem
     from cpu_harness import mcore_bridge as mb
     ckpt = tempfile.mkdtemp(prefix="bench-qwen3-")
     mb.save_tiny_qwen3(ckpt, vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2)
@@ -115,7 +120,8 @@ def main():
         results[case] = dict(ranks=run_case(ckpt, case, args), wall_s=time.perf_counter() - start, free_before=free)
         peaks = ", ".join(f"{r['peak_bytes'] / 2**20:,.0f}" for r in results[case]["ranks"])
         progress.done(f"peak RSS rise per rank {peaks} MiB")
-    meta = run_metadata(vocab=args.vocab, seq=args.seq, hidden=args.hidden, layers=args.layers, prompt=args.prompt,
+    ran = [rr["ran"] for res in results.values() for rr in res["ranks"]]
+    meta = run_metadata(ran, vocab=args.vocab, seq=args.seq, hidden=args.hidden, layers=args.layers, prompt=args.prompt,
                         world=WORLD, tp=TP, pp=PP, dtype="float32", threads_per_rank=1, threads=1,
                         one_micro_batch_logits_shard_mib=args.seq * (args.vocab // TP) * 4 / 2**20)
     write_json(args.out + ".json", dict(meta=meta, results=results), indent=1)
@@ -133,8 +139,9 @@ def _table(meta, results):
              f"H = {meta['hidden']}, {meta['layers']} layers, fp32), TP = 2 x PP = 2 (gloo, 4 CPU processes, 1 thread "
              f"each), 2 micro-batches of [1, {meta['seq']}]; one micro-batch's logits shard: "
              f"{meta['one_micro_batch_logits_shard_mib']:,.0f} MiB")
+    line = ran_line(meta)  # (none in a run recorded before it: its table re-renders as it was)
     return title + "\n\n" + markdown_table(["case", "rank (pp, tp)", "peak RSS rise", "step time", "loss",
-                                             "sum of log-probs"], rows)
+                                             "sum of log-probs"], rows) + (f"\n{line}\n" if line else "")
 
 
 def _write(meta, results, stem):

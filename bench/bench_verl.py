@@ -1,8 +1,8 @@
 """verl's actor step with and without twinkle-mem: per-worker peak memory and step time, 2 CPU workers.
 
-    PYTHONPATH=python python bench/bench_verl.py                     # writes bench/results/local/verl.*
-    PYTHONPATH=python python bench/bench_verl.py --out bench/results/verl   # the recorded result
-    PYTHONPATH=python python bench/bench_verl.py --out bench/results/verl --replot   # its PNG from its JSON
+    python bench/bench_verl.py                     # writes bench/results/local/verl.*
+    python bench/bench_verl.py --out bench/results/verl   # the recorded result
+    python bench/bench_verl.py --out bench/results/verl --replot   # its PNG from its JSON
 
 Needs verl 0.9.x and megatron-core (``pip install ".[verl,test-verl]"``); runs on the CPU through the stand-ins
 of standins/verl_cpu.py (verl's platform and engine registration, gloo). Each case is a fresh world of
@@ -24,8 +24,8 @@ of standins/verl_cpu.py (verl's platform and engine registration, gloo). Each ca
 Per worker: the rise of the resident-set high-water mark over the measured step (twinkle_mem.measure.peak_rss)
 and its time; the table shows the larger of the workers' peaks and the slower time, the JSON every worker's.
 fp32 (bf16 matmuls are ~10x slower than fp32 on an AVX2 CPU), a one-layer Qwen2 / GPT of hidden ``--hidden``.
-The table and the JSON name twinkle-mem's backend and CPU kernel path; the run refuses the composite fallback
-(no native library) unless ``--allow-composite``.
+The table and the JSON name twinkle-mem's backend and CPU kernel path in every worker; the run refuses the composite
+fallback (no native library) unless ``--allow-composite``.
 """
 import json
 import os
@@ -33,8 +33,9 @@ import subprocess
 import sys
 import time
 
-from bench_common import (HERE, MachineLoad, Progress, load_warning, markdown_table, peak_and_time_figure, read_json,
-                          run_metadata, write_json)
+from bench_common import (MachineLoad, Progress, add_allow_composite, check_twinkle_mem, load_warning, local_out,
+                          markdown_table, peak_and_time_figure, ran_line, read_json, run_metadata, twinkle_mem_ran,
+                          write_json)
 
 CASES = {
     "fsdp_logits": "FSDP: verl's logits path (default)",
@@ -57,11 +58,10 @@ def parse_args(argv=None):
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per case")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "local", "verl"),
+    parser.add_argument("--out", default=local_out("verl"),
                         help="results file stem (OUT.json, OUT.md, OUT.png); the default is not tracked by git")
     parser.add_argument("--replot", action="store_true", help="redraw OUT.png from OUT.json, measuring nothing")
-    parser.add_argument("--allow-composite", action="store_true",
-                        help="run even where twinkle-mem's native CPU library is not loaded (the composite runs)")
+    add_allow_composite(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)  # a worker: the case it runs
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--init", help=argparse.SUPPRESS)
@@ -69,14 +69,6 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------ a worker (one process of a case's world)
-def twinkle_mem_backend() -> dict:
-    """twinkle-mem's CPU backend and kernel path in this process."""
-    import twinkle_mem
-    from twinkle_mem.op import native
-    state = twinkle_mem.backends()["cpu"]
-    return {"cpu_backend": state, "cpu_path": native.cpu_kernel_path() if state == "loaded" else "composite"}
-
-
 def fsdp_worker(args, case, folder):
     """The FSDP cases: TrainingWorker's infer_batch (compute_log_prob) then train_mini_batch (update_actor)."""
     from functools import partial
@@ -220,7 +212,8 @@ def child(args) -> dict:
     from twinkle_mem.integrations import verl as integration
     result = {k: (v.record() if isinstance(v, measured) else v) for k, v in result.items()}
     dist.destroy_process_group()
-    return {**result, "rank": args.rank, "twinkle_mem_installed": integration.is_installed(), **twinkle_mem_backend()}
+    return {**result, "rank": args.rank, "twinkle_mem_installed": integration.is_installed(),
+            "ran": twinkle_mem_ran(where=f"{args.child} rank {args.rank}")}
 
 
 # ------------------------------------------------------------------ the parent: one world per case
@@ -255,14 +248,6 @@ def run_case(args, case) -> list:
             raise RuntimeError(f"{case}: a worker exited with {p.returncode}:\n{err[-4000:]}")
         records.append(json.loads(out.strip().splitlines()[-1]))
     return records
-
-
-def check_backend(allow_composite: bool) -> dict:
-    backend = twinkle_mem_backend()
-    if backend["cpu_backend"] != "loaded" and not allow_composite:
-        sys.exit(f"twinkle-mem's native CPU library is not loaded ({backend['cpu_backend']}): this run would measure "
-                 "the composite fallback. Build the package (pip install .) or pass --allow-composite.")
-    return backend
 
 
 def phases(case):
@@ -309,7 +294,7 @@ def main(argv=None) -> int:
         recorded = read_json(args.out + ".json")
         print(f"wrote {figure(recorded['rows'], recorded['meta'], args.out + '.png')}")
         return 0
-    backend = check_backend(args.allow_composite)
+    check_twinkle_mem(args.allow_composite)  # the workers import the same twinkle_mem
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
@@ -321,14 +306,13 @@ def main(argv=None) -> int:
         progress.done(f"peak {rows[-1]['peak_mib']:,.0f} MiB, {rows[-1]['seconds']:.1f} s")
     import verl
     logits_mib = args.tokens * args.vocab * 4 / 2**20
-    meta = run_metadata(vocab=args.vocab, tokens_per_micro_batch=args.tokens, hidden=args.hidden,
+    ran = [w["ran"] for row in rows for w in row["workers"]]
+    meta = run_metadata(ran, vocab=args.vocab, tokens_per_micro_batch=args.tokens, hidden=args.hidden,
                         workers=args.workers, dtype="float32", threads=1, temperature=0.7, verl=verl.__version__,
-                        twinkle_mem_cpu_backend=backend["cpu_backend"], twinkle_mem_cpu_path=backend["cpu_path"],
                         load=load.record())
     text = table(rows, logits_mib)
     header = (f"verl {verl.__version__}, V = {args.vocab}, {args.tokens} tokens per micro-batch, H = {args.hidden}, "
-              f"fp32, T = 0.7, {args.workers} CPU workers of 1 thread; twinkle-mem CPU backend "
-              f"{backend['cpu_backend']} ({backend['cpu_path']}); {meta['cpu']}\n\n")
+              f"fp32, T = 0.7, {args.workers} CPU workers of 1 thread; {meta['cpu']}\n{ran_line(meta)}\n\n")
     warning = load_warning(meta["load"])
     text = header + text + (f"\n{warning}\n" if warning else "")
     print("\n" + text)

@@ -1,7 +1,7 @@
 """Vocab-parallel log-probs + entropy under tensor parallelism: twinkle-mem's path vs
 gathering the full-vocab logits, on a gloo world of CPU processes (one thread each).
 
-    PYTHONPATH=python python bench/bench_vocab_parallel.py [--n 1024] [--vocab 151936] [--tp 2 4] [--reps 3]
+    python bench/bench_vocab_parallel.py [--n 1024] [--vocab 151936] [--tp 2 4] [--reps 3] [--out STEM]
 
 Both paths compute full-vocab log-probs and entropy (temperature 1) from the
 per-rank vocab shards [N, V/tp] bf16 and the gradient of each rank's shard:
@@ -17,8 +17,10 @@ rank from the others (all_gather: (tp - 1) x the per-rank message). Times are
 the slowest rank's, median over --reps after one warm-up; peak is the largest
 rise of a rank's resident-set high-water mark over one forward + backward
 (above the shard, inputs allocated). The machine's cores are shared among the
-tp processes: with tp > cores the timings are oversubscribed.
-Writes bench/results/vocab_parallel.{json,md,png} (another stem: --out).
+tp processes: with tp > cores the timings are oversubscribed. What twinkle-mem ran in every rank (backend, CPU
+kernel path) is named in the table and the JSON; where it would run the composite fallback, the run refuses to
+start unless --allow-composite. Writes bench/results/local/vocab_parallel.{json,md,png} (another stem: --out; the
+recorded results: --out bench/results/vocab_parallel).
 """
 import argparse
 import datetime
@@ -32,10 +34,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench_common import markdown_table, new_figure, run_metadata, save_png, write_json
+from bench_common import (add_allow_composite, check_twinkle_mem, local_out, markdown_table, new_figure, ran_line,
+                          run_metadata, save_png, twinkle_mem_ran, write_json)
 from twinkle_mem.measure import peak_rss
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ("twinkle-mem vocab-parallel", "all_gather logits + single-process op")
 
 
@@ -107,11 +109,13 @@ def _worker(rank, world, mode, n, vocab, reps, init_file, out_dir):
             out = step()
         peak = torch.tensor([rise.bytes], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        ran = [None] * world
+        dist.all_gather_object(ran, twinkle_mem_ran(where=f"tp={world} rank {rank}"))
         if rank == 0:
             torch.save(dict(logp=out[0], entropy=out[1]), os.path.join(out_dir, "out.pt"))
             with open(os.path.join(out_dir, "result.json"), "w") as f:
                 json.dump(dict(fwd=fwd, bwd=bwd, bytes_per_step=bytes_per_step, calls_per_step=calls_per_step,
-                               peak_bytes=peak.item(), shard_bytes=shard.numel() * shard.element_size()), f)
+                               peak_bytes=peak.item(), shard_bytes=shard.numel() * shard.element_size(), ran=ran), f)
     finally:
         dist.destroy_process_group()
 
@@ -133,20 +137,24 @@ def main():
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "vocab_parallel"),
-                        help="results file stem: writes OUT.json, OUT.md, OUT.png")
+    parser.add_argument("--out", default=local_out("vocab_parallel"),
+                        help="results file stem: writes OUT.json, OUT.md, OUT.png (default under bench/results/local/, "
+                             "not tracked)")
+    add_allow_composite(parser)
     args = parser.parse_args()
+    check_twinkle_mem(args.allow_composite)  # the ranks import the same twinkle_mem
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     for tp in args.tp:
         if args.vocab % tp:
             raise SystemExit(f"--vocab {args.vocab} is not divisible by tp {tp}")
 
-    rows = []
+    rows, ran = [], []
     for tp in args.tp:
         outs = []
         for mode, name in enumerate(MODES):
             r, out = _run(tp, mode, args)
             outs.append(out)
+            ran += r["ran"]
             step = [f + b for f, b in zip(r["fwd"], r["bwd"])]
             row = dict(tp=tp, path=name, n=args.n, vocab=args.vocab, fwd_ms=1e3 * statistics.median(r["fwd"]),
                        bwd_ms=1e3 * statistics.median(r["bwd"]), step_ms=1e3 * statistics.median(step),
@@ -161,7 +169,7 @@ def main():
         for row in rows[-2:]:
             row["max_abs_diff_between_paths"] = diff
 
-    meta = run_metadata(n=args.n, vocab=args.vocab, dtype="bfloat16", reps=args.reps, threads=1,
+    meta = run_metadata(ran, n=args.n, vocab=args.vocab, dtype="bfloat16", reps=args.reps, threads=1,
                         threads_per_rank=1, backend="gloo")
     write_json(args.out + ".json", dict(meta=meta, rows=rows))
     table = _table(rows, meta)
@@ -179,7 +187,8 @@ def _table(rows, meta):
     cells = [[r["tp"], r["path"], f"{r['fwd_ms']:.1f}", f"{r['step_ms']:.1f}", f"{r['collectives_per_step']:.0f}",
               f"{r['bytes_per_token']:,.1f}", f"{r['peak_bytes'] / 2**20:.0f}",
               f"{r['max_abs_diff_between_paths']:.2g}"] for r in rows]
-    return title + markdown_table(header, cells)
+    line = ran_line(meta)  # (none in a run recorded before it: its table re-renders as it was)
+    return title + markdown_table(header, cells) + (f"\n{line}\n" if line else "")
 
 
 def _plot(rows, meta, path):

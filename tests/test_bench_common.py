@@ -1,9 +1,15 @@
 """bench/bench_common.py, the benchmarks' shared helper: the metadata record every results file
 carries, JSON written and read back, the fresh-process measurement, progress lines, Markdown tables;
-and a recorded results file re-rendered through it unchanged."""
+and a recorded results file re-rendered through it unchanged. Issue 42: every benchmark names what
+twinkle-mem ran (backend, CPU kernel path, in each process it starts), refuses to measure the composite
+fallback unless --allow-composite, and writes to bench/results/local/ unless --out says otherwise."""
+import importlib
 import json
+import os
+import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -14,7 +20,8 @@ if str(BENCH) not in sys.path:  # where `python bench/<script>.py` finds it
 
 import bench_common  # noqa: E402
 
-METADATA_KEYS = {"torch", "twinkle_mem", "python", "machine", "cpu", "cores", "threads", "git_commit", "date"}
+METADATA_KEYS = {"torch", "twinkle_mem", "python", "machine", "cpu", "cores", "threads", "git_commit", "date",
+                 "twinkle_mem_backend", "twinkle_mem_cpu_path", "twinkle_mem_ran"}
 
 
 def test_run_metadata_has_every_key_and_the_run_fields_override():
@@ -38,6 +45,8 @@ def test_run_metadata_without_an_importable_twinkle_mem(monkeypatch):
     monkeypatch.setitem(sys.modules, "twinkle_mem", None)  # `import twinkle_mem` raises ImportError
     meta = bench_common.run_metadata()
     assert METADATA_KEYS == set(meta) and meta["twinkle_mem"] is None and meta["cpu"]
+    assert meta["twinkle_mem_backend"] == "None" and "does not import" in meta["twinkle_mem_ran"][0]["library"]
+    bench_common.refuse_composite(meta["twinkle_mem_ran"], allowed=False)  # nothing ran: nothing to refuse
 
 
 def test_write_json_creates_the_folder_and_reads_back(tmp_path):
@@ -137,3 +146,185 @@ def test_machine_load_is_recorded_and_a_loaded_run_warned():
         assert bench_common.load_warning(loaded).startswith("WARNING: the machine was loaded")
     many_cores = {"cores": 16, "load_average_start": [2.0, 2.0, 2.0], "other_processes_cpu_cores": 2.0}
     assert bench_common.load_warning(many_cores) is None  # 2 busy cores of 16: below a quarter
+
+
+# ------------------------------------------------------------------ issue 42: what a benchmark ran
+SCRIPTS = sorted(p.stem for p in BENCH.glob("bench_*.py") if p.stem != "bench_common")
+ARGV = {"bench_heads": ["--base-python", "unused"], "bench_cuda": ["--device", "cpu"]}  # past their own checks
+TABLES = {  # script -> (recorded stem, its table from the recorded JSON)
+    "bench_vocab_parallel": ("vocab_parallel", lambda m, d: m._table(d["rows"], d["meta"])),
+    "bench_linear_selective_log_softmax": ("linear_selective_log_softmax", lambda m, d: m._table(d["rows"], d["meta"])),
+    "bench_twinkle_fused": ("twinkle_fused", lambda m, d: m._table(d["rows"], d["meta"])),
+    "bench_twinkle_mcore_bridge": ("twinkle_mcore_bridge", lambda m, d: m._table(d["meta"], d["results"])),
+    "bench_recipe": ("recipe", lambda m, d: m._table(d["meta"], d["results"])),
+}
+
+
+def test_every_benchmark_is_covered():
+    # A benchmark added to bench/ gets these checks: it is listed here (bench_npu with a stand-in torch_npu).
+    assert len(SCRIPTS) >= 15 and {"bench_selective_log_softmax", "bench_recipe", "bench_twinkle_fused", "bench_verl",
+                                   "bench_heads", "bench_npu", "bench_cuda"} <= set(SCRIPTS)
+
+
+def test_twinkle_mem_ran_names_the_backend_and_the_cpu_path(monkeypatch):
+    import twinkle_mem
+    from twinkle_mem.op import native
+
+    ran = bench_common.twinkle_mem_ran()
+    assert ran["backend"] == "cpu" and ran["library"] == "loaded" and ran["device"] == "cpu"
+    assert ran["cpu_path"] == native.cpu_kernel_path() and ran["cpu_path"] in native.CPU_PATHS
+    assert ran["package"] == os.path.dirname(os.path.abspath(twinkle_mem.__file__)) and ran["where"] == "this process"
+    monkeypatch.setenv(native.CPU_ISA_ENV, "portable")  # the path an op call takes now, the cap applied
+    assert bench_common.twinkle_mem_ran(where="w")["cpu_path"] == "portable"
+    cuda = bench_common.twinkle_mem_ran("cuda")  # this CPU torch: the cuda device would run the composite
+    assert cuda["backend"] == "composite" and cuda["library"] == twinkle_mem.backends()["cuda"]
+    assert cuda["cpu_path"] == "portable"  # (the CPU library is loaded: its path is named on any device)
+    monkeypatch.setattr(twinkle_mem, "backends", lambda: {"cpu": "not built (...); the composite runs on this device"})
+    ran = bench_common.twinkle_mem_ran()
+    assert ran["backend"] == "composite" and ran["cpu_path"] is None and ran["library"].startswith("not built")
+
+
+def test_the_record_merges_the_processes_and_names_them_in_a_line():
+    ran = bench_common.twinkle_mem_ran()
+    records = [dict(ran, where="driver"), dict(ran, where="worker 0"), dict(ran, where="worker 0"),
+               dict(ran, cpu_path="portable", where="worker 1"),
+               dict(ran, backend="composite", cpu_path=None, library="not built (x)", where="base")]
+    merged = bench_common.merge_ran(records)
+    assert [r["where"] for r in merged] == ["driver, worker 0", "worker 1", "base"]
+    meta = bench_common.run_metadata(records)
+    assert meta["twinkle_mem_ran"] == merged and meta["twinkle_mem_backend"] == "cpu, composite"
+    assert meta["twinkle_mem_cpu_path"] == f"{ran['cpu_path']}, portable, None"
+    assert bench_common.ran_line(meta) == (
+        f"twinkle-mem ran: cpu backend, CPU path {ran['cpu_path']} (driver, worker 0); cpu backend, CPU path portable "
+        "(worker 1); composite (the native library: not built (x)), no CPU kernel path (base)")
+    assert bench_common.run_metadata()["twinkle_mem_ran"] == [ran]  # by default: this process
+    assert bench_common.ran_line({"vocab": 8}) == ""  # a run recorded before issue 42
+
+
+@pytest.mark.parametrize("script", sorted(TABLES))
+def test_tables_name_what_ran_and_recorded_ones_render_as_they_were(script):
+    module = importlib.import_module(script)
+    stem, table = TABLES[script]
+    recorded = bench_common.read_json(str(BENCH / "results" / f"{stem}.json"))
+    before = table(module, recorded)  # a run recorded before issue 42: no line (test_recorded_tables_render_unchanged)
+    assert "twinkle-mem ran" not in before
+    ran = [dict(bench_common.twinkle_mem_ran(), where="rank 0"), dict(bench_common.twinkle_mem_ran(), where="rank 1")]
+    recorded["meta"].update(bench_common.ran_fields(ran))
+    line = bench_common.ran_line(recorded["meta"])
+    assert line.startswith("twinkle-mem ran: cpu backend, CPU path ") and line.endswith("(rank 0, rank 1)")
+    assert table(module, recorded) == before + f"\n{line}\n"
+
+
+def test_the_refusal_says_why_and_how_to_fix_it():
+    source = dict(bench_common.twinkle_mem_ran(), backend="composite", cpu_path=None,
+                  package=str(BENCH.parent / "python" / "twinkle_mem"),
+                  library="not built (install with `pip install .`, which compiles the kernels); the composite runs")
+    with pytest.raises(SystemExit) as refused:
+        bench_common.refuse_composite([bench_common.twinkle_mem_ran(), source], allowed=False, script="bench_x.py")
+    message = str(refused.value.code)
+    assert message.startswith("bench_x.py: not run: twinkle-mem's native cpu library is not loaded")
+    assert "composite fallback" in message and "this process: not built" in message
+    assert "(this source tree, e.g. through PYTHONPATH=python: no library is built in it)" in message
+    assert "`pip install .`" in message and "without PYTHONPATH=python" in message
+    assert "`python setup.py build_ext --inplace`" in message and message.endswith("pass --allow-composite.")
+    bench_common.refuse_composite(source, allowed=True)  # asked for by name: runs
+    bench_common.refuse_composite(bench_common.twinkle_mem_ran(), allowed=False)  # the native library: runs
+
+
+class _PastTheCheck(Exception):
+    """Raised where a benchmark's check of twinkle-mem let it go on (instead of measuring)."""
+
+
+@pytest.fixture
+def bench_main(monkeypatch):
+    """Run a benchmark's main() up to its check of twinkle-mem, where twinkle-mem would run ``ran``
+    ("composite" or "native"); returns (SystemExit or None where it went past the check, its parsed args)."""
+    monkeypatch.setitem(sys.modules, "torch_npu", types.ModuleType("torch_npu"))  # bench_npu imports it
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # (bench_vocab_parallel sets it: restored)
+    real_ran, real_refuse, real_popen = bench_common.twinkle_mem_ran, bench_common.refuse_composite, subprocess.Popen
+    parsed = []
+
+    def run(script, ran, *argv):
+        parsed.clear()
+
+        def twinkle_mem_ran(device="cpu", where="this process"):
+            record = real_ran("cpu", where)
+            if ran == "composite":
+                record.update(backend="composite", cpu_path=None, library="not built (a test's)")
+            return dict(record, device=device, backend=device if ran == "native" else "composite")
+
+        def refuse_composite(records, allowed, script=None):
+            real_refuse(records, allowed, script)
+            raise _PastTheCheck(allowed)
+
+        def parse_args(self, args=None, namespace=None):
+            parsed.append(real_parse(self, args, namespace))
+            return parsed[-1]
+
+        import argparse
+        real_parse = argparse.ArgumentParser.parse_args
+        monkeypatch.setattr(bench_common, "twinkle_mem_ran", twinkle_mem_ran)
+        monkeypatch.setattr(bench_common, "refuse_composite", refuse_composite)
+        monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+        monkeypatch.setattr(sys, "argv", [f"{script}.py", *ARGV.get(script, []), *argv])
+
+        def no_process(*args, **kwargs):  # a benchmark that skipped the check fails here, not after measuring
+            raise AssertionError(f"{script} went on without checking what twinkle-mem runs (it starts {args[:1]})")
+        module = importlib.import_module(script)
+        monkeypatch.setattr(subprocess, "Popen", no_process)
+        try:
+            module.main()
+        except _PastTheCheck:
+            return None, parsed[0]
+        except SystemExit as refused:
+            return refused, parsed[0]
+        finally:
+            monkeypatch.setattr(subprocess, "Popen", real_popen)
+        raise AssertionError(f"{script} went on without checking what twinkle-mem runs")
+
+    return run
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_refuses_the_composite_unless_asked_by_name(bench_main, script):
+    refused, args = bench_main(script, "composite")
+    assert refused is not None and "not run: twinkle-mem's native" in str(refused.code), refused
+    assert f"{script}.py: " in str(refused.code) and "--allow-composite" in str(refused.code)
+    assert args.allow_composite is False
+    refused, args = bench_main(script, "composite", "--allow-composite")
+    assert refused is None and args.allow_composite is True  # went on, to measure the composite
+    refused, args = bench_main(script, "native")
+    assert refused is None  # the native library: no flag needed
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_no_benchmark_writes_over_a_committed_result_by_default(bench_main, script):
+    _, args = bench_main(script, "native")
+    out, local = Path(args.out).resolve(), Path(bench_common.LOCAL_RESULTS).resolve()
+    assert local == (BENCH / "results" / "local").resolve()
+    assert out == local or local in out.parents, f"{script} writes to {out} by default"
+    probe = out / "x.json" if out == local else Path(str(out) + ".json")
+    ignored = subprocess.run(["git", "-C", str(BENCH), "check-ignore", "-q", str(probe)])
+    assert ignored.returncode in (0, 128), f"{probe} would show as a change in a fresh clone"  # (128: not a clone)
+
+
+def test_a_source_tree_without_a_library_is_refused_and_the_composite_runs_by_name(tmp_path):
+    # Issue 42's case: PYTHONPATH=python over a tree with no built library. Its run says so, or measures the
+    # composite and says that.
+    tree = tmp_path / "python"
+    shutil.copytree(BENCH.parent / "python" / "twinkle_mem", tree / "twinkle_mem",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    probe = bench_common.probe_twinkle_mem(env, where="a tree")  # what a benchmark's children there would run
+    assert probe["backend"] == "composite" and probe["package"] == str(tree / "twinkle_mem")
+    cmd = [sys.executable, str(BENCH / "bench_selective_log_softmax.py"), "--sizes", "8", "--vocab", "64", "--reps",
+           "1", "--op-reps", "1", "--peers", "twinkle_mem", "--out", str(tmp_path / "run")]
+    refused = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 1 and "not run: twinkle-mem's native cpu library is not loaded" in refused.stderr
+    assert f"twinkle_mem imported from {tree / 'twinkle_mem'}" in refused.stderr
+    assert not (tmp_path / "run.json").exists()
+    ran = subprocess.run(cmd + ["--allow-composite"], env=env, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "twinkle-mem ran: composite (the native library: not built" in ran.stdout
+    meta = json.loads((tmp_path / "run.json").read_text())["meta"]
+    assert meta["twinkle_mem_backend"] == "composite" and meta["twinkle_mem_ran"][0]["where"] == "twinkle_mem"

@@ -98,6 +98,7 @@ def test_every_size_takes_the_median_of_several_calls(bench, monkeypatch, tmp_pa
     assert "WARNING: the machine was loaded" in printed and "1.4 of 2 cores" in printed
     data = json.loads((tmp_path / "run.json").read_text())
     assert data["meta"]["load"]["other_processes_cpu_cores"] == 1.4 and data["meta"]["reps"] == 3
+    assert data["meta"]["twinkle_mem_backend"] == "cpu"  # (these rows record none: the parent's, the same library)
     assert all(r["spread"] == pytest.approx(0.2 / 1.1) for r in data["results"])
 
 
@@ -148,12 +149,20 @@ def test_op_ratios_time_each_variant_against_its_floor(bench):
     assert torch.equal(logits, before)  # the in-place backward ran on a copy
 
 
-def test_twinkle_mem_rows_say_which_backend_and_path_ran(bench):
+def test_twinkle_mem_rows_say_which_backend_and_path_ran(bench, monkeypatch):
     from twinkle_mem.op import native
-    ran = bench.backend_ran()
-    assert ran["cpu_path"] == native.cpu_kernel_path() and ran["backend"] == "native CPU kernels"
-    rows = [{"peer": "twinkle_mem@avx2", "n": 8, **ran}]
-    assert bench.backend_note(rows) == f"twinkle_mem ran: {ran['cpu_path']}: native CPU kernels"
+    ran = bench.twinkle_mem_ran()  # what the child records (bench_common's, issue 42)
+    assert ran["cpu_path"] == native.cpu_kernel_path() and ran["backend"] == "cpu"
+    rows = [{"peer": "naive", "n": 8}, {"peer": "twinkle_mem@avx2", "n": 8, **ran, "where": "twinkle_mem@avx2"},
+            {"peer": "twinkle_mem_inplace@avx2", "n": 8, **ran, "where": "twinkle_mem_inplace@avx2"}]
+    assert bench.backend_note(rows) == (f"twinkle-mem ran: cpu backend, CPU path {ran['cpu_path']} "
+                                        "(twinkle_mem@avx2, twinkle_mem_inplace@avx2)")
+    assert bench.backend_note(rows[:1]) == ""
+    # The parent names each child's record after the run (peer@path): what that process ran.
+    monkeypatch.setattr(bench, "run_child",
+                        lambda cmd, timeout, env: {"n": 8, **ran, "cpu_path": env[bench.CPU_ISA_ENV]})
+    got = bench.run_peer("twinkle_mem", 8, 16, 1, 60, path="portable")
+    assert got["peer"] == got["where"] == "twinkle_mem@portable" and got["cpu_path"] == "portable"
 
 
 def test_op_table_shows_each_path_with_the_targets(bench):
@@ -168,9 +177,9 @@ def test_op_table_shows_each_path_with_the_targets(bench):
                                 "2.30]", "-", "-", "-", "36.0", "37.0"]  # (a run recorded before issue 41's columns)
     assert lines[4].split()[:4] == ["target", "<=", "1.6", "<="]
     row["op"].update(bwd_inplace=summary(1.8), public_intermediate=summary(1.95), public_leaf=summary(1.97))
-    row["backend"] = "native CPU kernels"
+    row.update(backend="cpu", library="loaded", where="twinkle_mem_inplace@avx2")
     lines = bench.render_op_table([row], {"vocab": 8, "threads": 2, "op_reps": 15}).splitlines()
     assert lines[3].split()[11:] == ["1.80", "[1.70,", "2.00]", "1.95", "[1.85,", "2.15]", "1.97", "[1.87,", "2.17]",
                                      "36.0", "37.0"]
-    assert lines[-1] == "twinkle_mem ran: avx2: native CPU kernels"
+    assert lines[-1] == "twinkle-mem ran: cpu backend, CPU path avx2 (twinkle_mem_inplace@avx2)"
     assert bench.render_op_table([{"peer": "compiled", "n": 2048}], {}) == ""

@@ -1,7 +1,12 @@
 """The Apache-2.0 license text ships in the sdist and the wheel (and so in the installed .dist-info); the
-wheel holds the package and the start-up hook, and pip installs and uninstalls the hook (wheel and editable)."""
+wheel holds the package and the start-up hook, and pip installs and uninstalls the hook (wheel and editable).
+Issue 42: what the build leaves out (the CUDA library under a CPU-only torch, nvcc present) reaches the user:
+the terminal during a plain `pip install .`, the package's record, `python -m twinkle_mem`, a warning under a
+CUDA torch."""
 import importlib.metadata
+import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -80,7 +85,11 @@ def test_a_wheel_built_from_the_sdist_holds_the_package_and_the_hook(built, tmp_
     (wheel,) = (tmp_path / "dist").glob("twinkle_mem-*.whl")
     with zipfile.ZipFile(wheel) as whl:
         names = whl.namelist()
+        info = json.loads(whl.read("twinkle_mem/_build_info.json"))  # what the build left out, and why
     assert HOOK_FILES <= set(names) and "twinkle_mem/_C_cpu.so" in names, names
+    assert info["cuda"] == {"built": False, "why_not": "TWINKLE_MEM_NO_CUDA=1", "nvcc": info["cuda"]["nvcc"],
+                            "disabled": True}
+    assert info["npu"]["built"] is False and info["npu"]["why_not"] and info["torch"]
 
 
 def _bare_venv(path):
@@ -138,3 +147,110 @@ def test_installed_package_holds_the_license():
     dist = importlib.metadata.distribution("twinkle-mem")
     licenses = [f for f in dist.files or () if f.name == "LICENSE"]
     assert licenses and licenses[0].read_binary() == LICENSE
+
+
+# ------------------------------------------------------------------ issue 42: what the build left out, told
+def _setup(monkeypatch, nvcc, cuda_libs, **env):
+    """setup.py's namespace (setup() not run) with nvcc found at ``nvcc`` (or not) and a build torch with or
+    without libtorch_cuda."""
+    for name in ("TWINKLE_MEM_NO_CUDA", "FORCE_CUDA"):
+        monkeypatch.delenv(name, raising=False)
+    ns = runpy.run_path(str(ROOT / "setup.py"), run_name="twinkle_mem_setup")
+    functions = ns["cuda_decision"].__globals__  # (run_path returns a copy of them)
+    functions["_find_nvcc"] = lambda: nvcc
+    functions["_torch_has_cuda_libs"] = lambda: cuda_libs
+    for name, value in env.items():  # (after: setup.py decides once as it loads)
+        monkeypatch.setenv(name, value)
+    return ns
+
+
+def test_the_cuda_decision_says_why_not(monkeypatch):
+    import torch
+    ns = _setup(monkeypatch, "/opt/cuda", False)
+    home, why = ns["cuda_decision"]()  # this machine's case: nvcc, a CPU-only torch in the build environment
+    assert home is None and why.startswith("nvcc found (/opt/cuda), but the build environment's torch")
+    assert f"torch {torch.__version__} is CPU-only" in why and "`pip install --no-build-isolation .`" in why
+    assert _setup(monkeypatch, "/opt/cuda", True)["cuda_decision"]() == ("/opt/cuda", None)
+    assert _setup(monkeypatch, None, True)["cuda_decision"]() == (None, "no nvcc found (CUDA_HOME, CUDA_PATH, PATH, "
+                                                                        "/usr/local/cuda)")
+    ns = _setup(monkeypatch, "/opt/cuda", True, TWINKLE_MEM_NO_CUDA="1")
+    assert ns["cuda_decision"]() == (None, "TWINKLE_MEM_NO_CUDA=1")
+    ns = _setup(monkeypatch, "/opt/cuda", False, FORCE_CUDA="1")
+    with pytest.raises(SystemExit, match="FORCE_CUDA=1 but the build environment's torch has no CUDA"):
+        ns["cuda_decision"]()
+
+
+def test_the_build_tells_the_terminal_where_pip_hides_its_output(monkeypatch, capsys):
+    # pip captures the build's stdout (shown only with -v or on failure): the line also goes to /dev/tty.
+    ns = _setup(monkeypatch, None, False)
+    written = []
+
+    class Tty:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, text):
+            written.append(text)
+
+    opened = []
+    monkeypatch.setitem(ns["tell_user"].__globals__, "open", lambda path, mode: opened.append(path) or Tty())
+    ns["tell_user"]("twinkle-mem: not building the CUDA library")
+    assert capsys.readouterr().out == "twinkle-mem: not building the CUDA library\n"  # (stdout: pip -v)
+    assert opened == ["/dev/tty"] and written == ["\ntwinkle-mem: not building the CUDA library\n"]
+
+    def no_tty(path, mode):
+        raise OSError(6, "No such device or address")
+    monkeypatch.setitem(ns["tell_user"].__globals__, "open", no_tty)
+    ns["tell_user"]("no terminal")  # CI, a log: stdout (and the package's record) only
+    assert capsys.readouterr().out == "no terminal\n"
+
+
+SKIPPED = {"torch": "x", "cuda": {"built": False, "why_not": "nvcc found (/opt/cuda), but the build environment's "
+                                  "torch x is CPU-only", "nvcc": "/opt/cuda", "disabled": False},
+           "npu": {"built": False, "why_not": "ASCEND_HOME_PATH is not set (no CANN)"}}
+WARNS = r"""
+import json, sys, warnings, torch
+torch.version.cuda = "13.0"  # a CUDA torch (the loader looks for _C_cuda)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import twinkle_mem
+    backends = twinkle_mem.backends()
+print(json.dumps({"backends": backends, "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning]}))
+"""
+
+
+@pytest.mark.parametrize("record", ["skipped", "disabled", "none"])
+def test_the_package_says_what_its_build_left_out(tmp_path, record):
+    # backends() and `python -m twinkle_mem` name why a library is not built; a CUDA torch warns where nvcc was
+    # there and the build skipped the CUDA library anyway (not where TWINKLE_MEM_NO_CUDA=1 asked for that).
+    import twinkle_mem
+    pkg = tmp_path / "twinkle_mem"
+    shutil.copytree(Path(twinkle_mem.__file__).parent, pkg, ignore=shutil.ignore_patterns("*.so", "__pycache__",
+                                                                                          "_build_info.json"))
+    info = json.loads(json.dumps(SKIPPED))
+    if record == "disabled":
+        info["cuda"].update(why_not="TWINKLE_MEM_NO_CUDA=1", disabled=True)
+    if record != "none":
+        (pkg / "_build_info.json").write_text(json.dumps(info))
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    cli = subprocess.run([sys.executable, "-m", "twinkle_mem"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=300)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    got = json.loads(subprocess.run([sys.executable, "-c", WARNS], capture_output=True, text=True, env=env,
+                                    cwd=tmp_path, timeout=300).stdout.splitlines()[-1])
+    if record == "none":  # a tree never built (or before the record): as before
+        assert "  cuda  library not built; GPU:" in cli.stdout and got["backends"]["cuda"] == "not built"
+        assert got["warnings"] == []
+        return
+    why = info["cuda"]["why_not"]
+    assert f"  cuda  library not built (at build time: {why}); GPU:" in cli.stdout, cli.stdout
+    assert "  npu   not built (at build time: ASCEND_HOME_PATH is not set (no CANN))" in cli.stdout
+    assert got["backends"]["cuda"] == f"not built (at build time: {why})"
+    if record == "skipped":
+        assert got["warnings"] == [f"twinkle-mem's CUDA library was not built ({why}): CUDA tensors run the composite "
+                                   "PyTorch fallback (`python -m twinkle_mem` lists the backends)"]
+    else:
+        assert got["warnings"] == []

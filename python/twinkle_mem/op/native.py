@@ -14,18 +14,25 @@ does not load, the schemas are defined here from the same text
 
 _C_cpu's kernels come in paths (AVX-512 with or without BF16, AVX2, portable), picked per call from
 what the CPU reports; TWINKLE_MEM_CPU_ISA caps the path (cpu_kernel_path).
+
+The build records what it left out and why in _build_info.json beside the libraries (setup.py): a library
+that is not built says why in ``status``; where the build found nvcc but skipped _C_cuda (its torch was
+CPU-only) and this torch has CUDA, loading warns (pip showed the build's line only under -v).
 """
 from __future__ import annotations
 
 import ctypes
 import glob
+import json
 import os
 import re
+import warnings
 
 import torch
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the libraries and schemas.def lie there
 SCHEMAS_FILE = os.path.join(_PACKAGE, "schemas.def")
+BUILD_INFO_FILE = os.path.join(_PACKAGE, "_build_info.json")  # written by setup.py's build
 FALLBACK = "the composite runs on this device"
 
 # backend -> "loaded" | "not built" | "built, not loaded: <why>" | "failed to load (<file>: <error>); <FALLBACK>"
@@ -72,10 +79,27 @@ def _try_load(backend: str, path: str) -> bool:
     return True
 
 
+def build_info() -> dict:
+    """What the build of this package left out and why: {"cuda": {"built": bool, "why_not": str | None,
+    "nvcc": the toolkit it found or None, "disabled": TWINKLE_MEM_NO_CUDA=1}, "npu": {"built", "why_not"},
+    "torch": the build environment's torch}; {} where no build recorded it (a source tree never built, a
+    build before the record)."""
+    try:
+        with open(BUILD_INFO_FILE) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _not_built(backend: str) -> str:
+    why = (build_info().get(backend) or {}).get("why_not")
+    return f"not built (at build time: {why})" if why else "not built"
+
+
 def _load(backend: str, name: str, wanted: bool, why_not: str) -> None:
     path = _find(name)
     if path is None:
-        status[backend] = "not built"
+        status[backend] = _not_built(backend)
     elif not wanted:
         status[backend] = f"built, not loaded: {why_not}"
     else:
@@ -117,6 +141,12 @@ def load() -> None:
     if status["cpu"] != "loaded":
         _define_schemas_in_python()
     _load("cuda", "_C_cuda", torch.version.cuda is not None, "this torch has no CUDA")
+    cuda_build = build_info().get("cuda") or {}
+    if torch.version.cuda is not None and _find("_C_cuda") is None and cuda_build.get("nvcc") and \
+            cuda_build.get("why_not") and not cuda_build.get("disabled"):
+        warnings.warn(f"twinkle-mem's CUDA library was not built ({cuda_build['why_not']}): CUDA tensors run the "
+                      "composite PyTorch fallback (`python -m twinkle_mem` lists the backends)", RuntimeWarning,
+                      stacklevel=2)
     try:
         import torch_npu  # noqa: F401
 
