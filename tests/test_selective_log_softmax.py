@@ -108,17 +108,17 @@ def _no_warning(fn):
         return fn()
 
 
-def _readme_views_bullet():
+def _views_bullet():
     from pathlib import Path
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "op.md").read_text()
     start = text.index("- **Views, no copies:**")
     return " ".join(text[start:text.index("\n- ", start + 1)].split())
 
 
-def test_views_accepted_and_rejected_as_the_readme_says(device):
-    # README: unit vocab stride + non-overlapping rows are read in place (no copy, no warning, the
+def test_views_accepted_and_rejected_as_the_docs_say(device):
+    # docs/op.md: unit vocab stride + non-overlapping rows are read in place (no copy, no warning, the
     # in-place gradient lands in the view's own storage); overlapping rows raise the quoted error.
-    bullet = _readme_views_bullet()
+    bullet = _views_bullet()
     quoted = "twinkle_mem: logits rows must not overlap"
     assert quoted in bullet and "expanded (stride-0)" in bullet
     v = 40
