@@ -6,8 +6,8 @@ as PNG files, and the step table of the device checks (gpu_check.sh, npu_check.s
 ``twinkle_mem.measure``, which the tests use too.
 
 The scripts import it as ``bench_common`` (Python puts a script's own folder on ``sys.path``); it puts
-the repository root there too, so that the twinkle-kit benchmarks import ``cpu_harness`` (the CPU
-harness they share with tests/; bench/ imports nothing from tests/). At import it needs only the
+the repository root there too, so that the twinkle-kit benchmarks import ``standins`` (the CPU stand-ins
+they share with tests/: standins/README.md; bench/ imports nothing from tests/). At import it needs only the
 standard library: the device checks run it before anything is built.
 """
 from __future__ import annotations

@@ -3,8 +3,8 @@
 # 10 minutes including the build:
 #   1. build both native libraries in place (TORCH_CUDA_ARCH_LIST, default 9.0) and record the
 #      ptxas register / stack / spill figures of every kernel (ptxas.json)
-#   2. the test suite on the GPU: tests/test_cuda.py, the numerics classes on the "cuda"
-#      implementation (tests/test_numerics.py) and every device-parametrized test, with
+#   2. the test suite on the GPU: tests/backends/cuda/test_cuda.py, the numerics classes on the "cuda"
+#      implementation (tests/op/test_numerics.py) and every device-parametrized test, with
 #      TWINKLE_MEM_TEST_DEVICES=cpu,cuda (pytest.xml, pytest.log)
 #   2b. the fused LM head's batch invariance: bench/check_linear_invariance.py, five rows alone and
 #      inside batches of N = 1, 7, 333, 4096 at V = 151936, bf16, compared bit for bit (linear_invariance.log)

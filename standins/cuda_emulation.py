@@ -1,4 +1,4 @@
-"""The CUDA kernels, run on the CPU: tests/standins/cuda/emulated_ops.cpp (the
+"""The CUDA kernels, run on the CPU: standins/cuda/emulated_ops.cpp (the
 kernels and host plan of csrc/cuda/ over a stand-in of the CUDA device API) built
 with the host C++ compiler into a shared library and called through ctypes.
 
@@ -27,7 +27,7 @@ from twinkle_mem.op.contract import new_grad_like
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
-STANDIN = os.path.join(ROOT, "tests", "standins", "cuda")
+STANDIN = os.path.join(ROOT, "standins", "cuda")
 SOURCE = os.path.join(STANDIN, "emulated_ops.cpp")
 DEPENDS = [SOURCE, os.path.join(STANDIN, "fake_cuda.h"),
            os.path.join(CSRC, "cuda", "selective_log_softmax_kernels.cuh"),

@@ -38,7 +38,7 @@ docs/twinkle_integration.md ("mcore_bridge on the CPU"):
    size > 1.
 7. CUDA RNG states: twinkle's ``MegatronStrategy`` calls megatron-core's
    ``model_parallel_cuda_manual_seed``, which reads ``torch.cuda.get_rng_state()``: a no-op here (the
-   models have no dropout and the RNG tracker's ``fork`` is a no-op on the CPU, cpu_harness.megatron); full
+   models have no dropout and the RNG tracker's ``fork`` is a no-op on the CPU, standins.megatron); full
    recompute (twinkle's default, ``recompute_granularity='full'``) saves and restores the CUDA RNG state
    around each recomputed layer (``tensor_parallel/random.py`` ``_get_cuda_rng_state`` /
    ``_set_cuda_rng_state``): nothing to save here, the CPU state megatron saves itself.
@@ -53,7 +53,7 @@ Only for the layouts that need them, as their own context managers: 10-11 ``sequ
 (megatron-core's torch norm refuses sequence parallelism; its SP buffers ask for a CUDA device), 12
 ``packed_attention_on_cpu()`` (megatron-core's local attention refuses packed sequences).
 
-Plus what every CPU run of twinkle's Megatron path needs (cpu_harness/megatron.py): megatron's
+Plus what every CPU run of twinkle's Megatron path needs (standins/megatron.py): megatron's
 scheduler's one CUDA allocation, its p2p buffers, its attention scratch buffer and RNG-tracker forks,
 twinkle's ``Platform`` on the CPU.
 """
@@ -196,7 +196,7 @@ def sequence_parallel_on_cpu():
 
 @contextlib.contextmanager
 def mcore_bridge_on_cpu(fp32_params: bool = True):
-    """Stand-ins 4-8 (1-3 are done once, at import), and the CPU pieces of cpu_harness.megatron; undone on exit."""
+    """Stand-ins 4-8 (1-3 are done once, at import), and the CPU pieces of standins.megatron; undone on exit."""
     from . import megatron as th
     _import_mcore_bridge()
     from megatron.core.distributed import param_and_grad_buffer

@@ -1,6 +1,6 @@
 """Training twinkle's ``MegatronModel`` with a LoRA adapter on the CPU: peft's Megatron LoRA as mcore_bridge
 dispatches it, megatron-core's optimizer (twinkle's ``set_optimizer('default')``) and mcore_bridge's export
-(twinkle's ``save``). ``training_on_cpu()`` adds, to ``mcore_bridge_on_cpu()``'s stand-ins 1-9 (cpu_harness/
+(twinkle's ``save``). ``training_on_cpu()`` adds, to ``mcore_bridge_on_cpu()``'s stand-ins 1-9 (standins/
 mcore_bridge.py), the fewest more a CPU needs; none is needed on a GPU with Transformer Engine (TE):
 
 13. TE's layer classes: without TE, megatron-core names ``TELinear``, ``TELayerNormColumnParallelLinear``,
@@ -19,12 +19,12 @@ mcore_bridge.py), the fewest more a CPU needs; none is needed on a GPU with Tran
     True in ``mcore_bridge.tuners.lora`` only, so its factors are megatron-core's ``RowParallelLinear`` /
     ``ColumnParallelLinear`` and a plain ``nn.Linear`` for the replicated one (its ``TELinear(parallel_mode=
     'duplicated')`` on a GPU), and ``TEColumnParallelLinear`` there is megatron-core's ``ColumnParallelLinear``.
-15. peft's ``dispatch_megatron``: mcore_bridge replaces it at import; stand-in 3b of cpu_harness/mcore_bridge.py
+15. peft's ``dispatch_megatron``: mcore_bridge replaces it at import; stand-in 3b of standins/mcore_bridge.py
     puts peft's own back (which needs ``LoraConfig.megatron_config``, absent from twinkle's recipes).
     mcore_bridge's is in place here.
 16. CUDA scalars and buffers: megatron-core's optimizer (``optimizer.py``, ``clip_grads.py``,
     ``distrib_optimizer.py``, the local multi-tensor L2 norm in ``core/utils.py``) and mcore_bridge's export
-    (``bridge/gpt_bridge.py``) allocate with ``device='cuda'``: the CPU there (cpu_harness.megatron's
+    (``bridge/gpt_bridge.py``) allocate with ``device='cuda'``: the CPU there (standins.megatron's
     ``torch_on_cpu``).
 17. CUDA tensor types: megatron-core's optimizers sort parameters by ``param.type()`` against
     ``'torch.cuda.FloatTensor'`` / ``HalfTensor`` / ``BFloat16Tensor`` (``DistributedOptimizer`` and
@@ -33,7 +33,7 @@ mcore_bridge.py), the fewest more a CPU needs; none is needed on a GPU with Tran
     ``Tensor.type()`` names a CPU tensor as its CUDA type, ``Tensor.to`` / ``.cuda`` keep it on the CPU.
 18. ``persist_layer_norm``: mcore_bridge's config sets it (apex's persistent layer-norm kernel) and megatron-core's
     torch norm, the local spec's (stand-in 4), asserts it is off; TE's norm on a GPU does not read it. The tests
-    of cpu_harness/mcore_bridge.py pass ``persist_layer_norm=False`` to ``MegatronModel``; a recipe's call has no
+    of standins/mcore_bridge.py pass ``persist_layer_norm=False`` to ``MegatronModel``; a recipe's call has no
     such argument, so here the norm is built from a copy of the config with it off.
 19. Tensor-parallel marks: mcore_bridge builds its models with ``perform_initialization=False`` (the weights come
     from the checkpoint), so megatron-core's own parallel layers (``ColumnParallelLinear``, ``RowParallelLinear``,

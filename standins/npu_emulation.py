@@ -1,7 +1,7 @@
 """The AscendC kernels (csrc/npu/selective_log_softmax_kernel.cpp) run on the CPU.
 
 The real kernel source is compiled with g++ against the project's stand-in of
-the AscendC API (tests/standins/ascendc/ascendc_standin.h) into a small shared
+the AscendC API (standins/ascendc/ascendc_standin.h) into a small shared
 library, built once per source version into a temporary directory, and called
 here through ctypes with the tensors' pointers, strides and the plan inputs the
 torch_npu glue would pass (tiling.h). A violation of the API's rules that the
@@ -29,7 +29,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 NPU = os.path.join(CSRC, "npu")
-STANDIN = os.path.join(ROOT, "tests", "standins", "ascendc")
+STANDIN = os.path.join(ROOT, "standins", "ascendc")
 STANDIN_SOURCES = [os.path.join(STANDIN, f) for f in ("emulate_kernels.cpp", "ascendc_standin.h", "kernel_operator.h")]
 # The kernel's sources, relative to a copy of csrc/ (tests build deliberately broken kernels).
 KERNEL_SOURCES = [os.path.join("npu", f) for f in ("selective_log_softmax_kernel.cpp", "tiling.h", "scalar_math.h")]
@@ -91,7 +91,7 @@ def library(extra_flags: tuple = (), csrc_dir: str = CSRC) -> ctypes.CDLL:
     lib.tm_npu_emu_set_transcendental_ulp.argtypes = [ctypes.c_int]
     lib.tm_npu_emu_tiling_words.restype = ctypes.c_int64
     lib.tm_npu_emu_stats.argtypes = [i64p]
-    assert lib.tm_npu_emu_tiling_words() == len(TILING_FIELDS), "tests/npu_emulation.py TILING_FIELDS is stale"
+    assert lib.tm_npu_emu_tiling_words() == len(TILING_FIELDS), "standins/npu_emulation.py TILING_FIELDS is stale"
     _libs[key] = lib
     return lib
 

@@ -1,8 +1,9 @@
-"""The recipes' first step in bf16 against float64, for tests/ray_megatron_recipes.py's ``bf16:layout`` run.
+"""The recipes' first step in bf16 against float64, for tests/integrations/twinkle/ray_megatron_recipes.py's
+``bf16:layout`` run.
 
 ``bf16_first_steps``: one ``MegatronModel(mixed_precision='bf16')`` (as short_math_grpo.py builds it) with the
 recipes' LoRA adapter in 2 CPU workers; the first ``forward_backward`` of the GRPO, GKD and DPO recipes on it, on the
-same data as their fp32 runs (cpu_harness/recipes.py), with no optimizer step between them (LoRA B is zero until the
+same data as their fp32 runs (standins/recipes.py), with no optimizer step between them (LoRA B is zero until the
 first step: each loss is the base model's). Each loss comes with its float64 reference: transformers' Qwen3 of the
 same checkpoint (its weights exact in bf16) in float64, each sequence alone, and twinkle's own loss classes on the
 float64 log-probs / logits, micro-batch by micro-batch as twinkle's Megatron step averages them.

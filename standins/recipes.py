@@ -1,6 +1,6 @@
 """twinkle-kit's Megatron recipes, run in twinkle's Ray mode on the CPU as their cookbook files run them, for
-tests/ray_megatron_recipes.py and bench/bench_recipe.py. Written here from reading twinkle's repository
-(github.com/modelscope/twinkle, ``cookbook/rl/``); no recipe code is copied. Each function names the file it
+tests/integrations/twinkle/ray_megatron_recipes.py and bench/bench_recipe.py. Written here from reading twinkle's
+repository (github.com/modelscope/twinkle, ``cookbook/rl/``); no recipe code is copied. Each function names the file it
 follows and does what it does: the model in Ray workers (``remote_group='model'``), a LoRA adapter from
 ``LoraConfig(target_modules='all-linear', ...)``, twinkle's Megatron optimizer and scheduler
 (``set_optimizer('default')``, ``set_lr_scheduler('default')``, ``clip_grad_and_step``), its loss, processor,
@@ -10,8 +10,8 @@ a default metric.
 
 What a CPU changes (and nothing else):
 
-- the model: a local tiny Qwen3 (cpu_harness/mcore_bridge.py's ``save_tiny_qwen3``), built in 2 CPU workers
-  (cpu_harness/twinkle_ray.py) at TP = 2 or PP = 2, ``mixed_precision='no'`` (fp32) unless asked;
+- the model: a local tiny Qwen3 (standins/mcore_bridge.py's ``save_tiny_qwen3``), built in 2 CPU workers
+  (standins/twinkle_ray.py) at TP = 2 or PP = 2, ``mixed_precision='no'`` (fp32) unless asked;
 - :class:`Sampler` stands for the vLLM sampler of the GRPO recipes (completions of the prompts and their
   log-probs, as ``SampledSequence.new_input_feature`` / ``.logprobs``), :class:`Teacher` for the GKD recipes'
   vLLM teacher (``prompt_logprobs=k``): transformers' Qwen3 in the driver, seeded. The sampler samples from the

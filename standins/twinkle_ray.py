@@ -1,18 +1,18 @@
 """twinkle's Ray mode with ``MegatronModel`` workers on a CPU-only machine, as twinkle's recipes run it
-(``twinkle.initialize(mode='ray')``, ``remote_group=...``): for tests/ray_megatron_recipes.py and
+(``twinkle.initialize(mode='ray')``, ``remote_group=...``): for tests/integrations/twinkle/ray_megatron_recipes.py and
 bench/bench_recipe.py.
 
 What twinkle-kit 0.5.1's Ray mode needs here (none of it product code; the first three as in
-tests/ray_twinkle_step.py):
+tests/integrations/twinkle/ray_twinkle_step.py):
 
 - ``ray.init(num_cpus=...)`` before ``twinkle.initialize``: twinkle's resource manager asks for 4 Ray CPUs per
   CPU process per node (``node_cpu // 4 >= ncpu_proc_per_node``) and a 2-core machine has 2;
 - ``MASTER_ADDR`` / ``MASTER_PORT`` in the driver before each model is built: twinkle's CPU branch of
   ``RayHelper.create_workers`` sets no rendezvous (its GPU branch does) and copies the driver's environment (the
   port: :func:`free_port`);
-- twinkle has no CPU platform: its ``Platform`` places on the CPU (``cpu_harness.megatron.cpu_platform``) and
+- twinkle has no CPU platform: its ``Platform`` places on the CPU (``standins.megatron.cpu_platform``) and
   ``GPU.device_backend()`` (``'nccl'``, which ``_try_init_process_group`` asks) answers ``'gloo'``;
-- the stand-ins of ``cpu_harness.megatron_lora.training_on_cpu()`` (1-9, 13-17) and 12 (packed batches), applied
+- the stand-ins of ``standins.megatron_lora.training_on_cpu()`` (1-9, 13-17) and 12 (packed batches), applied
   in each model worker at its start, before twinkle builds a model there: Ray's ``worker_process_setup_hook``
   (given to ``ray.init``; actors inherit it) runs :func:`setup_worker`, which enters them for the process's
   lifetime in processes that twinkle started as model workers (``WORKER_NAME`` set) and does nothing in others.
@@ -75,7 +75,7 @@ def setup_worker() -> None:
 
 @contextlib.contextmanager
 def ray_session(num_cpus: int = 16):
-    """A local Ray whose workers can import cpu_harness and run :func:`setup_worker`, and twinkle's Ray mode with
+    """A local Ray whose workers can import standins and run :func:`setup_worker`, and twinkle's Ray mode with
     the CPU groups ``'model'`` (2 processes) and ``'solo'`` (1); Ray and twinkle's registry are shut down on exit, whatever
     happened. Its temporary directory is its own (another Ray on this machine keeps its own), removed on exit (Ray
     leaves its session's logs and sockets there)."""
@@ -86,7 +86,7 @@ def ray_session(num_cpus: int = 16):
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
     try:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, _temp_dir=temp_dir,
-                 runtime_env={"worker_process_setup_hook": "cpu_harness.twinkle_ray.setup_worker"})
+                 runtime_env={"worker_process_setup_hook": "standins.twinkle_ray.setup_worker"})
     except BaseException:
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise

@@ -1,5 +1,5 @@
-"""What the fused heads' test modules share (tests/test_linear_*.py, test_distill*.py): LM heads with exact
-logits (``make_head``), their float64 reference, the op's gradient bound and its carry through the matmuls,
+"""What the fused heads' test modules share (tests/heads/test_linear_*.py, tests/distill/test_distill*.py): LM heads
+with exact logits (``make_head``), their float64 reference, the op's gradient bound and its carry through the matmuls,
 and a vocab-parallel head on one rank. The small blocks and tiles (``blocks``) are in helpers.py."""
 from __future__ import annotations
 

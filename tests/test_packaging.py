@@ -63,7 +63,7 @@ def test_sdist_and_wheel_hold_the_license(built):
         assert b"License-File: LICENSE" in tar.extractfile(f"{top}/PKG-INFO").read()
     with zipfile.ZipFile(wheel) as whl:
         (dist_info,) = {n.split("/")[0] for n in whl.namelist() if n.split("/")[0].endswith(".dist-info")}
-        # the package and its start-up hook alone: no device stand-in (tests/standins/), no CPU harness (cpu_harness/)
+        # the package and its start-up hook alone: no stand-in (standins/), no test
         assert {n.split("/")[0] for n in whl.namelist()} == {"twinkle_mem", dist_info, *HOOK_FILES}, whl.namelist()
         assert whl.read(f"{dist_info}/licenses/LICENSE") == LICENSE
         metadata = whl.read(f"{dist_info}/METADATA").decode()

@@ -1,13 +1,13 @@
 // The AscendC kernels of csrc/npu/selective_log_softmax_kernel.cpp, compiled
 // against the stand-in (ascendc_standin.h) and run on the CPU: a C entry point
-// per direction, called from Python (tests/npu_emulation.py) with plain pointers.
+// per direction, called from Python (standins/npu_emulation.py) with plain pointers.
 // The plan comes from csrc/npu/tiling.h as the torch_npu glue makes it; every tensor
 // is registered as global memory (each logits / gradient row on its own), so
 // that any access outside them, or a write to an input, is a violation.
 //
 // Built at test time only (the kernel's directory, csrc/npu or a copy, on the path):
-//   g++ -std=c++17 -O2 -shared -fPIC -DASCENDC_CPU_DEBUG=1 -I tests/standins/ascendc -I csrc/npu
-//       tests/standins/ascendc/emulate_kernels.cpp
+//   g++ -std=c++17 -O2 -shared -fPIC -DASCENDC_CPU_DEBUG=1 -I standins/ascendc -I csrc/npu
+//       standins/ascendc/emulate_kernels.cpp
 #include "kernel_operator.h"
 
 #include "selective_log_softmax_kernel.cpp"

@@ -1,11 +1,11 @@
 // The CUDA kernels (csrc/cuda/selective_log_softmax_kernels.cuh) and their host
 // plan (selective_log_softmax_plan.cuh), run on the CPU through fake_cuda.h,
-// behind a C interface: tests/cuda_emulation.py builds this file into a shared
+// behind a C interface: standins/cuda_emulation.py builds this file into a shared
 // library with the host C++ compiler and calls it with ctypes, so that the test
 // suite runs the CUDA kernels (and their host plan: row and label indexing,
 // segments, alignment, workspaces) on CPU tensors.
 //
-//   g++ -std=c++20 -O2 -shared -fPIC -I csrc -I tests/standins/cuda tests/standins/cuda/emulated_ops.cpp
+//   g++ -std=c++20 -O2 -shared -fPIC -I csrc -I standins/cuda standins/cuda/emulated_ops.cpp
 #define TWINKLE_MEM_CUDA_EMULATION 1
 #include "fake_cuda.h"
 // Keep the include after fake_cuda.h: the kernels use its stand-ins (their one emulation hook).
@@ -42,7 +42,7 @@ extern "C" {
 
 // dtype: 0 bf16, 1 fp16, 2 fp32, 3 fp64 (Dtype). Tensors as TensorRef (data
 // pointer at the first element, dim, sizes, strides in elements); the op's
-// options as csrc/common/op_options.h's OpOptions (tests/cuda_emulation.py mirrors it).
+// options as csrc/common/op_options.h's OpOptions (standins/cuda_emulation.py mirrors it).
 int tm_emu_forward(int dtype, const TensorRef* logits, const TensorRef* labels, int int64_labels,
                    const twinkle_mem::OpOptions* options, void* logp, void* entropy, void* shift, void* log_sum,
                    int64_t segment_bytes, int64_t max_grid, char* message, int64_t message_len) {
@@ -76,7 +76,7 @@ void tm_emu_take_counters(uint64_t* out) {
   emu_vector_loads = emu_narrow_loads = emu_vector_stores = emu_narrow_stores = 0;
 }
 
-// OpOptions' layout, {sizeof, then each field's offset in order}: tests/cuda_emulation.py
+// OpOptions' layout, {sizeof, then each field's offset in order}: standins/cuda_emulation.py
 // checks its ctypes mirror against it.
 void tm_emu_options_layout(int64_t* out) {
   using twinkle_mem::OpOptions;

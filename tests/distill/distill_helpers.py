@@ -1,4 +1,4 @@
-"""What the distillation test modules share (tests/test_distill*.py): the gradient bound of the GKD heads,
+"""What the distillation test modules share (tests/distill/test_distill*.py): the gradient bound of the GKD heads,
 twinkle's GKDLoss per token, and the cases, tolerance and top-k teacher of the GKD ops from logits."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 
 
 def gkd_grad_bounds(hidden, weight, ids, sizes, eps):
-    """linear_gkd_topk's gradients (tests/test_distill*.py): per element of (grad_hidden [N, H],
+    """linear_gkd_topk's gradients (tests/distill/test_distill*.py): per element of (grad_hidden [N, H],
     grad_weight [V, H], grad_bias [V]), (m + 4) eps sum of the sizes of its m terms, from the sizes
     [N, k] of the per-entry gradients dL/dx (float64, 0 on ignored rows) and the entries' ids [N, k]:
     each entry's dL/dx rounded once, then summed in fp32 (head_helpers.through_matmul's bound, per entry)."""

@@ -6,7 +6,7 @@ row tiles (several of each, the last partial). Inputs: random teacher logits, pe
 close to the student, finfo.min masks in both (a padded vocab), -inf teacher logits, ignored rows;
 beta 0, 0.3, 0.5, 1; T 0.7, 1; fp32, bf16, fp64.
 
-Bounds: tests/test_distill.py's. Loss within 1e-6 absolute + 1e-6 relative (1e-12 fp64); gradients
+Bounds: tests/distill/test_distill.py's. Loss within 1e-6 absolute + 1e-6 relative (1e-12 fp64); gradients
 within 1 ulp + distill_helpers.gkd_grad_bounds, the terms being every vocab entry (twinkle's logits gradient is
 dL/dx itself here) with the row's largest and the float64 floor 16 2^-53 / (T kept) added to their sizes.
 Where twinkle's code gives NaN from 0 x inf (a -inf teacher logit), its reference has that logit at -1e300.

@@ -6,7 +6,7 @@ teacher logits, ignored rows; beta 0, 0.3, 0.5, 1; T 0.7, 1; the whole vocab and
 bf16 and fp64 student logits (the teacher fp32, bf16 with a bf16 student).
 
 Bounds: the per-token loss and the average within 1e-6 absolute + 1e-6 relative (1e-12 for fp64), as
-tests/test_distill.py. The student's gradient is dL/dx computed in float64 and rounded once: within 2 ulp
+tests/distill/test_distill.py. The student's gradient is dL/dx computed in float64 and rounded once: within 2 ulp
 of its dtype (the rounding, and the upstream gradient 1 / kept, which gkd_average computes in fp32) + what
 the float64 math (the reference's and this function's) leaves on a difference of
 probabilities: 16 2^-53 / (T kept) (d(average)/d(token) = 1 / kept), for a peaked row's p - q ~ 1e-13.

@@ -1,6 +1,6 @@
 """The three GKD ops on the inputs real training produces, against twinkle's GKDLoss in float64 and in fp32.
 
-tests/test_distill*.py check each op against twinkle in float64 on random, peaked (gaps of 40), close,
+tests/distill/test_distill*.py check each op against twinkle in float64 on random, peaked (gaps of 40), close,
 masked and -inf inputs at T 0.7 and 1. This module adds the classes of tests/numerics.py that they lack,
 for all three ops (linear_gkd_topk, gkd_from_logits, linear_gkd_full): temperatures 0.05 and 1e4, large
 logits (offsets +1e4 and -2^18 on both sides), all-equal rows (student and teacher, and a student against a
@@ -9,10 +9,10 @@ random teacher), finfo.min masks with only 3 allowed tokens (at T 0.05 and 1), a
 fp32 (also at the offsets: 2^18 + multiples of 2^-5 fit in 24 bits), so the comparison measures the ops.
 
 Bounds (fp32, bf16 and fp64 inputs):
-- the suite's (tests/test_distill.py): loss within 1e-6 absolute + 1e-6 relative of float64 (1e-12 for
+- the suite's (tests/distill/test_distill.py): loss within 1e-6 absolute + 1e-6 relative of float64 (1e-12 for
   fp64); gradients within 1 ulp + distill_helpers.gkd_grad_bounds ((m + 4) eps sum of the terms' sizes, eps 2^-24,
   1e-12 for fp64, each size the entry's |dL/dx| + the row's largest + a float64 floor / eps);
-  gkd_from_logits's within 2 ulp + the floor (tests/test_distill_logits.py). The floor, per row, is
+  gkd_from_logits's within 2 ulp + the floor (tests/distill/test_distill_logits.py). The floor, per row, is
   16 2^-53 (1 + Lam) / (T kept) (float64_floor): the suite's 16 2^-53 / (T kept) is the case of log-probs
   of size 1; at beta = 1, T = 0.05 and a peak of 100, dL/dx = p (ls - lt - L) cancels terms of 2000, whose
   float64 rounding it carries;

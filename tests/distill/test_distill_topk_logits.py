@@ -7,7 +7,7 @@
   T 0.05 / 0.7 / 1 / 1e4, k 1 / 8 / 64, fp32, bf16 and fp64 logits.
 - The same per-token loss, bitwise, as linear_gkd_topk on a head whose logits are exact in fp32 (dyadic).
 - Saved for backward: O(N k) and the ids, never the logits; rows bitwise the same whatever the batch.
-- Tensor parallelism: tests/test_distill_vocab_parallel.py (its gloo worlds).
+- Tensor parallelism: tests/distill/test_distill_vocab_parallel.py (its gloo worlds).
 """
 import pytest
 import torch

@@ -10,7 +10,7 @@ weight, in the same process:
 - grad_hidden: this rank's partial sum (not yet the full gradient); the sum over ranks (the caller's
   all-reduce, also Megatron's copy_to_tensor_model_parallel_region) is the single-process gradient.
 Gradient bound: both sides within 1 ulp of their dtype + (m + 4) 2^-24 sum |terms| of the exact value
-(tests/test_distill.py's bound), so they differ by at most twice that; for grad_hidden each rank's partial
+(tests/distill/test_distill.py's bound), so they differ by at most twice that; for grad_hidden each rank's partial
 is rounded to the dtype before the sum, one ulp at sum |terms| per rank (a bf16 partial can be much larger
 than the sum of the partials). Each case does its collectives
 first and asserts after, so a failing rank cannot leave the others waiting.

@@ -13,7 +13,7 @@ Second, a gradient autograd does not ask for is not built: with only hidden (onl
 no tensor of the weight's (hidden's) size is made, seen by a dispatch mode inside the heads' custom ops.
 
 Run as a script, this file measures one configuration and prints JSON (the report's table came from it):
-    python tests/test_head_memory.py '{"head": "gkd_full", "dtype": "bfloat16"}'
+    python tests/heads/test_head_memory.py '{"head": "gkd_full", "dtype": "bfloat16"}'
 """
 import json
 import sys

@@ -28,7 +28,7 @@ from twinkle_mem.op import composite
 from twinkle_mem.heads import matmul
 from twinkle_mem.heads.engine import ROW_TILE, VOCAB_BLOCK, block_width, tile_budget
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "bench", "check_linear_invariance.py")
 _spec = importlib.util.spec_from_file_location("check_linear_invariance", SCRIPT)
 check_linear_invariance = importlib.util.module_from_spec(_spec)

@@ -10,7 +10,7 @@ given a chunk_bytes that holds all of them.
 
 Run as a script, this file measures one configuration and prints JSON (docs/linear.md's memory table
 came from it, at N = 4096 and 16384, H = 1024, V = 151936):
-    python tests/test_linear_memory.py '{"n": 4096, "h": 1024, "v": 151936}'
+    python tests/heads/test_linear_memory.py '{"n": 4096, "h": 1024, "v": 151936}'
 """
 import json
 import os
@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLACK = 3 << 20  # allocator and interpreter noise in one call (measured: < 1 MiB)
 PER_ROW = 256  # O(N): row statistics, labels, kept-row indices, upstream gradients (bytes per row, generous)
 

@@ -13,7 +13,7 @@
 - gradcheck in float64; ignored rows (no matmul rows, zero outputs and
   gradients, seen by the profiler); what autograd saves; argument errors;
   torch.compile(fullgraph=True); opcheck; the composite backend.
-Memory (peak RSS): tests/test_linear_memory.py. Tensor parallel: tests/test_linear_vocab_parallel.py.
+Memory (peak RSS): tests/heads/test_linear_memory.py. Tensor parallel: tests/heads/test_linear_vocab_parallel.py.
 """
 import math
 

@@ -20,7 +20,7 @@ def _forward_cases(logits, labels, label_range=True):
     yield "inv_temperature", (logits, labels, -1.0, IGNORE, 0, V, False)
     yield "int64 or int32", (logits, labels.float(), 1.0, IGNORE, 0, V, False)
     # On CUDA an out-of-range label is a device-side assert (no host sync), which leaves the context
-    # unusable: tests/test_cuda.py checks it in a child process.
+    # unusable: tests/backends/cuda/test_cuda.py checks it in a child process.
     for bad_label in (V, -1, 2**40) if label_range else ():
         bad = labels.clone()
         bad[2] = bad_label

@@ -19,7 +19,7 @@ import torch
 import twinkle_mem
 from twinkle_mem.op import native
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG = os.path.dirname(os.path.abspath(twinkle_mem.__file__))  # the package under test: installed in CI
 
 PROBE = r"""

@@ -110,7 +110,7 @@ def _no_warning(fn):
 
 def _readme_views_bullet():
     from pathlib import Path
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     start = text.index("- **Views, no copies:**")
     return " ".join(text[start:text.index("\n- ", start + 1)].split())
 

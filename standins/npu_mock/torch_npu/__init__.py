@@ -1,1 +1,1 @@
-"""An empty stand-in of the torch_npu package for tests/test_npu_cmake.py (headers in include/)."""
+"""An empty stand-in of the torch_npu package for tests/backends/npu/test_npu_cmake.py (headers in include/)."""

@@ -1,5 +1,5 @@
 """The CPU kernel's paths (avx512_bf16, avx512, avx2, portable: csrc/cpu/isa.h), beyond the numerics suite
-that tests/test_numerics.py runs on each of them (tests/impls.py: cpu, cpu_avx512, cpu_avx2, cpu_portable):
+that tests/op/test_numerics.py runs on each of them (tests/impls.py: cpu, cpu_avx512, cpu_avx2, cpu_portable):
 
 - TWINKLE_MEM_CPU_ISA caps the path, python -m twinkle_mem names the one in use, an unknown value raises;
 - the paths really differ where they should (the forward's summation order) and agree bit for bit where

@@ -1,7 +1,7 @@
 """The CUDA kernels on a GPU (skipped without one; bench/gpu_check.sh runs them).
 
 The numerics classes run on the GPU through tests/impls.py's "cuda" implementation
-(tests/test_numerics.py); this file holds what only a GPU can show: no host
+(tests/op/test_numerics.py); this file holds what only a GPU can show: no host
 synchronization (sync debug mode "error"), the device-side label assert, and batch
 invariance, strided views and the gradient's layout at real sizes.
 """

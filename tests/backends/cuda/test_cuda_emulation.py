@@ -1,4 +1,4 @@
-"""The CUDA kernels, run on the CPU (tests/cuda_emulation.py), on what the
+"""The CUDA kernels, run on the CPU (standins/cuda_emulation.py), on what the
 numerics suite does not cover: layouts ([B, S, V] views, padded and misaligned
 rows, vocab shards), the vector paths, batch invariance with N = 1, 7, 333 and
 2048 rows, alignment invariance, device-side label checks, edge shapes.
@@ -10,7 +10,7 @@ emulation stays fast.
 import pytest
 import torch
 
-import cuda_emulation as emu
+from standins import cuda_emulation as emu
 from numerics import NO_IGNORE, Case, check_case
 from twinkle_mem.op.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
 

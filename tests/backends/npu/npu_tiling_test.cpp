@@ -2,8 +2,8 @@
 // (csrc/npu/tiling.h), the row indexing it shares (csrc/common/row_index.h),
 // its restatements of online_softmax.h for the AI core, the SoC's bf16 matching,
 // and the kernel's scalar helpers (csrc/npu/scalar_math.h) against the C library. Built and run by
-// tests/test_npu_tiling.py:
-//   g++ -std=c++17 -Wall -Wextra -Werror -I csrc tests/npu_tiling_test.cpp && ./a.out
+// tests/backends/npu/test_npu_tiling.py:
+//   g++ -std=c++17 -Wall -Wextra -Werror -I csrc tests/backends/npu/npu_tiling_test.cpp && ./a.out
 // Prints one line per failed check and "npu tiling: N checks passed" at the end.
 #include "common/layout.h"
 #include "common/online_softmax.h"

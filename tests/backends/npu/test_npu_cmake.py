@@ -4,7 +4,7 @@ Configures the real top-level CMakeLists.txt (cmake/FindCANN.cmake,
 cmake/FindTorchNPU.cmake, csrc/npu/CMakeLists.txt) against a mock CANN whose
 ascendc.cmake records its calls and sets CMAKE_SKIP_RPATH as CANN's does, and a
 mock torch_npu package (headers that declare the torch_npu / ACL API the glue
-calls; tests/standins/npu_mock/), then builds _C_npu: the real glue compiled against
+calls; standins/npu_mock/), then builds _C_npu: the real glue compiled against
 this machine's torch headers, linked against empty stub libraries. Checks:
   - _C_npu carries $ORIGIN in its run path despite CMAKE_SKIP_RPATH;
   - ASCENDC_DUMP=0 reaches the kernel library in Release, not in Debug;
@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MOCK = os.path.join(ROOT, "tests", "standins", "npu_mock")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+MOCK = os.path.join(ROOT, "standins", "npu_mock")
 CMAKE = shutil.which("cmake")
 CC = shutil.which("gcc") or shutil.which("cc")
 READELF = shutil.which("readelf")

@@ -1,6 +1,6 @@
 """The numerics suite on a real Ascend NPU (skipped without torch_npu and a device).
 
-The same classes, bounds and batch-invariance checks as tests/test_numerics.py,
+The same classes, bounds and batch-invariance checks as tests/op/test_numerics.py,
 through torch.ops.twinkle_mem on npu tensors: the AscendC kernels when _C_npu is
 loaded, the composite otherwise (TWINKLE_MEM_NPU_COMPOSITE=1 forces it, to
 compare). bench/npu_check.sh runs this file first on a CANN node: it is what the

@@ -1,5 +1,5 @@
 """The AscendC kernels run on the CPU through the stand-in of the AscendC API
-(tests/npu_emulation.py), beyond what tests/test_numerics.py runs on them:
+(standins/npu_emulation.py), beyond what tests/op/test_numerics.py runs on them:
 tile tails and rows of many tiles, V = 151936, N below and above the core
 count, skipped rows, -inf and finfo.min masks across tiles, labels on and off a
 vocab shard, [B, S, V] views, the UB budget, the double buffer across rows, and
@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-import npu_emulation as emu
+from standins import npu_emulation as emu
 from numerics import NO_IGNORE, Case, Impl, check_case, make_cases, run_impl, upstream
 
 pytestmark = pytest.mark.skipif(emu.available() is not None, reason=str(emu.available()))

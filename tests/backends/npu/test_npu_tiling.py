@@ -1,5 +1,5 @@
 """CPU unit test of the NPU host logic that needs no CANN (csrc/npu/tiling.h,
-csrc/npu/scalar_math.h): compiles tests/npu_tiling_test.cpp with the system
+csrc/npu/scalar_math.h): compiles tests/backends/npu/npu_tiling_test.cpp with the system
 C++ compiler into a temporary directory and runs it. Covers every plan fitting
 the 184 KiB UB budget of the 220 architecture (a sweep of V, dtypes, modes and
 tile caps), tiles independent of N, V = 151936, tails, N < core count, N = 0,
@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 CXX = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
@@ -22,7 +22,7 @@ def test_npu_tiling(tmp_path):
     exe = tmp_path / "npu_tiling_test"
     build = subprocess.run(
         [CXX, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-I", os.path.join(ROOT, "csrc"),
-         os.path.join(ROOT, "tests", "npu_tiling_test.cpp"), "-o", str(exe)],
+         os.path.join(ROOT, "tests", "backends", "npu", "npu_tiling_test.cpp"), "-o", str(exe)],
         capture_output=True, text=True, timeout=120)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)

@@ -1,8 +1,8 @@
 """One twinkle Megatron step and one TransformersModel step, in a fresh interpreter whose twinkle-kit is the one
-first on PYTHONPATH (tests/test_integration_twinkle_fixed.py puts a twinkle-kit with the three fixes merged
-there: tests/twinkle_copies.py).
+first on PYTHONPATH (tests/integrations/twinkle/test_integration_twinkle_fixed.py puts a twinkle-kit with the three
+fixes merged there: standins/twinkle_copies.py).
 
-    python tests/fixed_twinkle_step.py OUT MODE      MODE: shipped | install | fused
+    python tests/integrations/twinkle/fixed_twinkle_step.py OUT MODE      MODE: shipped | install | fused
 
 ``install``: install(); ``fused``: install(fused_lm_head=True). Saves to OUT: each step's loss, log-probs,
 entropies, labels and parameter gradients; what install() replaced; how often twinkle-mem's op, its fused head,
@@ -14,8 +14,8 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # tests/helpers.py and cpu_harness/
+TESTS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # tests/helpers.py and standins/
 
 from helpers import ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, VOCAB, blocks, grpo  # noqa: E402
 
@@ -35,7 +35,7 @@ def main(out: str, mode: str) -> None:
     import twinkle.utils.torch_utils as torch_utils
 
     import twinkle_mem
-    from cpu_harness import megatron as th
+    from standins import megatron as th
     from twinkle_mem.integrations import twinkle as integration
     from twinkle_mem.integrations.twinkle import megatron_steps, patches
     counts = {}

@@ -1,6 +1,7 @@
-"""One GRPO step of twinkle's TransformersModel, as twinkle's Ray recipes run it (tests/test_startup_hook_ray.py).
+"""One GRPO step of twinkle's TransformersModel, as twinkle's Ray recipes run it
+(tests/integrations/twinkle/test_startup_hook_ray.py).
 
-    python tests/ray_twinkle_step.py OUT MODEL_DIR MODE [VALUE]
+    python tests/integrations/twinkle/ray_twinkle_step.py OUT MODEL_DIR MODE [VALUE]
 
 MODE ``ray``: twinkle's Ray mode with a real (local) Ray: a training model (``remote_group='model'``,
 one ``forward_backward``) and a reference model (``remote_group='ref'``, one ``forward_only``) in Ray
@@ -16,7 +17,7 @@ What twinkle-kit 0.5.1's Ray mode needs on a CPU-only machine (none of it produc
 - ``MASTER_ADDR`` / ``MASTER_PORT`` in the driver before a model is built: accelerate's ``env://``
   rendezvous in the worker (twinkle copies them with the rest of the driver's environment);
 - twinkle has no CPU platform (``get_local_device()`` says ``cuda:N``): pointed at ``cpu`` in each worker
-  before its first step, as the in-process runs do with the CPU harness's ``cpu_platform``.
+  before its first step, as the in-process runs do with standins.megatron's ``cpu_platform``.
 """
 import os
 import socket
@@ -24,14 +25,14 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # cpu_harness/
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))  # standins/
 VAR = "TWINKLE_MEM_INSTALL"
 LENGTHS, PROMPT, VOCAB = [24, 17], 6, 512  # the tiny Qwen3 that test saves: vocab 512
 ADVANTAGES = [1.0, -0.5]
 
 
 def samples():
-    from cpu_harness.megatron import lm_samples
+    from standins.megatron import lm_samples
     return lm_samples(LENGTHS, VOCAB, prompt=PROMPT)
 
 

@@ -14,8 +14,8 @@ import torch
 import twinkle_mem
 from twinkle_mem.integrations import twinkle as integration
 
-from cpu_harness import megatron as th
-from cpu_harness import memory
+from standins import megatron as th
+from standins import memory
 
 VOCAB, SEQ = 256, 24
 BY_NAME = ["twinkle.utils", "twinkle.utils.torch_utils", "twinkle.loss.grpo", "twinkle.loss.dpo",
@@ -194,7 +194,7 @@ def test_twinkle_call_sites_compute_with_twinkle_mem():
 def test_tensor_parallel_passes_the_tp_group_to_the_op(monkeypatch):
     # Under TP > 1 the adapter hands the TP group to twinkle-mem's op (vocab-parallel
     # path, entropy included) instead of twinkle's function; without TP, no group.
-    # The op itself under a real TP group: tests/test_vocab_parallel.py.
+    # The op itself under a real TP group: tests/op/test_vocab_parallel.py.
     import twinkle.loss.grpo as grpo
     from twinkle_mem.integrations.twinkle import _model
     calls = []

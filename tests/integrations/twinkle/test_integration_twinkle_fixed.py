@@ -1,4 +1,4 @@
-"""install() on a twinkle-kit with this project's three fixes merged (tests/twinkle_copies.py builds it from
+"""install() on a twinkle-kit with this project's three fixes merged (standins/twinkle_copies.py builds it from
 twinkle-kit 0.5.1's source, as twinkle PR #283 proposes them): its selective_log_softmax a chunked fp32 autograd
 Function, the attention-mask type defaulting to causal with the skip decided at collate time, its Megatron
 forward_backward reporting logits only when asked.
@@ -7,7 +7,7 @@ install() recognizes that twinkle-kit by its code (twinkle_names.py): it still g
 its fused head, adds no second logits guard (no patched reduce_loss, no guard entered, the same logits reported
 to reduce_loss as the twinkle-kit's own), and every result (loss, log-probs, entropies, every parameter gradient,
 on the Megatron and the transformers path) equals that twinkle-kit's own within fp32 bounds. Each run is a fresh
-interpreter with the copy first on the path (tests/fixed_twinkle_step.py).
+interpreter with the copy first on the path (tests/integrations/twinkle/fixed_twinkle_step.py).
 """
 import os
 import subprocess
@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-import twinkle_copies
+from standins import twinkle_copies
 from helpers import TOL, assert_close
 
 HERE = os.path.dirname(os.path.abspath(__file__))

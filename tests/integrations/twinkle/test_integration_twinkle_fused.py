@@ -2,7 +2,7 @@
 layer's input (python/twinkle_mem/integrations/twinkle/fused_head.py), on the CPU:
 
 - twinkle's real MegatronModel around a real megatron-core GPTModel (TP = 1; TP = 2:
-  tests/test_integration_twinkle_fused_tp.py), and twinkle's real TransformersModel around a
+  tests/integrations/twinkle/test_integration_twinkle_fused_tp.py), and twinkle's real TransformersModel around a
   one-layer Qwen2 built from a config;
 - the same training as the unfused run (install() without the fused head): loss, log-probs and
   entropy under the loss mask, every parameter gradient; fp32 and bf16 (Megatron: Float16Module),
@@ -20,7 +20,7 @@ import logging
 import pytest
 import torch
 
-from cpu_harness import megatron as th
+from standins import megatron as th
 from helpers import (ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, SEQ, TOL, VOCAB, VocabTensors, assert_close,
                      blocks, grpo, scale_output, twinkle_has, twinkle_wrapped)
 from twinkle_mem.integrations import twinkle as integration

@@ -28,7 +28,7 @@ WORLD = 2
 @contextlib.contextmanager
 def _megatron_on_cpu():
     """What every rank needs for megatron-core's GPTModel and scheduler and twinkle's Platform on the CPU."""
-    from cpu_harness import megatron as th
+    from standins import megatron as th
     with th.cpu_schedules(), th.megatron_gpt_cpu(), th.cpu_platform("cpu"):
         yield
 
@@ -38,7 +38,7 @@ case = cases.register(WORLD)
 
 
 def _run_twinkle(tp, fused, *, tied, entropy, forward_only=False, spy=None):
-    from cpu_harness import megatron as th
+    from standins import megatron as th
     from megatron.core import parallel_state as mpu
 
     from twinkle_mem.integrations import twinkle as integration

@@ -22,7 +22,7 @@ import contextlib
 import pytest
 import torch
 
-from cpu_harness import megatron as th
+from standins import megatron as th
 from helpers import (CHUNK, FUSED_BLOCKS, GKD_K, GKD_TEACHERS, LENGTHS, PROMPT, TOL, VOCAB, VocabTensors,
                      assert_close, blocks, gkd_in_float64, gkd_local_teacher, gkd_teacher, twinkle_has)
 from twinkle_mem.integrations import twinkle as integration

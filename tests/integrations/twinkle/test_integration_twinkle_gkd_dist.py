@@ -15,7 +15,7 @@ megatron-core GPTModel.
 import contextlib
 
 import pytest
-from cpu_harness.megatron import gpt_step_in_world
+from standins.megatron import gpt_step_in_world
 import torch
 from helpers import (CHUNK, FUSED_BLOCKS, GKD_K, LENGTHS, PROMPT, VOCAB, Cases, VocabTensors, assert_close, blocks,
                      gkd_in_float64, gkd_local_teacher, gkd_teacher, twinkle_has)
@@ -31,7 +31,7 @@ def _gkd_step(*, fused, tp=1, pp=1, beta=0.5, spy=None, shipped=False, teacher=g
     """One twinkle GKD step (forward_backward, temperature 0.7) on a fresh GPTModel (the same seed: the same
     weights): install(fused_lm_head=fused); fused=None: twinkle's GKD in float64 (the exact reference);
     shipped: twinkle-kit as shipped."""
-    from cpu_harness import megatron as th
+    from standins import megatron as th
     from megatron.core import parallel_state as mpu
     from twinkle.loss.gkd import GKDLoss
 

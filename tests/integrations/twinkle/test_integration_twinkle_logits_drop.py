@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from cpu_harness import megatron as th
+from standins import megatron as th
 from helpers import LENGTHS, PROMPT, VOCAB, gkd_teacher
 from twinkle_mem.integrations import twinkle as integration
 from twinkle_mem.integrations.twinkle import transformers_path

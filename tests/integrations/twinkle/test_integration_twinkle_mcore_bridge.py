@@ -1,8 +1,9 @@
 """twinkle's ``MegatronModel(model_id=...)`` built through mcore_bridge from a local tiny Qwen3 (random
 weights, tied and untied; its tokenizer with a chat template; no download), as a user builds it, with the
-CPU stand-ins of cpu_harness/mcore_bridge.py (each named and justified there and in
+CPU stand-ins of standins/mcore_bridge.py (each named and justified there and in
 docs/twinkle_integration.md). World size 1 here (also: MTP, packed batches, full recompute); TP = 2,
-sequence parallelism, PP = 2, VPP, Float16Module: tests/test_integration_twinkle_mcore_bridge_dist.py.
+sequence parallelism, PP = 2, VPP, Float16Module:
+tests/integrations/twinkle/test_integration_twinkle_mcore_bridge_dist.py.
 
 GRPO ``forward_backward`` and ``forward_only`` (entropy bonus, T = 0.7), twinkle-kit as shipped vs
 ``install()`` vs ``install(fused_lm_head=True)`` on the same model:
@@ -19,8 +20,8 @@ import copy
 import pytest
 import torch
 
-from cpu_harness import mcore_bridge as mb
-from cpu_harness import megatron as th
+from standins import mcore_bridge as mb
+from standins import megatron as th
 from helpers import (ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, SEQ, VOCAB, VocabTensors, assert_close, blocks,
                      grpo)
 from twinkle_mem.integrations import twinkle as integration
@@ -254,7 +255,7 @@ def test_mtp_model_called_with_labels_runs_unchanged(checkpoints, fused_calls, o
 def test_packed_batches_same_as_padded(checkpoints, fused_calls):
     """twinkle's ``InputProcessor(padding_free=True)`` packs each micro-batch into one [1, tokens] row with
     ``packed_seq_params``; twinkle unpacks the log-probs per sample after the loss's selective_log_softmax.
-    With the packed attention run by stand-in 12 (cpu_harness/mcore_bridge.py): shipped, install() and the
+    With the packed attention run by stand-in 12 (standins/mcore_bridge.py): shipped, install() and the
     fused head on packed micro-batches give the padded run's loss, log-probs under the loss mask, entropy
     and gradients."""
     from megatron.core import parallel_state as mpu

@@ -1,11 +1,11 @@
-"""twinkle's ``MegatronModel(model_id=...)`` built through mcore_bridge (cpu_harness/mcore_bridge.py) across
+"""twinkle's ``MegatronModel(model_id=...)`` built through mcore_bridge (standins/mcore_bridge.py) across
 ranks: gloo worlds of 2 CPU processes, each against the same layout of twinkle-kit as shipped.
 
 - TP = 2 (twinkle wraps the model in Megatron's DDP): no tensor with the vocab (1018) or its shard (509)
   as last dim on the fused run, where shipped's has them; loss and log-probs equal shipped TP = 2; every
   rank's gradient shard of the fused run equals install()'s (exact in fp32); shipped TP = 2 rounds the
   logits' gradient to bf16 in megatron-core's fused vocab-parallel cross entropy, so its gradients are
-  compared at that level (against TP = 1: tests/test_integration_twinkle_fused_tp.py, hand-built
+  compared at that level (against TP = 1: tests/integrations/twinkle/test_integration_twinkle_fused_tp.py, hand-built
   GPTModel); entropy (which shipped refuses under TP > 1) against install();
 - TP = 2 with sequence parallelism, run for real with two more stand-ins (megatron-core's torch norm
   refuses SP; its SP buffers ask for a CUDA device): log-probs as shipped SP, gradients and entropy as
@@ -33,7 +33,7 @@ MODES = ("shipped", "install", "fused")
 
 @contextlib.contextmanager
 def _on_cpu():
-    from cpu_harness import mcore_bridge as mb
+    from standins import mcore_bridge as mb
     with mb.mcore_bridge_on_cpu():
         yield
 
@@ -47,7 +47,7 @@ def _checkpoint(tied=False, layers=2):
     """The tiny Qwen3 (weights exact in bf16), saved once per world by rank 0."""
     import torch.distributed as dist
 
-    from cpu_harness import mcore_bridge as mb
+    from standins import mcore_bridge as mb
     if (tied, layers) not in _CHECKPOINTS:
         path = [tempfile.mkdtemp(prefix="tiny-qwen3-") if dist.get_rank() == 0 else None]
         if dist.get_rank() == 0:
@@ -66,8 +66,8 @@ def _steps(modes, *, tp=1, pp=1, entropy=False, tied=False, layers=2, mixed_prec
     """One model (twinkle's strategy sets up megatron's parallel state for it) and one GRPO step per mode."""
     import copy
 
-    from cpu_harness import mcore_bridge as mb
-    from cpu_harness import megatron as th
+    from standins import mcore_bridge as mb
+    from standins import megatron as th
     from megatron.core import parallel_state as mpu
 
     from twinkle_mem.integrations import twinkle as integration
@@ -137,7 +137,7 @@ def tp2_same_as_shipped(rank, world):
     for mode in ("install", "fused"):
         _assert_logps(tp2[mode], tp2["shipped"], f"TP=2 {mode}")
         _assert_logps(tp2_only[mode], tp2_only["shipped"], f"TP=2 forward_only {mode}")
-    # install()'s vocab-parallel op is exact in fp32 (tests/test_vocab_parallel.py): the fused head's
+    # install()'s vocab-parallel op is exact in fp32 (tests/op/test_vocab_parallel.py): the fused head's
     # gradient shards equal it; shipped's, rounded to bf16 in megatron-core's fused cross entropy, are
     # within that rounding
     assert tp2["shipped"]["grads"].keys() == tp2["fused"]["grads"].keys() == tp2["install"]["grads"].keys()
@@ -159,9 +159,9 @@ def tp2_same_as_shipped(rank, world):
 
 @case
 def tp2_sequence_parallel(rank, world):
-    """TP = 2 with sequence parallelism, run for real (stand-ins 10-11 of cpu_harness/mcore_bridge.py):
+    """TP = 2 with sequence parallelism, run for real (stand-ins 10-11 of standins/mcore_bridge.py):
     the same log-probs as shipped with SP, and every gradient shard as install() without SP."""
-    from cpu_harness import mcore_bridge as mb
+    from standins import mcore_bridge as mb
     with mb.sequence_parallel_on_cpu():
         sp = _steps(MODES, tp=2, sequence_parallel=True)
         sp_entropy = _steps(["install", "fused"], tp=2, sequence_parallel=True, entropy=True)

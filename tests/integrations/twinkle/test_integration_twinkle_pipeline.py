@@ -13,7 +13,7 @@ the log-probs (NaN rows for the failed micro-batch) and the FailedMicroBatchWarn
 import warnings
 
 import pytest
-from cpu_harness.megatron import gpt_step_in_world
+from standins.megatron import gpt_step_in_world
 import torch
 from helpers import (ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, VOCAB, Cases, assert_close, grpo, scale_output,
                      twinkle_has, twinkle_wrapped)
@@ -28,7 +28,7 @@ case = cases.register(WORLD)
 def _pp_step(fused, failing, *, entropy, forward_only=False, micro_batch_size=1, edit=None):
     """One twinkle step at PP = 2 on a fresh two-layer GPTModel (the same seed: the same weights):
     (output, this stage's gradients, FailedMicroBatchWarnings, labels)."""
-    from cpu_harness import megatron as th
+    from standins import megatron as th
     from megatron.core import parallel_state as mpu
     from twinkle.processor.base import InputProcessor
 

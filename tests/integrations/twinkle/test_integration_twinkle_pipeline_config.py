@@ -9,7 +9,7 @@ that a stalled stage fails only this test): a stage left waiting fails the test 
 """
 
 import pytest
-from cpu_harness.megatron import gpt_step_in_world
+from standins.megatron import gpt_step_in_world
 from helpers import ADVANTAGES, LENGTHS, PROMPT, VOCAB, Cases, grpo, twinkle_wrapped
 
 WORLD = 2
@@ -22,7 +22,7 @@ case = cases.register(WORLD)
 
 @case
 def pp2_chunk_bytes_below_one_tile_fails_every_stage_before_the_schedule(rank, world):
-    from cpu_harness import megatron as th
+    from standins import megatron as th
     from megatron.core import parallel_state as mpu
 
     from twinkle_mem.integrations import twinkle as integration

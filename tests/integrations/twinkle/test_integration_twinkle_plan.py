@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from cpu_harness import megatron as th
+from standins import megatron as th
 from helpers import ADVANTAGES, LENGTHS, PROMPT, VOCAB, gkd_teacher, grpo, twinkle_has
 from twinkle_mem.integrations import twinkle as integration
 from twinkle_mem.integrations.twinkle import distill_loss, fused_head, fused_plan, loss_heads, patches

@@ -2,7 +2,7 @@
 CPU: on its own (a hand-written forward step) and inside twinkle-kit 0.5.1's
 ``MegatronModel.forward_backward``.
 
-Liveness is measured on storages (``cpu_harness.megatron.LogitsTracker``): a logits
+Liveness is measured on storages (``standins.megatron.LogitsTracker``): a logits
 tensor counts as alive while anything, Python or autograd, still holds its memory.
 """
 
@@ -12,7 +12,7 @@ import torch
 from twinkle_mem.megatron import (collect_reports, current_logits_reporting, guard_report, logits_guard,
                                   logits_wanted, micro_batch_report, reporting_logits)
 
-from cpu_harness import megatron as th
+from standins import megatron as th
 
 VOCAB, SEQ = 512, 32
 LOGITS_BYTES = SEQ * VOCAB * 4  # one micro-batch of [1, SEQ, VOCAB] fp32 logits

@@ -6,7 +6,7 @@ import torch
 from twinkle_mem.processor import (MASK_SKIP_MODES, batch_attention_mask, dense_causal_mask, resolve_mask_type,
                                    skip_dense_mask)
 
-from cpu_harness import memory
+from standins import memory
 
 
 def twinkle_mask_builder():

@@ -1,10 +1,11 @@
 """twinkle-kit's Megatron recipes end to end (issue 32): Megatron LoRA, twinkle's optimizer and scheduler, 3 optimizer
 steps, calculate_metric and save, in twinkle's Ray mode with the model in 2 CPU workers, as a user runs them with
 TWINKLE_MEM_INSTALL unset (twinkle-kit as shipped), ``1`` and ``fused_lm_head``: three fresh driver processes
-(tests/ray_megatron_recipes.py), each running every recipe in one Ray session, each recipe with a model of its own.
+(tests/integrations/twinkle/ray_megatron_recipes.py), each running every recipe in one Ray session, each recipe with a
+model of its own.
 
-The recipes (cpu_harness/recipes.py, each naming the cookbook file it follows, with the CPU's substitutions listed
-there; the stand-ins applied in each worker: cpu_harness/twinkle_ray.py, cpu_harness/megatron_lora.py):
+The recipes (standins/recipes.py, each naming the cookbook file it follows, with the CPU's substitutions listed
+there; the stand-ins applied in each worker: standins/twinkle_ray.py, standins/megatron_lora.py):
 GRPO (short_math_grpo.py's Megatron branch) at TP = 2 and PP = 2; multi-LoRA GRPO (two tenants, one with a KL term
 to a reference pass) at TP = 2; GKD off-policy over a top-k teacher (k = 64) at TP = 2; DPO with LoRA (reference
 from forward_only(disable_lora=True)) at TP = 2. And a bf16 model (PP = 2) with the first step of GRPO, GKD and DPO;
@@ -14,7 +15,7 @@ metric: its keys and counts under ``fused_lm_head`` too.
 The reference, "twinkle-kit as shipped" at a layout where it computes exactly: PP = 2 (every vocab column on the last
 stage). At TP = 2 it does not: its vocab-parallel cross entropy (megatron-core's fused one) rounds the logits'
 gradient to bf16, and its GKD gathers global teacher ids from a vocab shard (an index error here). The runs start
-from one LoRA adapter whatever the layout (cpu_harness/megatron_lora.layout_independent_lora_init). Judged (fp32):
+from one LoRA adapter whatever the layout (standins/megatron_lora.layout_independent_lora_init). Judged (fp32):
 - per optimizer step, loss and grad norm within 1e-5 relative of shipped at PP = 2 (GRPO's loss, a mean of terms
   of the advantages' size 1 that cancel to ~1e-4, within 1e-5 of that size), the saved LoRA within 3e-5 relative
   (its B tensors together, what training learned; each tensor alone within 1e-4: Adam's amplification of fp32
@@ -54,7 +55,7 @@ def _checkpoint(path, seed, head_scale=1):
     ``head_scale`` (a power of 2) sharpens its distributions: the teacher's, whose top-k then holds most of the
     mass as a real teacher's (a random tiny model's is near uniform, and so close to the student's that GKD's
     gradients would be near Adam's epsilon, where fp32 rounding decides an update)."""
-    from cpu_harness.mcore_bridge import save_tiny_qwen3
+    from standins.mcore_bridge import save_tiny_qwen3
     model = save_tiny_qwen3(str(path), vocab=512, seed=seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -66,7 +67,7 @@ def _checkpoint(path, seed, head_scale=1):
 
 def _drive(out, student, teacher, mode, runs, timeout=1500):
     """One driver in a fresh process (its own process group: Ray's processes end with it, whatever happens)."""
-    from cpu_harness.twinkle_ray import run_driver
+    from standins.twinkle_ray import run_driver
     env = {k: v for k, v in os.environ.items() if k != VAR}
     if MODES[mode] is not None:
         env[VAR] = MODES[mode]

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import twinkle_copies
+from standins import twinkle_copies
 from twinkle_mem.integrations import twinkle as integration
 from twinkle_mem.integrations.twinkle import startup
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 VAR = startup.ENV_VAR
 
 
@@ -156,7 +156,7 @@ def test_megatron_model_imported_after_a_first_step_gets_what_install_gives():
         import sys
         sys.path[:0] = [{str(ROOT / "tests")!r}, {str(ROOT)!r}]
         import twinkle
-        from cpu_harness import megatron as th
+        from standins import megatron as th
         import twinkle_mem
         from helpers import ADVANTAGES, LENGTHS, VOCAB, grpo
         import torch.distributed as dist
@@ -328,7 +328,7 @@ def _torchrun(out_dir, mode, value):
     if os.path.exists("/sys/class/net/lo"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tests" / "torchrun_twinkle_step.py"), str(out_dir), mode]
+           str(Path(__file__).resolve().parent / "torchrun_twinkle_step.py"), str(out_dir), mode]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             start_new_session=True)
     try:

@@ -1,7 +1,7 @@
 """TWINKLE_MEM_INSTALL reaches twinkle's Ray workers (issue 25), with a real Ray on the CPU.
 
-tests/ray_twinkle_step.py runs twinkle's Ray mode as its RL recipes do: a training model and a reference
-model (TransformersModel with remote_group) in Ray workers, the variable set only in the driver and only
+tests/integrations/twinkle/ray_twinkle_step.py runs twinkle's Ray mode as its RL recipes do: a training model and a
+reference model (TransformersModel with remote_group) in Ray workers, the variable set only in the driver and only
 after ray.init (so it reaches the workers through twinkle's copy of the driver's environment, not through
 Ray's own processes). No install() is called anywhere. Both workers must report twinkle-mem installed with
 the variable's options and log their line, and their log-probs must be bitwise those of the same step with
@@ -18,7 +18,7 @@ import pytest
 import torch
 from ray_twinkle_step import LENGTHS, PROMPT, VAR
 
-from cpu_harness.twinkle_ray import run_driver
+from standins.twinkle_ray import run_driver
 
 HERE = Path(__file__).resolve().parent
 VALUE = "fused_lm_head"
@@ -26,7 +26,7 @@ VALUE = "fused_lm_head"
 
 @pytest.fixture(scope="module")
 def tiny_bf16_model(tmp_path_factory):
-    from cpu_harness.mcore_bridge import save_tiny_qwen3
+    from standins.mcore_bridge import save_tiny_qwen3
     path = tmp_path_factory.mktemp("tiny_qwen3_bf16")
     save_tiny_qwen3(str(path), dtype=torch.bfloat16)
     return path

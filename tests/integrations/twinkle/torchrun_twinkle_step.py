@@ -1,6 +1,7 @@
-"""One twinkle Megatron step at TP = 2, as a torchrun child runs it (tests/test_startup_hook.py starts it).
+"""One twinkle Megatron step at TP = 2, as a torchrun child runs it (tests/integrations/twinkle/test_startup_hook.py
+starts it).
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/torchrun_twinkle_step.py OUT MODE
+    torchrun --standalone --nproc_per_node 2 tests/integrations/twinkle/torchrun_twinkle_step.py OUT MODE
 
 MODE ``env``: the script never calls install(); whatever twinkle-mem does comes from TWINKLE_MEM_INSTALL
 through the start-up hook. MODE ``explicit``: the script calls ``install(fused_lm_head=True, fused_chunk_bytes=64 KiB)`` itself.
@@ -14,8 +15,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]  # tests/helpers.py and cpu_harness/
+TESTS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # tests/helpers.py and standins/
 
 from helpers import ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, SEQ, VOCAB, VocabTensors, blocks, grpo  # noqa: E402
 
@@ -24,7 +25,7 @@ def main(out_dir: str, mode: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    from cpu_harness import megatron as th  # twinkle is imported on its first use below: the hook runs then
+    from standins import megatron as th  # twinkle is imported on its first use below: the hook runs then
     from megatron.core import parallel_state as mpu
 
     from twinkle_mem.integrations import twinkle as integration

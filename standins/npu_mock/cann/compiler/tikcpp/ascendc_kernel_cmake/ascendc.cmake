@@ -1,4 +1,4 @@
-# Mock of CANN's ascendc.cmake for tests/test_npu_cmake.py: the functions the
+# Mock of CANN's ascendc.cmake for tests/backends/npu/test_npu_cmake.py: the functions the
 # project calls, each recording its arguments in <build>/mock_ascendc.txt; the
 # kernel library is a C stub of the launchers. CANN's host configuration sets
 # CMAKE_SKIP_RPATH (host_config.cmake, bisheng_config.cmake): so does this.
