@@ -10,8 +10,8 @@ emulation stays fast.
 import pytest
 import torch
 
-from standins import cuda_emulation as emu
 from numerics import NO_IGNORE, Case, check_case
+from standins import cuda_emulation as emu
 from twinkle_mem.op.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
 
 pytestmark = pytest.mark.skipif(emu.compiler() is None, reason="no C++ compiler for the CUDA emulation")

@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 
-from standins import npu_emulation as emu
 from numerics import NO_IGNORE, Case, Impl, check_case, make_cases, run_impl, upstream
+from standins import npu_emulation as emu
 
 pytestmark = pytest.mark.skipif(emu.available() is not None, reason=str(emu.available()))
 ops = torch.ops.twinkle_mem
