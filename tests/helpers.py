@@ -33,6 +33,7 @@ import tempfile
 import time
 import traceback
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -330,8 +331,10 @@ class Cases:
         return add
 
     def params(self):
-        """(world, name) pairs for pytest.mark.parametrize."""
-        return [(w, n) for n, (_fn, ws) in self.cases.items() for w in ws]
+        """(world, name) pairs for pytest.mark.parametrize; a world of more than 2 processes (more than this 2-core
+        machine's cores) in the end-to-end tier (the marker e2e, pyproject.toml)."""
+        return [pytest.param(w, n, marks=pytest.mark.e2e) if w > 2 else (w, n)
+                for n, (_fn, ws) in self.cases.items() for w in ws]
 
     def failures(self, world: int, name: str) -> list[str]:
         if world not in self._worlds:

@@ -100,7 +100,8 @@ def measure(head, dtype, n=SIZES["n"], h=SIZES["h"], v=SIZES["v"], k=SIZES["k"],
             "beyond": m.bytes - held, "bound": bound, "fp32_weight_bytes": 4 * v * h}
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# fp32 in the default tier; bf16 and fp16 (a child process each) in the end-to-end tier (pyproject.toml)
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=pytest.mark.e2e) if d != "float32" else d for d in DTYPES])
 @pytest.mark.parametrize("head", HEADS)
 def test_peak_beyond_outputs_and_gradients_is_one_block(head, dtype):
     r = json_child(__file__, dict(head=head, dtype=dtype))

@@ -98,6 +98,7 @@ def test_op_numerics_through_the_fused_path(dtype, frozen):
         check_case(Impl("fused", fused.forward, fused.backward), case)
 
 
+@pytest.mark.e2e  # (rows of the real vocab through the fused path: the end-to-end tier)
 def test_op_numerics_long_rows():
     fused = _Fused(cols=20000)  # a Qwen-sized vocab in 8 blocks
     for case in make_cases(2, 151936, torch.bfloat16, seed=7):

@@ -190,7 +190,7 @@ def test_small_segments_split_rows():
     assert emu.split(151936, torch.bfloat16)[0] == 5
 
 
-@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("inplace", [False, pytest.param(True, marks=pytest.mark.e2e)])  # (True: the e2e tier)
 def test_batch_invariance_n_1_7_333_2048(inplace):
     """A row's logp, entropy, statistics and gradient are bitwise the same in batches of 1, 7, 333
     and 2048 rows, at any position, whatever the other rows, out of place or in place."""

@@ -66,6 +66,7 @@ def _configure(build, env, soc, build_type="Release"):
     return record.read_text()
 
 
+@pytest.mark.e2e  # (the whole CMake build: the end-to-end tier)
 def test_build_links_origin_rpath_and_turns_dump_off(mock_env):
     base, env = mock_env
     build = base / "release"

@@ -20,6 +20,8 @@ import torch
 from helpers import (CHUNK, FUSED_BLOCKS, GKD_K, LENGTHS, PROMPT, VOCAB, Cases, VocabTensors, assert_close, blocks,
                      gkd_in_float64, gkd_local_teacher, gkd_teacher, twinkle_has)
 
+pytestmark = pytest.mark.e2e  # a distributed Megatron matrix (gloo worlds): the end-to-end tier
+
 WORLD = 2
 
 

@@ -27,6 +27,8 @@ import torch
 from helpers import (ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, SEQ, VOCAB, Cases, VocabTensors, assert_close,
                      blocks, grpo)
 
+pytestmark = pytest.mark.e2e  # a distributed Megatron matrix (gloo worlds): the end-to-end tier
+
 WORLD = 2
 MODES = ("shipped", "install", "fused")
 

@@ -18,6 +18,8 @@ import torch
 from helpers import (ADVANTAGES, CHUNK, FUSED_BLOCKS, LENGTHS, PROMPT, VOCAB, Cases, assert_close, grpo, scale_output,
                      twinkle_has, twinkle_wrapped)
 
+pytestmark = pytest.mark.e2e  # a distributed Megatron matrix (gloo worlds): the end-to-end tier
+
 WORLD = 2
 
 

@@ -12,6 +12,8 @@ import pytest
 from standins.megatron import gpt_step_in_world
 from helpers import ADVANTAGES, LENGTHS, PROMPT, VOCAB, Cases, grpo, twinkle_wrapped
 
+pytestmark = pytest.mark.e2e  # a distributed Megatron matrix (a gloo world): the end-to-end tier
+
 WORLD = 2
 BAD_CHUNK = 16384  # the value: below one row tile (512 rows x 1018 columns x 4 bytes) of this model
 

@@ -37,6 +37,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.e2e  # twinkle-kit's recipes end to end in Ray: the end-to-end tier (pyproject.toml)
+
 HERE = Path(__file__).resolve().parent
 VAR = "TWINKLE_MEM_INSTALL"
 MODES = {"unset": None, "1": "1", "fused": "fused_lm_head"}

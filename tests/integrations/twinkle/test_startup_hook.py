@@ -125,9 +125,11 @@ def test_unset_imports_nothing_at_start_and_leaves_twinkle_as_shipped():
 
 
 @pytest.mark.parametrize("first_import,value", [
-    ("import twinkle", "fused_lm_head"), ("from twinkle.model.megatron import MegatronModel", "fused_lm_head"),
-    ("import twinkle.loss.grpo", "fused_lm_head"), ("import twinkle", "1"),
-    ("import twinkle", "fused_lm_head,mask_skip=always,fused_chunk_bytes=128M"),
+    ("import twinkle", "fused_lm_head"),  # the rest of the matrix (two fresh interpreters each): the end-to-end tier
+    *(pytest.param(*p, marks=pytest.mark.e2e) for p in [
+        ("from twinkle.model.megatron import MegatronModel", "fused_lm_head"),
+        ("import twinkle.loss.grpo", "fused_lm_head"), ("import twinkle", "1"),
+        ("import twinkle", "fused_lm_head,mask_skip=always,fused_chunk_bytes=128M")]),
 ])
 def test_variable_installs_what_install_gives(first_import, value):
     options = startup.parse(value)
@@ -148,6 +150,7 @@ def test_variable_installs_what_install_gives(first_import, value):
     assert startup.install_call(options) in lines[0] and f"{VAR}={value!r}" in lines[0] and "pid " in lines[0]
 
 
+@pytest.mark.e2e  # (a twinkle step in a fresh interpreter: the end-to-end tier)
 def test_megatron_model_imported_after_a_first_step_gets_what_install_gives():
     """Each twinkle module is patched when the process imports it: a process that trains a TransformersModel
     first, with no Megatron anywhere, and imports twinkle's Megatron model only afterwards gets exactly the
@@ -183,6 +186,7 @@ def test_megatron_model_imported_after_a_first_step_gets_what_install_gives():
     assert state_of(later) == state_of(at_start)
 
 
+@pytest.mark.e2e  # (two fresh interpreters: the end-to-end tier)
 def test_install_in_a_script_before_twinkle_wins_over_the_variable():
     """A script whose install() comes before any twinkle import: the variable's install runs inside that
     call (it imports twinkle), and the call's own settings then replace it, nothing patched twice."""
@@ -341,6 +345,7 @@ def _torchrun(out_dir, mode, value):
     return output, [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
+@pytest.mark.e2e  # (a torchrun world: the end-to-end tier)
 def test_torchrun_children_installed_by_the_variable_alone(tmp_path):
     """twinkle's Megatron step at TP = 2 under torch.distributed.run, the script calling no install():
     both ranks install what the variable says, the fused head runs (no tensor with the vocab or its

@@ -20,6 +20,8 @@ from ray_twinkle_step import LENGTHS, PROMPT, VAR
 
 from standins.twinkle_ray import run_driver
 
+pytestmark = pytest.mark.e2e  # a real Ray session: the end-to-end tier (pyproject.toml)
+
 HERE = Path(__file__).resolve().parent
 VALUE = "fused_lm_head"
 
