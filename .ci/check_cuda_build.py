@@ -14,9 +14,9 @@
    work) may keep the small frame of the accurate division / log1p subroutines
    but must not spill. Registers are reported (and written as JSON with --json).
 
-The kernels themselves run on the CPU in the test suite (tests/cuda_emulation.py,
-tests/test_cuda_emulation.py, and the cuda_emulated implementation of
-tests/test_numerics.py).
+The kernels themselves run on the CPU in the test suite (standins/cuda_emulation.py,
+tests/backends/cuda/test_cuda_emulation.py, and the cuda_emulated implementation of
+tests/op/test_numerics.py).
 
 Usage: python .ci/check_cuda_build.py [--ptxas-log FILE] [--json FILE] [--skip-install-check]
 Exit status 0 when all checks pass. Takes a minute or two on two cores.

@@ -9,8 +9,8 @@ as PNG files, and the step table of the device checks (gpu_check.sh, npu_check.s
 ``twinkle_mem.measure``, which the tests use too.
 
 The scripts import it as ``bench_common`` (Python puts a script's own folder on ``sys.path``); it puts
-the repository root there too, so that the twinkle-kit benchmarks import ``cpu_harness`` (the CPU
-harness they share with tests/; bench/ imports nothing from tests/). At import it needs only the
+the repository root there too, so that the twinkle-kit benchmarks import ``standins`` (the CPU stand-ins
+they share with tests/: standins/README.md; bench/ imports nothing from tests/). At import it needs only the
 standard library: the device checks run it before anything is built.
 """
 from __future__ import annotations
@@ -180,7 +180,7 @@ def check_twinkle_mem(allowed: bool, device: str = "cpu", where: str = "this pro
     return record
 
 
-# Appended to the setup of cpu_harness.memory.measure_in_subprocess (whose process has the parent's sys.path and
+# Appended to the setup of standins.memory.measure_in_subprocess (whose process has the parent's sys.path and
 # an EXTRA dict it returns): what twinkle-mem runs in that process, read before anything is measured.
 RAN_SETUP = "\nimport bench_common\nEXTRA['ran'] = bench_common.twinkle_mem_ran(where='measuring process')\n"
 

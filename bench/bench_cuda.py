@@ -232,7 +232,7 @@ def smoke(dtype_names=("bf16", "fp16", "fp32", "fp64")) -> int:
     """Small shapes through every CUDA kernel path against float64, for compute-sanitizer runs:
     aligned and misaligned rows, padded rows, split rows (V > one segment), [B, S, V] views,
     k labels with repeats, ignored rows, in place and out of place, every dtype. (Out-of-range
-    labels are a device-side assert, which ends the context: tests/test_cuda.py checks them in a
+    labels are a device-side assert, which ends the context: tests/backends/cuda/test_cuda.py checks them in a
     child process.)"""
     import twinkle_mem
     from twinkle_mem.op.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref

@@ -5,7 +5,7 @@ before and after twinkle-mem's logits guard, each case in a fresh process.
 
 twinkle-kit 0.5.1's real ``MegatronModel.forward_backward`` / ``forward_only`` on
 megatron-core 0.16.1's real no-pipelining scheduler (gloo, world size 1, CPU),
-around a one-layer bf16 toy LM (``cpu_harness.megatron.ToyLM``), ``return_logits=False``.
+around a one-layer bf16 toy LM (``standins.megatron.ToyLM``), ``return_logits=False``.
 Per case: logits bytes still alive when the scheduler returns (weak references to
 the logits' storages), the most logits bytes alive at once, the rise of the
 resident-set high-water mark over the call, and its time.
@@ -18,7 +18,7 @@ import statistics
 
 from bench_common import (RAN_SETUP, bench_parser, check_twinkle_mem, new_figure, ran_line, run_metadata, save_png,
                           write_json)
-from cpu_harness import memory  # importable once bench_common has put the repository root on sys.path
+from standins import memory  # importable once bench_common has put the repository root on sys.path
 
 VARIANTS = [
     ("twinkle-kit 0.5.1", None),
@@ -28,7 +28,7 @@ VARIANTS = [
 
 SETUP = """
 import torch
-from cpu_harness import megatron as th
+from standins import megatron as th
 from twinkle_mem.integrations import twinkle as integration
 megatron = th.megatron_cpu()  # kept referenced: left when the process ends
 megatron.__enter__()

@@ -16,7 +16,7 @@ import statistics
 
 from bench_common import (RAN_SETUP, bench_parser, check_twinkle_mem, new_figure, ran_line, run_metadata, save_png,
                           write_json)
-from cpu_harness import memory  # importable once bench_common has put the repository root on sys.path
+from standins import memory  # importable once bench_common has put the repository root on sys.path
 
 BUILDER_SETUP = """
 import torch
@@ -28,7 +28,7 @@ lengths = [{seq}] * {batch}
 
 PROCESSOR_SETUP = """
 import torch
-from cpu_harness import megatron as th
+from standins import megatron as th
 from twinkle.processor.base import InputProcessor
 from twinkle_mem.integrations import twinkle as integration
 platform = th.cpu_platform({platform!r})

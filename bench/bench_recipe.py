@@ -10,9 +10,9 @@
 the fused head is measured beside this tree's (LoRA leaves the output layer frozen: this tree's fused head sums its
 gradient vectors in the forward, heads/frozen.py).
 
-The step as the recipes take it (cpu_harness/recipes.py: short_math_grpo.py's Megatron branch, gkd_off_policy.py):
+The step as the recipes take it (standins/recipes.py: short_math_grpo.py's Megatron branch, gkd_off_policy.py):
 twinkle's ``MegatronModel`` with a LoRA adapter (``target_modules='all-linear'``, r = 8) in twinkle's Ray mode, 2 CPU
-workers at TP = 2 (cpu_harness/twinkle_ray.py), its Megatron optimizer and scheduler; ``forward_backward`` of 2
+workers at TP = 2 (standins/twinkle_ray.py), its Megatron optimizer and scheduler; ``forward_backward`` of 2
 micro-batches of one ``--seq``-token sequence (``--prompt`` prompt tokens, label -100) and ``clip_grad_and_step``.
 GRPO: GRPOLoss(epsilon=0.2), packed batches (``padding_free=True``), the sampler's log-probs a uniform sampler's
 (-log V) and advantages +-1; GKD: GKDLoss(beta=0.5) over a teacher's top-k (``--k``, global ids over the whole
@@ -102,8 +102,8 @@ def _gkd_call(args, seed):
 
 def _measure(ckpt, recipe, args):
     """One recipe's model: a warm-up step, then the measured one."""
-    from cpu_harness import recipes
-    from cpu_harness import twinkle_ray as tr
+    from standins import recipes
+    from standins import twinkle_ray as tr
     from peft import LoraConfig
     from twinkle.loss import GKDLoss
     from twinkle.processor import InputProcessor
@@ -142,7 +142,7 @@ def _measure(ckpt, recipe, args):
 
 def child(mode, ckpt, args):
     import ray.cloudpickle
-    from cpu_harness import twinkle_ray as tr
+    from standins import twinkle_ray as tr
     ray.cloudpickle.register_pickle_by_value(bench_common)  # _ran's twinkle_mem_ran, to the workers
     results = {}
     with tr.ray_session():
@@ -174,8 +174,8 @@ def main():
     if args.base_tree:
         refuse_composite(probe_twinkle_mem(_base_env(args.base_tree, dict(os.environ)), where="--base-tree"),
                          args.allow_composite)
-    from cpu_harness import mcore_bridge as mb
-    from cpu_harness.twinkle_ray import run_driver
+    from standins import mcore_bridge as mb
+    from standins.twinkle_ray import run_driver
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench-recipe-qwen3-") as ckpt:  # (removed whatever happens)
         mb.save_tiny_qwen3(ckpt, vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2)

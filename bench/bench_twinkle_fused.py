@@ -6,7 +6,7 @@ case in a fresh process: peak RSS rise and time.
 
 twinkle-kit 0.5.1's real ``MegatronModel.forward_backward`` on megatron-core 0.16.1's real
 no-pipelining scheduler (gloo, world size 1, CPU, 1 thread) around a one-layer megatron-core
-``GPTModel`` (``cpu_harness.megatron.gpt_model``: local spec, learned positions), fp32 (bf16
+``GPTModel`` (``standins.megatron.gpt_model``: local spec, learned positions), fp32 (bf16
 matmuls are ~10x slower than fp32 on this CPU), GRPOLoss with an entropy bonus, 2 micro-batches
 of one ``--seq`` sample each (``--prompt`` tokens of each with label -100), ``return_logits=False``.
 Cases: twinkle-kit as shipped, ``install()`` (logits guard + twinkle-mem's op on the logits) and
@@ -29,7 +29,7 @@ import statistics
 
 from bench_common import (RAN_SETUP, Progress, bench_parser, check_twinkle_mem, local_out, markdown_table,
                           new_figure, ran_line, read_json, run_metadata, save_png, write_json)
-from cpu_harness import memory  # importable once bench_common has put the repository root on sys.path
+from standins import memory  # importable once bench_common has put the repository root on sys.path
 
 CASES = [
     ("twinkle-kit 0.5.1", None),
@@ -53,7 +53,7 @@ LOSSES = {"grpo": "GRPOLoss(entropy_coef=0.01)", "gkd": "GKDLoss(beta=0.5)"}
 
 SETUP = """
 import torch
-from cpu_harness import megatron as th
+from standins import megatron as th
 from twinkle.loss import GKDLoss, GRPOLoss
 from twinkle_mem.integrations import twinkle as integration
 contexts = [th.megatron_cpu(), th.megatron_gpt_cpu(), th.cpu_platform("cpu")]  # kept referenced

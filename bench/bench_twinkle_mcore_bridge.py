@@ -6,7 +6,7 @@ per rank and time, for twinkle-kit as shipped, ``install()`` and ``install(fused
 
 A tiny Qwen3 (``--layers`` layers, hidden ``--hidden``, vocab ``--vocab``, untied, random weights) saved
 locally, built by twinkle's ``MegatronModel(model_id=...)`` through mcore_bridge as a user builds it
-(the CPU stand-ins of cpu_harness/mcore_bridge.py), fp32 (``mixed_precision='no'``; bf16 matmuls are
+(the CPU stand-ins of standins/mcore_bridge.py), fp32 (``mixed_precision='no'``; bf16 matmuls are
 ~10x slower on this CPU), in a gloo world of 4 processes (TP = 2, PP = 2: ranks 0-1 the first stage,
 2-3 the last, each TP rank its vocab shard). One ``forward_backward`` of GRPOLoss without an entropy
 bonus (shipped twinkle-kit refuses entropy under TP > 1), T = 0.7, 2 micro-batches of one ``--seq`` sample each (``--prompt`` tokens with label -100).
@@ -42,8 +42,8 @@ def _worker(rank, init_file, out_dir, ckpt, case, args):
                             timeout=datetime.timedelta(seconds=1800))
     import warnings
     warnings.simplefilter("ignore")
-    from cpu_harness import mcore_bridge as mb
-    from cpu_harness import megatron as th
+    from standins import mcore_bridge as mb
+    from standins import megatron as th
     from twinkle.loss import GRPOLoss
 
     from twinkle_mem.integrations import twinkle as integration
@@ -107,7 +107,7 @@ def main():
         _write(saved["meta"], saved["results"], args.out)
         return
     check_twinkle_mem(args.allow_composite)  # the ranks import the same twinkle_mem
-    from cpu_harness import mcore_bridge as mb
+    from standins import mcore_bridge as mb
     ckpt = tempfile.mkdtemp(prefix="bench-qwen3-")
     mb.save_tiny_qwen3(ckpt, vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2)
     cases = args.cases.split(",")

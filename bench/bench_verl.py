@@ -131,7 +131,7 @@ def megatron_worker(args, case):
     import torch
     from megatron.core import parallel_state as mpu
 
-    from cpu_harness.megatron import gpt_model, megatron_gpt_cpu
+    from standins.megatron import gpt_model, megatron_gpt_cpu
     from standins.verl_cpu import megatron_tp_on_cpu
     mpu.initialize_model_parallel(tensor_model_parallel_size=args.workers)
     g = torch.Generator().manual_seed(0)

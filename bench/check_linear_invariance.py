@@ -10,7 +10,7 @@ with and without a quarter of the other rows dropped as all-ignore_index, at eve
 (default: the smallest accepted, one in between, 1 GiB). Their logp, entropy and grad_hidden rows
 must be bitwise the probes' own. For one batch, grad_weight and grad_bias must be bitwise the same
 at every chunk_bytes. Prints one line per layout and exits with the number of mismatches (0: all
-bitwise). ``check()`` is what tests/test_linear_batch_invariance.py runs on the CPU.
+bitwise). ``check()`` is what tests/heads/test_linear_batch_invariance.py runs on the CPU.
 """
 import argparse
 import sys

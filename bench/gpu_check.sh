@@ -3,8 +3,8 @@
 # 10 minutes including the build:
 #   1. build both native libraries in place (TORCH_CUDA_ARCH_LIST, default 9.0) and record the
 #      ptxas register / stack / spill figures of every kernel (ptxas.json)
-#   2. the test suite on the GPU: tests/test_cuda.py, the numerics classes on the "cuda"
-#      implementation (tests/test_numerics.py) and every device-parametrized test, with
+#   2. the test suite on the GPU: tests/backends/cuda/test_cuda.py, the numerics classes on the "cuda"
+#      implementation (tests/op/test_numerics.py) and every device-parametrized test, with
 #      TWINKLE_MEM_TEST_DEVICES=cpu,cuda (pytest.xml, pytest.log)
 #   2b. the fused LM head's batch invariance: bench/check_linear_invariance.py, five rows alone and
 #      inside batches of N = 1, 7, 333, 4096 at V = 151936, bf16, compared bit for bit (linear_invariance.log)
@@ -121,12 +121,13 @@ banner "2. tests on the GPU (TWINKLE_MEM_TEST_DEVICES=cpu,cuda)"
 if ! missing=$($PY -c 'import importlib.util as u, sys; print(" ".join(m for m in ("pytest", "hypothesis") if u.find_spec(m) is None))') \
     || [ -n "$missing" ]; then
   record "pytest cuda" FAIL 0 "not run: ${missing:-python} not importable (bash bench/carry_wheels.sh, carry .whl)"
-elif [ $DRY_RUN -eq 1 ]; then
+elif [ $DRY_RUN -eq 1 ]; then  # (-m '': both test tiers, pyproject.toml leaving out the marker e2e)
   run_step "pytest (dry run: collection only)" 120 "$RESULTS/pytest.log" \
-    env TWINKLE_MEM_TEST_DEVICES=cpu,cuda "$PY" -m pytest -q -p no:cacheprovider tests --collect-only -k "cuda and not emulat"
+    env TWINKLE_MEM_TEST_DEVICES=cpu,cuda "$PY" -m pytest -q -p no:cacheprovider -m '' tests --collect-only \
+    -k "cuda and not emulat"
 else
   run_step "pytest cuda" 240 "$RESULTS/pytest.log" \
-    env TWINKLE_MEM_TEST_DEVICES=cpu,cuda "$PY" -m pytest -q -p no:cacheprovider tests -k "cuda and not emulat" \
+    env TWINKLE_MEM_TEST_DEVICES=cpu,cuda "$PY" -m pytest -q -p no:cacheprovider -m '' tests -k "cuda and not emulat" \
     --continue-on-collection-errors --junitxml="$RESULTS/pytest.xml"
   grep -E "^(FAILED|ERROR)" "$RESULTS/pytest.log" | head -20
 fi

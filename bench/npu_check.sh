@@ -80,15 +80,16 @@ print(glob.glob("python/twinkle_mem/_C_npu*.so"), twinkle_mem.backends())
 sys.exit(0 if twinkle_mem.backends().get("npu") == "loaded" else 1)
 PYEOF
 
+# (-m '': both test tiers of these files, the CMake build included: pyproject.toml leaves out the marker e2e)
 step "CPU-side NPU tests (plan, stand-in of the kernel, CMake check) and numerics on the CPU" \
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_npu_tiling.py tests/test_npu_emulation.py tests/test_npu_cmake.py \
-  tests/test_numerics.py
+  "$PY" -m pytest -q -p no:cacheprovider -m '' tests/backends/npu/test_npu_tiling.py \
+  tests/backends/npu/test_npu_emulation.py tests/backends/npu/test_npu_cmake.py tests/op/test_numerics.py
 step "numerics suite on the NPU: the AscendC kernels" \
-  "$PY" -m pytest -q -p no:cacheprovider tests/test_npu_device.py
+  "$PY" -m pytest -q -p no:cacheprovider tests/backends/npu/test_npu_device.py
 step "numerics suite on the NPU: the composite (kernel bypassed)" \
-  env TWINKLE_MEM_NPU_COMPOSITE=1 "$PY" -m pytest -q -p no:cacheprovider tests/test_npu_device.py
+  env TWINKLE_MEM_NPU_COMPOSITE=1 "$PY" -m pytest -q -p no:cacheprovider tests/backends/npu/test_npu_device.py
 step "op tests on cpu and npu" \
-  env TWINKLE_MEM_TEST_DEVICES=cpu,npu "$PY" -m pytest -q -p no:cacheprovider tests/test_selective_log_softmax.py
+  env TWINKLE_MEM_TEST_DEVICES=cpu,npu "$PY" -m pytest -q -p no:cacheprovider tests/op/test_selective_log_softmax.py
 step "label check without a host sync: an out-of-range label raises at a later call" "$PY" - <<'PYEOF'
 import torch, torch_npu  # noqa: F401
 import twinkle_mem

@@ -167,7 +167,7 @@ def megatron_tp_on_cpu():
     ``torch.cuda.current_device()``: on the CPU here; undone on exit."""
     from megatron.core.tensor_parallel import layers, mappings
 
-    from cpu_harness.megatron import torch_on_cpu
+    from standins.megatron import torch_on_cpu
     with torch_on_cpu(mappings, layers):
         yield
 

@@ -63,8 +63,8 @@ def uninstalled():
 
 @pytest.fixture(scope="module")
 def gpt_step_cpu():
-    """For a module of twinkle Megatron steps in this process: cpu_harness's gpt_step_on_cpu around it."""
-    from cpu_harness.megatron import gpt_step_on_cpu
+    """For a module of twinkle Megatron steps in this process: standins.megatron's gpt_step_on_cpu around it."""
+    from standins.megatron import gpt_step_on_cpu
     with gpt_step_on_cpu():
         yield
 

@@ -18,7 +18,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # tests/ (impls, numerics) and the root (standins/)
 
 from impls import IMPLS  # noqa: E402
 from numerics import NO_IGNORE, Case, make_cases, upstream  # noqa: E402

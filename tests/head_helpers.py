@@ -1,7 +1,7 @@
-"""What the fused heads' test modules share (tests/test_linear_*.py, test_distill*.py): LM heads with exact
-logits (``make_head``), the op's gradient bound and its carry through the matmuls, and a vocab-parallel head on
-one rank. Their float64 reference is twinkle_mem.heads.reference; the small blocks and tiles (``blocks``) are
-in helpers.py."""
+"""What the fused heads' test modules share (tests/heads/test_linear_*.py, tests/distill/test_distill*.py): LM heads
+with exact logits (``make_head``), the op's gradient bound and its carry through the matmuls, and a vocab-parallel head
+on one rank. Their float64 reference is twinkle_mem.heads.reference; the small blocks and tiles (``blocks``) are in
+helpers.py."""
 from __future__ import annotations
 
 import torch

@@ -1,5 +1,5 @@
-"""What the test modules share (fixtures are in conftest.py); the CPU harness for twinkle-kit,
-megatron-core and mcore_bridge, shared with bench/, is cpu_harness/ at the repository root.
+"""What the test modules share (fixtures are in conftest.py); the CPU stand-ins for twinkle-kit,
+megatron-core and mcore_bridge, shared with bench/, are in standins/ at the repository root.
 
 - The op: saved tensors, float64 comparisons, cases, opcheck of the schemas. The accuracy bound
   lives in tests/numerics.py (check_outputs): logp and entropy within 1e-6 absolute + 1e-6 relative
@@ -34,6 +34,7 @@ import tempfile
 import time
 import traceback
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -158,8 +159,10 @@ def blocks(cols=None, rows=None):
 
 def json_child(script, cfg: dict) -> dict:
     """``python script '<cfg as JSON>'`` in a fresh process whose freed buffers go back to the OS (a fixed
-    glibc mmap threshold, as tests/test_linear_memory.py runs its children); the JSON of its last line."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    glibc mmap threshold, as tests/heads/test_linear_memory.py runs its children); the JSON of its last line.
+    tests/ first on its path: a script in a folder below imports these helpers as pytest's run does."""
+    path = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=path)
     out = subprocess.run([sys.executable, os.path.abspath(script), json.dumps(cfg)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -329,8 +332,10 @@ class Cases:
         return add
 
     def params(self):
-        """(world, name) pairs for pytest.mark.parametrize."""
-        return [(w, n) for n, (_fn, ws) in self.cases.items() for w in ws]
+        """(world, name) pairs for pytest.mark.parametrize; a world of more than 2 processes (more than this 2-core
+        machine's cores) in the end-to-end tier (the marker e2e, pyproject.toml)."""
+        return [pytest.param(w, n, marks=pytest.mark.e2e) if w > 2 else (w, n)
+                for n, (_fn, ws) in self.cases.items() for w in ws]
 
     def failures(self, world: int, name: str) -> list[str]:
         if world not in self._worlds:

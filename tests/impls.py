@@ -5,7 +5,7 @@
   path this CPU can run, forced with TWINKLE_MEM_CPU_ISA (every path's suite runs on one machine);
 - composite: python/twinkle_mem/op/composite.py called directly;
 - each CPU emulation of a device kernel adds itself below (npu_emulated: the
-  AscendC kernels compiled against the stand-in of the AscendC API, tests/npu_emulation.py).
+  AscendC kernels compiled against the stand-in of the AscendC API, standins/npu_emulation.py).
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import os
 
 import torch
 
-import npu_emulation
 from numerics import Impl
+from standins import npu_emulation
 from twinkle_mem.op import composite, native
 
 ops = torch.ops.twinkle_mem
@@ -77,9 +77,9 @@ IMPLS = [
 ]
 
 
-# The CUDA kernels run on the CPU (tests/cuda_emulation.py): the kernel source and
+# The CUDA kernels run on the CPU (standins/cuda_emulation.py): the kernel source and
 # its host plan, fibers for CUDA threads. Sized for the numerics suite's shapes.
-import cuda_emulation  # noqa: E402
+from standins import cuda_emulation  # noqa: E402
 
 if cuda_emulation.compiler() is not None:
     IMPLS.append(Impl("cuda_emulated", cuda_emulation.forward, cuda_emulation.backward, max_elements=1 << 20,

@@ -53,7 +53,7 @@ class Impl:
     backward: Callable
     max_elements: int = 1 << 62  # emulations are slow: cases above this size are skipped for them
     strided: bool = True  # accepts [B, S, V] logits and strided rows
-    # Runs the op's argument checks (tests/test_bad_input.py). The device kernels' emulations enter below
+    # Runs the op's argument checks (tests/op/test_bad_input.py). The device kernels' emulations enter below
     # csrc/common/op_entry.h, whose checks every native backend shares and the "cpu" implementation runs.
     checks_arguments: bool = True
 

@@ -8,14 +8,18 @@ draws whose worst row comes closest to (or past) what check_outputs allows. Not 
 """
 import argparse
 import json
+import os
 import random
+import sys
 import time
 
 import torch
 
-from impls import IMPLS
-from numerics import NO_IGNORE, SUBNORMAL_STEP, grad_conditioning, torch_fp32, ulp
-from twinkle_mem.op.reference import selective_log_softmax_grad_ref
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root: impls needs standins/
+
+from impls import IMPLS  # noqa: E402
+from numerics import NO_IGNORE, SUBNORMAL_STEP, grad_conditioning, torch_fp32, ulp  # noqa: E402
+from twinkle_mem.op.reference import selective_log_softmax_grad_ref  # noqa: E402
 
 
 def excess(grad, ref, t_grad, dtype, cond):

@@ -61,6 +61,7 @@ def test_pack_results_many_logs_and_a_huge_one(tmp_path):
     assert any("files (at most 8" in p for p in pack_results.problems(str(flat)))
 
 
+@pytest.mark.e2e  # (the whole script, its benchmarks and a collection of the suite: the end-to-end tier)
 def test_gpu_check_dry_run_returns_every_log_within_the_limits(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -194,14 +194,11 @@ def test_readme_lists_every_doc_in_one_line():
 
 
 # ------------------------------------------------------------------ paths the docs quote (issue 42)
-TOP = ("csrc/", "python/", "tests/", "bench/", "docs/", "standins/", "cpu_harness/", "cmake/", ".ci/")
+TOP = ("csrc/", "python/", "tests/", "bench/", "docs/", "standins/", "cmake/", ".ci/")
 TOP_FILES = ("README.md", "CHANGELOG.md", "LICENSE", "setup.py", "pyproject.toml", "CMakeLists.txt", "MANIFEST.in")
 # Folders a run writes (never committed), and the file that says so.
 WRITTEN_BY_A_RUN = {"bench/results/local/": ".gitignore", "bench/results/gpu_check/": "bench/gpu_check.sh",
                     "bench/results/npu_check/": "bench/npu_check.sh"}
-# Issue 42's target layout, made on other branches (tests in folders mirroring the package, every stand-in in
-# standins/): quoted already, not yet here. test_pending_paths_are_still_pending fails once they exist.
-PENDING = {"standins/cuda/", "standins/ascendc/", "tests/op/", "tests/heads/", "tests/distill/", "tests/backends/"}
 
 
 def _expand(pattern):
@@ -229,7 +226,7 @@ def _quoted_paths(path):
 
 def _missing(rel):
     file, _, name = rel.partition("::")
-    if any(file.startswith(folder) for folder in WRITTEN_BY_A_RUN) or file in PENDING:
+    if any(file.startswith(folder) for folder in WRITTEN_BY_A_RUN):
         return False
     patterns = _expand(file)
     found = [match for pattern in patterns for match in ROOT.glob(pattern)]
@@ -269,8 +266,3 @@ def test_links_to_headings_exist(path):
 def test_folders_a_run_writes_are_named_there():
     for folder, named_in in WRITTEN_BY_A_RUN.items():
         assert folder in (ROOT / named_in).read_text(), f"{named_in} no longer writes {folder}"
-
-
-def test_pending_paths_are_still_pending():
-    made = sorted(p for p in PENDING if (ROOT / p).exists())
-    assert made == [], f"issue 42's layout made {made}: drop them from PENDING, the docs' quotes are now checked"

@@ -1,8 +1,9 @@
 """Where code lives (issues 18, 33, 42): the package's folders and modules are the ones docs/architecture.md draws,
 package modules stay small, the package's folders are layers that import only the layers below them, no module
-imports another's private name, bench/ imports nothing from tests/, no test module imports another (what they
-share is in tests/helpers.py, head_helpers.py, distill_helpers.py and conftest.py). That the wheel holds only the
-package (no stand-in, no cpu_harness/): tests/test_packaging.py."""
+imports another's private name, bench/ and standins/ import nothing from tests/, no test module imports another
+(what they share is in tests/helpers.py, head_helpers.py, distill/distill_helpers.py and conftest.py), and tests/
+mirrors the package. That the wheel holds only the package (nothing of standins/ or tests/):
+tests/test_packaging.py."""
 import ast
 import pathlib
 import re
@@ -55,7 +56,7 @@ def _imported_modules(path):
 
 
 def _test_modules():
-    return {p.stem for p in (ROOT / "tests").glob("*.py")}
+    return {p.stem for p in (ROOT / "tests").rglob("*.py")}
 
 
 def _drawn_layout():
@@ -180,8 +181,9 @@ def test_no_module_imports_a_private_name_of_another():
 
 
 def test_bench_imports_nothing_from_tests():
+    """Nor does standins/: the benchmarks use it too."""
     tests = _test_modules()
-    for script in sorted((ROOT / "bench").glob("*.py")):
+    for script in sorted([*(ROOT / "bench").glob("*.py"), *(ROOT / "standins").glob("*.py")]):
         names, paths = _imported_modules(script)
         assert not names & tests, f"{script.name} imports {sorted(names & tests)} from tests/"
         assert not paths, f"{script.name} puts tests/ on sys.path"
@@ -189,6 +191,25 @@ def test_bench_imports_nothing_from_tests():
 
 def test_no_test_module_imports_another():
     tests = {name for name in _test_modules() if name.startswith("test_")}
-    for module in sorted((ROOT / "tests").glob("*.py")):
+    for module in sorted((ROOT / "tests").rglob("*.py")):
         names, _ = _imported_modules(module)
         assert not names & tests, f"{module.name} imports {sorted(names & tests)}: shared code goes to a *helpers.py"
+
+
+# The checks of the whole project, at the top of tests/; every other test module in the folder of what it tests.
+TOP_LEVEL_TESTS = {"test_docs.py", "test_layout.py", "test_packaging.py", "test_measure.py", "test_bench_common.py",
+                   "test_bench_selective_log_softmax.py", "test_device_checks.py"}
+
+
+def test_tests_mirror_the_package():
+    """Issue 42: tests/op, tests/distill, tests/heads for the package's layers, tests/integrations/<framework> for
+    each integration, tests/backends/<device> for each backend's kernels and their emulation."""
+    tests = ROOT / "tests"
+    loose = {p.name for p in tests.glob("test_*.py")} - TOP_LEVEL_TESTS
+    assert not loose, f"{sorted(loose)}: into the folder of what they test"
+    for layer in ("op", "distill", "heads"):
+        assert (PACKAGE / layer).is_dir() and any((tests / layer).glob("test_*.py")), layer
+    frameworks = {p.parent.name for p in (PACKAGE / "integrations").glob("*/__init__.py")} - {"core"}
+    assert frameworks and all(any((tests / "integrations" / f).glob("test_*.py")) for f in frameworks), frameworks
+    for device in ("cpu", "cuda", "npu"):
+        assert (ROOT / "csrc" / device).is_dir() and any((tests / "backends" / device).glob("test_*.py")), device

@@ -60,6 +60,7 @@ def built(tmp_path_factory):
     return sdist, wheel
 
 
+@pytest.mark.e2e  # (every test of the built sdist and wheels: the end-to-end tier)
 def test_sdist_and_wheel_hold_the_license(built):
     sdist, wheel = built
     with tarfile.open(sdist) as tar:
@@ -68,7 +69,7 @@ def test_sdist_and_wheel_hold_the_license(built):
         assert b"License-File: LICENSE" in tar.extractfile(f"{top}/PKG-INFO").read()
     with zipfile.ZipFile(wheel) as whl:
         (dist_info,) = {n.split("/")[0] for n in whl.namelist() if n.split("/")[0].endswith(".dist-info")}
-        # the package and its start-up hook alone: no device stand-in (tests/standins/), no CPU harness (cpu_harness/)
+        # the package and its start-up hook alone: no stand-in (standins/), no test
         assert {n.split("/")[0] for n in whl.namelist()} == {"twinkle_mem", dist_info, *HOOK_FILES}, whl.namelist()
         assert whl.read(f"{dist_info}/licenses/LICENSE") == LICENSE
         metadata = whl.read(f"{dist_info}/METADATA").decode()
@@ -76,6 +77,7 @@ def test_sdist_and_wheel_hold_the_license(built):
     assert wheel.name.endswith("-cp310-abi3-linux_x86_64.whl"), wheel.name  # still one abi3 wheel
 
 
+@pytest.mark.e2e
 def test_a_wheel_built_from_the_sdist_holds_the_package_and_the_hook(built, tmp_path):
     # what pip does where no wheel fits the machine (another CPU, an NPU host): build from the sdist
     with tarfile.open(built[0]) as tar:
@@ -114,6 +116,7 @@ def _ours(site):
 HOOK_ACTIVE = "import sys, twinkle_mem_startup as m; print(m.__file__, any(type(f).__name__ == 'TwinkleImportHook' for f in sys.meta_path))"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["wheel", "editable"])
 def test_install_puts_the_start_up_hook_in_site_packages_and_uninstall_removes_it(built, tmp_path, kind):
     """pip install (of the wheel, or editable) puts the .pth and its module where every interpreter start of

@@ -4,7 +4,7 @@
 // Everything in this file is compiled for AVX-512 + BF16, so the host code calls
 // a path only after the CPU reports its instruction sets: no BF16 instruction is
 // written outside the avx512_bf16 path's store (the compiler emits none of its
-// own: it has no __bf16 arithmetic here; tests/test_cpu_paths.py checks the
+// own: it has no __bf16 arithmetic here; tests/backends/cpu/test_cpu_paths.py checks the
 // library's code). The shared math is instantiated in its own inline namespace
 // (TWINKLE_MEM_ISA).
 //

@@ -35,7 +35,7 @@
 #include "../common/layout.h"
 #include "../common/online_softmax.h"
 
-// The one hook for the CPU emulation of these kernels (tests/standins/cuda/):
+// The one hook for the CPU emulation of these kernels (standins/cuda/):
 // it defines TWINKLE_MEM_CUDA_EMULATION and includes its stand-in of the CUDA
 // device API (fake_cuda.h) before this file, in place of these headers.
 #ifndef TWINKLE_MEM_CUDA_EMULATION

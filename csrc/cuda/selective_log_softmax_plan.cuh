@@ -3,7 +3,7 @@
 // to the launches: how rows are cut into segments, the block size, the
 // workspaces, the kernels' arguments. Shared by the stable-ABI glue
 // (selective_log_softmax.cu), which launches on the current stream, and the
-// CPU emulation of the kernels (tests/standins/cuda/), which runs them on fibers:
+// CPU emulation of the kernels (standins/cuda/), which runs them on fibers:
 // each passes its launcher, launch(kernel, grid, threads, args).
 #pragma once
 

@@ -1,7 +1,7 @@
 // Scalar helpers of the AscendC kernel that the AI core's scalar unit has no
 // instruction for: bit casts, 16-bit floats from their bits, expm1 near 0 and
 // log1p from ln. Header-only and free of any include, so that the kernel, the
-// stand-in and tests/npu_tiling_test.cpp (which measures their accuracy
+// stand-in and tests/backends/npu/npu_tiling_test.cpp (which measures their accuracy
 // against the C library) compile the same lines.
 #pragma once
 
@@ -47,7 +47,7 @@ TM_NPU_INLINE float fp16_bits_to_float(u16 h) {
 
 // expm1(u) for |u| < 0.5: the Taylor series to u^8 / 8! in Horner form. Its
 // truncation is below 1.1e-8 relative (0.5^8 / 9!) and its rounding a few
-// ulp (tests/npu_tiling_test.cpp measures <= 2 ulp against expm1). The kernel
+// ulp (tests/backends/npu/npu_tiling_test.cpp measures <= 2 ulp against expm1). The kernel
 // uses p - 1 with p = exp(u) from the vector unit for |u| >= 0.5, where the
 // subtraction loses at most 1.5 ulp (p <= 0.61).
 constexpr float kExpm1SeriesBound = 0.5f;

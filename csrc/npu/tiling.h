@@ -1,8 +1,8 @@
 // Tiling of the selective log-softmax op for the Ascend NPU, shared by the
 // host glue (selective_log_softmax_npu.cpp), the AscendC kernel
 // (selective_log_softmax_kernel.cpp), its CPU emulation against the stand-in of
-// the AscendC API (tests/standins/ascendc/) and the CPU unit test
-// (tests/npu_tiling_test.cpp).
+// the AscendC API (standins/ascendc/) and the CPU unit test
+// (tests/backends/npu/npu_tiling_test.cpp).
 //
 // Plain C++ without any standard header: the struct and the index helpers
 // compile for the AI core (where <cstdint>, <cmath> and most of csrc/common/

@@ -201,7 +201,7 @@ def check_op_backward(grad_logp, grad_entropy, logits, labels, shift, log_sum, e
 
 # ------------------------------------------------------------ the out-of-place gradient's layout
 # The rule of csrc/common/layout.h (strided_grad_alloc), restated for the fake kernels and the
-# composite, which must give the native layout without running native code; tests/test_contract.py
+# composite, which must give the native layout without running native code; tests/op/test_contract.py
 # holds the two to the same strides.
 def strided_grad_alloc(sizes, strides):
     """csrc/common/layout.h strided_grad_alloc(): sizes to allocate for a gradient

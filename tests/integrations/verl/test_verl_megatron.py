@@ -1,8 +1,8 @@
 """impl_backend=twinkle on verl's Megatron fused path, and the logits path's vocab-parallel functions on the op: a
 gloo world of 2 CPU processes, Megatron TP = 2 (issue 40).
 
-verl's Megatron engine needs mbridge to build its model; here a megatron-core GPTModel (cpu_harness) is given to
-the engine's own ``_maybe_enable_fused_kernels`` (called on a stand-in engine holding that model, its config saying
+verl's Megatron engine needs mbridge to build its model; here a megatron-core GPTModel (standins/megatron.py) is given
+to the engine's own ``_maybe_enable_fused_kernels`` (called on a stand-in engine holding that model, its config saying
 impl_backend=twinkle), which marks the output weights and lets verl patch the model's fused forward. Against verl's
 logits path on the same weights (the output layer's logits shard, divided by T, then verl's own
 vocab_parallel_entropy and vocab_parallel_log_probs_from_logits, as its engine runs them), fp32, T = 0.7:
@@ -34,7 +34,7 @@ def _megatron_on_cpu():
     import verl  # noqa: F401  (the entry point: twinkle-mem installed)
     from megatron.core import parallel_state as mpu
 
-    from cpu_harness.megatron import megatron_gpt_cpu
+    from standins.megatron import megatron_gpt_cpu
     from standins.verl_cpu import megatron_tp_on_cpu
     mpu.initialize_model_parallel(tensor_model_parallel_size=WORLD)
     try:
@@ -87,7 +87,7 @@ def _grads(model):
 def _gpt_fused_equals_logits_path(tied):
     from verl.workers.engine.megatron.transformer_impl import MegatronEngine
 
-    from cpu_harness.megatron import gpt_model
+    from standins.megatron import gpt_model
     ids, positions, mask, labels, weights = _inputs()
     reference = gpt_model(VOCAB, hidden=HIDDEN, tied=tied)
     logits = reference(ids, positions, mask)  # [b, s, V/tp]

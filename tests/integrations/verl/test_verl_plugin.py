@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import verl  # noqa: F401
-from cpu_harness.twinkle_ray import run_driver
+from standins.twinkle_ray import run_driver
 from twinkle_mem.integrations import verl as integration
 from twinkle_mem.integrations.verl import patches, startup, verl_names
 

@@ -1,0 +1,569 @@
+"""twinkle_mem.linear_selective_log_softmax: the fused LM-head path (python/twinkle_mem/heads/logprobs.py).
+
+- The op's own accuracy suite (tests/numerics.py) run through the fused path:
+  with hidden = I and weight = X.T the logits hidden @ weight.T are X exactly,
+  and grad_weight is the logits' gradient transposed (one nonzero term per dot
+  product), so every case the op is held to holds the fused path to the same
+  bound, across several vocab blocks.
+- Random LM heads with inputs whose logits are exact in fp32 (dyadic values):
+  values and the gradients of hidden, weight and bias against float64, with a
+  bound derived from the op's per-element gradient bound through the matmuls;
+  for bf16, in addition, no larger error than the unfused path (matmul, then
+  the op).
+- gradcheck in float64; ignored rows (no matmul rows, zero outputs and
+  gradients, seen by the profiler); what autograd saves; argument errors;
+  torch.compile(fullgraph=True); opcheck; the composite backend.
+Memory (peak RSS): tests/heads/test_linear_memory.py. Tensor parallel: tests/heads/test_linear_vocab_parallel.py.
+"""
+import math
+
+import pytest
+import torch
+
+import twinkle_mem
+from head_helpers import make_head, op_bound, through_matmul
+from helpers import assert_stats_close, blocks
+from numerics import Impl, check_case, make_cases, ulp
+from twinkle_mem.heads import engine, logprobs
+from twinkle_mem.heads.engine import block_width, fit_width, tile_budget, tile_bytes, tiles_in_flight
+from twinkle_mem.heads.frozen import frozen_grad
+from twinkle_mem.heads.logprobs import linear_bwd, linear_fwd
+from twinkle_mem.heads.reference import linear_selective_log_softmax_ref
+from twinkle_mem.op import composite
+
+lsls = twinkle_mem.linear_selective_log_softmax
+NO_IGNORE = -(2**63)
+
+
+# ------------------------------------------------------------------ the op's numerics, through the fused path
+def _as_linear(x):
+    """hidden, weight, bias with hidden @ weight.T + bias == x exactly (x [N, V]).
+
+    Columns that are -inf on every row go to the bias (0 * -inf would be NaN in the matmul)."""
+    n, v = x.shape
+    hidden = torch.eye(n, dtype=x.dtype)
+    dead = torch.isneginf(x).all(dim=0)
+    assert not (torch.isinf(x) & ~dead).any(), "only whole -inf columns can be expressed"
+    weight = torch.where(dead.unsqueeze(0), torch.zeros((), dtype=x.dtype), x).t().contiguous()
+    bias = torch.where(dead, torch.full((), float("-inf"), dtype=x.dtype), torch.zeros((), dtype=x.dtype))
+    return hidden, weight, (bias if dead.any() else None)
+
+
+def _as_frozen_linear(x):
+    """hidden, weight, bias with hidden @ weight.T + bias == x exactly and weight = I (a frozen head: grad_hidden is
+    the logits' gradient); whole -inf columns go to the bias, as in _as_linear."""
+    dead = torch.isneginf(x).all(dim=0)
+    assert not (torch.isinf(x) & ~dead).any(), "only whole -inf columns can be expressed"
+    hidden = torch.where(dead.unsqueeze(0), torch.zeros((), dtype=x.dtype), x)
+    bias = torch.where(dead, torch.full((), float("-inf"), dtype=x.dtype), torch.zeros((), dtype=x.dtype))
+    return hidden, torch.eye(x.shape[1], dtype=x.dtype), (bias if dead.any() else None)
+
+
+class _Fused:
+    """The op contract's forward/backward (tests/numerics.Impl) computed by the fused path: a trainable head
+    (the logits' gradient is grad_weight.T) or a frozen one (differentiated in its forward: grad_hidden)."""
+
+    def __init__(self, cols, rows=None, frozen=False):
+        self.cols, self.rows = cols, rows  # vocab blocks of `cols` (the last one ragged), row tiles of `rows`
+        self.frozen = frozen
+
+    def forward(self, x, labels, inv_t, ignore, vocab_start, vocab_size, with_entropy):
+        assert vocab_start == 0 and vocab_size == x.shape[-1]
+        hidden, weight, bias = (_as_frozen_linear if self.frozen else _as_linear)(x)
+        self.leaf = (hidden if self.frozen else weight).requires_grad_()
+        with blocks(self.cols, self.rows):
+            out = lsls(hidden, weight, labels, True, bias=bias, temperature=1.0 / inv_t,
+                       ignore_index=None if ignore == NO_IGNORE else ignore)
+        self.out = out
+        logp, entropy = out
+        return logp.detach(), entropy.detach(), None, None
+
+    def backward(self, g_logp, g_entropy, x, labels, shift, log_sum, entropy, inv_t, ignore, vocab_start, inplace):
+        logp, ent = self.out
+        total = (logp * g_logp).sum() + ((ent * g_entropy).sum() if g_entropy is not None else 0)
+        with blocks(self.cols, self.rows):
+            (grad,) = torch.autograd.grad(total, self.leaf)
+        return grad if self.frozen else grad.t()
+
+
+def smallest_chunk(vocab, hidden_size, dtype):
+    """The smallest chunk_bytes accepted: one row tile of a vocab block, as the backward needs it."""
+    return sum(tile_bytes(block_width(vocab, hidden_size), hidden_size, dtype, True))
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_op_numerics_through_the_fused_path(dtype, frozen):
+    fused = _Fused(cols=64, rows=16, frozen=frozen)  # V = 257: blocks 64, 64, 64, 64, 1
+    for case in make_cases(6, 257, dtype, seed=21):
+        check_case(Impl("fused", fused.forward, fused.backward), case)
+
+
+@pytest.mark.e2e  # (rows of the real vocab through the fused path: the end-to-end tier)
+def test_op_numerics_long_rows():
+    fused = _Fused(cols=20000)  # a Qwen-sized vocab in 8 blocks
+    for case in make_cases(2, 151936, torch.bfloat16, seed=7):
+        if case.name.startswith(("randn", "finfo.min first half", "peaked 60", "offset 1e4", "T=0.05", "k=4")):
+            check_case(Impl("fused", fused.forward, fused.backward), case)
+
+
+# ------------------------------------------------------------------ random LM heads against float64
+def check_against_float64(hidden, weight, bias, labels, *, temperature=1.0, ignore_index=None, entropy=True,
+                          chunk_bytes=None, seed=0, cols=None, rows=None, frozen=False):
+    """cols, rows: vocab blocks and row tiles of that size (blocks()); chunk_bytes as given. frozen: weight and
+    bias need no gradient (the head differentiated in its forward), grad_hidden checked alone."""
+    with blocks(cols, rows):
+        return _check_against_float64(hidden, weight, bias, labels, temperature=temperature,
+                                      ignore_index=ignore_index, entropy=entropy, chunk_bytes=chunk_bytes, seed=seed,
+                                      frozen=frozen)
+
+
+def _check_against_float64(hidden, weight, bias, labels, *, temperature, ignore_index, entropy, chunk_bytes, seed,
+                           frozen):
+    dtype = hidden.dtype
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_(not frozen)
+    b = None if bias is None else bias.detach().clone().requires_grad_(not frozen)
+    out = lsls(h, w, labels, entropy, bias=b, temperature=temperature, ignore_index=ignore_index,
+               chunk_bytes=chunk_bytes)
+    logp, ent = out if entropy else (out, None)
+    want = torch.float64 if dtype == torch.float64 else torch.float32
+    assert logp.dtype == want and logp.shape == labels.shape
+    gen = torch.Generator().manual_seed(seed + 1)
+    g_logp = torch.randn(labels.shape, generator=gen, dtype=torch.float64).to(want)
+    g_ent = torch.randn(hidden.shape[:-1], generator=gen, dtype=torch.float64).to(want) if entropy else None
+    total = (logp * g_logp).sum() + ((ent * g_ent).sum() if entropy else 0)
+    grads = torch.autograd.grad(total, [t for t in (h, w, b) if t is not None and t.requires_grad])
+    ref = linear_selective_log_softmax_ref(hidden, weight, bias, labels, g_logp, g_ent, temperature, ignore_index)
+
+    assert_stats_close(logp, ref["logp"].view(logp.shape), "logp")
+    if entropy:
+        assert_stats_close(ent, ref["entropy"].view(ent.shape), "entropy")
+
+    d = ref["d"]
+    e = op_bound(d, dtype)
+    h2 = hidden.reshape(-1, hidden.shape[-1]).double()
+    got = dict(zip(("hidden", "weight", "bias"), grads))
+    want_grads = {"hidden": (d @ weight.double(), through_matmul(e, d, weight.double().abs())),
+                  "weight": (d.t() @ h2, through_matmul(e.t(), d.t(), h2.abs()))}
+    if bias is not None:
+        ones = torch.ones(d.shape[0], 1, dtype=torch.float64)
+        want_grads["bias"] = (d.sum(0), through_matmul(e.t(), d.t(), ones)[:, 0])
+    if frozen:
+        want_grads = {"hidden": want_grads["hidden"]}
+    for name, (ref_g, bound) in want_grads.items():
+        g = got[name].reshape(ref_g.shape)
+        assert g.dtype == dtype
+        tol = ulp(ref_g, dtype) + bound  # rounded once to the dtype, plus what the op's gradient carries
+        e = (g.double() - ref_g).abs()
+        bad = e > tol
+        assert not bad.any(), (f"grad_{name} ({dtype}): {int(bad.sum())} of {e.numel()} off; worst err "
+                               f"{e.max().item():.3g} at ref {ref_g.flatten()[e.argmax()].item():.3g}, "
+                               f"tol there {tol.flatten()[e.argmax()].item():.3g}")
+    return logp, ent, got, ref
+
+
+CONFIGS = {
+    "one block": dict(),
+    "ragged blocks": dict(chunk_cols=96),
+    "blocks, T=0.7, ignored rows": dict(chunk_cols=128, temperature=0.7, ignore_frac=0.4),
+    "no bias, no entropy": dict(chunk_cols=200, bias=False, entropy=False),
+    "k=3 labels, some ignored": dict(chunk_cols=77, k=3, ignore_frac=0.3),
+    "[B, S, H], int32 labels": dict(chunk_cols=300, lead=(3, 8), int32=True),
+    "temperature 3, one column per block": dict(chunk_cols=1, v=40, temperature=3.0),
+}
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_against_float64(dtype, name, frozen):
+    cfg = dict(CONFIGS[name])
+    n, h, v = 24, 32, cfg.pop("v", 1000)
+    cols = cfg.pop("chunk_cols", None)
+    temperature = cfg.pop("temperature", 1.0)
+    entropy = cfg.pop("entropy", True)
+    int32 = cfg.pop("int32", False)
+    hidden, weight, bias, labels = make_head(n, h, v, dtype, seed=list(CONFIGS).index(name), **cfg)
+    if int32:
+        labels = labels.int()
+    ignore = -100 if cfg.get("ignore_frac") else None
+    # row tiles of 16: the 24 rows (fewer when ignored) in a full and a zero-padded tile
+    check_against_float64(hidden, weight, bias, labels, temperature=temperature, ignore_index=ignore,
+                          entropy=entropy, cols=cols, rows=16, frozen=frozen)
+
+
+def _unfused(hidden, weight, bias, labels, g_logp, g_ent, temperature):
+    h = hidden.detach().clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    logits = h @ w.t() + (0 if bias is None else bias)
+    logp, ent = twinkle_mem.selective_log_softmax(logits, labels, True, temperature=temperature)
+    return torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (h, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_reduced_precision_gradients_no_worse_than_unfused(dtype):
+    # grad_hidden is summed over vocab blocks: in fp32, then rounded once. Rounding each block's term
+    # to the dtype instead would give an error that grows with the number of blocks; this compares the
+    # RMS error against float64 with the unfused path's (one matmul over the whole vocab).
+    n, h, v = 64, 64, 8192
+    hidden, weight, bias, labels = make_head(n, h, v, dtype, bias=False, seed=5)
+    gen = torch.Generator().manual_seed(9)
+    g_logp, g_ent = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    ref = linear_selective_log_softmax_ref(hidden, weight, None, labels, g_logp, g_ent, 1.0, None)
+    ref_h, ref_w = ref["d"] @ weight.double(), ref["d"].t() @ hidden.double()
+    hf, wf = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with blocks(256, 16):  # 32 vocab blocks, 4 row tiles: grad_hidden and grad_weight summed in fp32
+        logp, ent = lsls(hf, wf, labels, True)
+        fused = torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), (hf, wf))
+    unfused = _unfused(hidden, weight, None, labels, g_logp, g_ent, 1.0)
+    rms = lambda g, r: ((g.double() - r) ** 2).mean().sqrt().item()  # noqa: E731
+    for name, f, u, r in (("hidden", fused[0], unfused[0], ref_h), ("weight", fused[1], unfused[1], ref_w)):
+        assert rms(f, r) <= 1.1 * rms(u, r), f"grad_{name}: RMS error {rms(f, r):.3g} vs unfused {rms(u, r):.3g}"
+
+
+def test_float64_tight_and_gradcheck():
+    hidden, weight, bias, labels = make_head(7, 5, 50, torch.float64, k=2, ignore_frac=0.3, seed=3)
+    hidden = hidden + torch.randn_like(hidden) * 0.1  # not dyadic: float64 is exact enough
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+
+    def f(h, w, b):
+        return lsls(h, w, labels, True, bias=b, temperature=0.8, ignore_index=-100)
+    with blocks(13, 16):
+        assert torch.autograd.gradcheck(f, (h, w, b))
+        logp, ent = f(h, w, b)
+    ref = linear_selective_log_softmax_ref(hidden, weight, bias, labels, torch.zeros(7, 2), None, 0.8, -100)
+    torch.testing.assert_close(logp, ref["logp"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ent, ref["entropy"], rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------ ignored rows
+def _mm_shapes(fn):
+    """Input shapes of every aten matmul run inside fn (the profiler sees inside the custom ops)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [(e.name, e.input_shapes) for e in prof.events() if e.name in ("aten::mm", "aten::addmm")]
+
+
+def test_ignored_rows_cost_no_matmul_and_give_zeros():
+    n, h, v = 40, 16, 900
+    hidden, weight, bias, labels = make_head(n, h, v, torch.float32, seed=4)
+    labels[::4] = -100
+    labels[1::4] = -100
+    labels[2::4] = -100  # 3/4 of the rows ignored
+    kept = int((labels != -100).sum())
+    hf, wf, bf = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    out = {}
+    tile, cols = 32, 256  # 10 kept rows: one row tile of 32; all 40 rows would take two
+
+    def run():
+        logp, ent = lsls(hf, wf, labels, True, bias=bf, ignore_index=-100)
+        out["logp"], out["ent"] = logp, ent
+        out["grads"] = torch.autograd.grad(logp.sum() + ent.sum(), (hf, wf, bf))
+    with blocks(cols, tile):
+        shapes = _mm_shapes(run)
+    assert shapes, "no matmul seen by the profiler"
+    for name, inputs in shapes:
+        assert any(len(s) == 2 and tile in s for s in inputs), f"{name} not on a row tile: {inputs}"
+        assert not any(len(s) == 2 and n in s for s in inputs), f"{name} saw all {n} rows: {inputs}"
+    n_blocks = -(-v // cols)
+    logits_tiles = [i for name, i in shapes if name in ("aten::mm", "aten::addmm") and [tile, h] in i]
+    # the forward's logits and the backward's recomputed ones: one tile per block each (the kept rows' only one)
+    assert len(logits_tiles) == 2 * n_blocks * -(-kept // tile), (len(logits_tiles), n_blocks)
+    dropped = labels == -100
+    assert (out["logp"][dropped] == 0).all() and (out["ent"][dropped] == 0).all()
+    assert (out["grads"][0][dropped] == 0).all()
+    check_against_float64(hidden, weight, bias, labels, ignore_index=-100, cols=cols, rows=tile)
+
+
+def test_all_rows_ignored_and_empty():
+    hidden, weight, bias, labels = make_head(6, 8, 50, torch.float32, seed=6)
+    labels[:] = -100
+    hf, wf, bf = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    logp, ent = lsls(hf, wf, labels, True, bias=bf, ignore_index=-100)
+    assert (logp == 0).all() and (ent == 0).all()
+    grads = torch.autograd.grad(logp.sum() + ent.sum(), (hf, wf, bf))
+    assert all((g == 0).all() for g in grads)
+    logp, ent = lsls(hf[:0], wf, labels[:0], True)
+    assert logp.shape == (0,) and ent.shape == (0,)
+
+
+def test_entropy_only_k0_labels():
+    hidden, weight, bias, _ = make_head(5, 8, 70, torch.float32, seed=8)
+    no_labels = torch.zeros(5, 0, dtype=torch.long)
+    with blocks(16, 16):
+        logp, ent = lsls(hidden, weight, no_labels, True, bias=bias)
+    ref = linear_selective_log_softmax_ref(hidden, weight, bias, no_labels, torch.zeros(5, 0), None, 1.0, None)
+    assert logp.shape == (5, 0)
+    torch.testing.assert_close(ent.double(), ref["entropy"], rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------ what is saved, what is allocated
+def test_saves_only_the_inputs_and_row_statistics():
+    n, h, v = 30, 16, 2000
+    hidden, weight, bias, labels = make_head(n, h, v, torch.float32, ignore_frac=0.3, seed=10)
+    hf, wf, bf = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    with blocks(300, 16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, ent = lsls(hf, wf, labels, True, bias=bf, ignore_index=-100)
+        (logp.sum() + ent.sum()).backward()
+    inputs = {t.untyped_storage().data_ptr() for t in (hf, wf, bf, labels)}
+    assert saved
+    for t in saved:
+        if t.untyped_storage().data_ptr() in inputs:
+            continue  # a reference to an input (a view of it, not a copy)
+        assert t.numel() <= n, f"saved {tuple(t.shape)} {t.dtype}: neither an input nor O(N)"
+
+
+def test_no_tensor_of_the_logits_size_goes_through_any_op():
+    # Every aten op run inside the fused path (the profiler sees inside the custom ops), with the shapes of
+    # its inputs: none is [N, V]-sized, and the logits blocks [rows, c] fit in chunk_bytes.
+    n, h, v = 32, 8, 4096
+    hidden, weight, bias, labels = make_head(n, h, v, torch.bfloat16, seed=11)
+    hf, wf, bf = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    cols, tile = 512, 16
+    with blocks(cols, tile):
+        per_tile, fixed = tile_bytes(cols, h, torch.bfloat16, True)
+        chunk = fixed + per_tile  # the backward: one row tile in flight (the forward, without `fixed`: more)
+
+        def run():
+            logp, ent = lsls(hf, wf, labels, True, bias=bf, chunk_bytes=chunk)
+            torch.autograd.grad(logp.sum() + ent.sum(), (hf, wf, bf))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            run()
+    shapes = [s for e in prof.events() for s in e.input_shapes if s]
+    biggest = max(math.prod(s) for s in shapes)
+    assert biggest < n * v, f"a tensor of {biggest} elements went through an op (N V = {n * v})"
+    logits = [s for s in shapes if len(s) == 2 and s[1] == cols and s[0] % tile == 0]
+    assert logits, "no logits block seen"
+    assert max(b[0] for b in logits) * cols * 2 <= chunk, f"logits blocks larger than chunk_bytes allows: {logits[:3]}"
+    assert [tile, cols] in logits, "no block of one row tile (the backward's, at this chunk_bytes) seen"
+
+
+def test_block_plan():
+    # Block widths from the vocab and H alone (wider below H = 1024, cols x H no more than at 1024, at most 4 x 8192);
+    # chunk_bytes only sets how many row tiles share a buffer.
+    assert block_width(1000, 1024) == 1000 and block_width(151936, 1024) == engine.VOCAB_BLOCK == 8192
+    assert [block_width(151936, h) for h in (4096, 1025, 1024, 768, 512, 300, 256, 64, 1)] == [
+        8192, 8192, 8192, 8192, 16384, 24576, 32768, 32768, 32768]
+    assert block_width(20000, 256) == 20000
+    tile = engine.ROW_TILE * 4096 * 4  # one fp32 tile of logits
+    assert tiles_in_flight(4096, 64, torch.float32, 3 * tile + 5, False) == 3
+    assert tiles_in_flight(4096, 64, torch.float32, 3 * tile + 5, True) == 3  # fp32: nothing else
+    # bf16 backward: + fp32 weight block and grad_weight accumulator (2 x 4 B x cols x H), grad_bias
+    # accumulator, fp32 copies of one gradient tile and one hidden tile
+    fixed = 4 * (2 * 4096 * 64 + 4096 + engine.ROW_TILE * (4096 + 64))
+    assert tile_bytes(4096, 64, torch.bfloat16, True) == (tile // 2, fixed)
+    assert tiles_in_flight(4096, 64, torch.bfloat16, fixed + 2 * (tile // 2), True) == 2
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        tiles_in_flight(4096, 64, torch.float32, tile - 1, False)
+    # A widened block holds as many rows at once as VOCAB_BLOCK-wide ones would (its buffer no larger), >= 1 tile
+    wide = engine.ROW_TILE * 32768 * 4
+    assert tiles_in_flight(32768, 256, torch.float32, 4 * wide, False) == 1
+    assert tiles_in_flight(16384, 512, torch.float32, 8 * (wide // 2), False) == 4
+    assert tiles_in_flight(32768, 256, torch.float32, wide, False) == 1
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        tiles_in_flight(4096, 64, torch.bfloat16, fixed + tile // 2 - 1, True)
+    # A budget narrows the blocks by whole VOCAB_BLOCKs to the widest whose tile fits, down to one unwidened block
+    widest = tile_budget(32768, 64, torch.bfloat16)
+    assert fit_width(151936, 64, torch.bfloat16, widest) == 32768
+    assert fit_width(151936, 64, torch.bfloat16, widest - 1) == 24576
+    assert fit_width(151936, 64, torch.bfloat16, tile_budget(8192, 64, torch.bfloat16)) == 8192
+    with pytest.raises(ValueError, match="below one row tile of a vocab block"):
+        fit_width(151936, 64, torch.bfloat16, tile_budget(8192, 64, torch.bfloat16) - 1)
+    assert fit_width(5000, 64, torch.bfloat16, tile_budget(5000, 64, torch.bfloat16)) == 5000  # (the shard: narrower)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_buffers_hold_the_rows_present(monkeypatch, frozen):
+    # The logits buffer of a call holds its rows' tiles (rounded up to one), not the budget's: a 22-row micro-batch
+    # at V = 1019 gets 512 x 1019 logits, not the 2048 x 1019 the default budget would hold; N = 600 two tiles.
+    sizes = []
+    logits_buffer = engine.logits_buffer
+    monkeypatch.setattr(engine, "logits_buffer", lambda tiles, plan: sizes.append(
+        (tiles.count, plan.group, plan.width)) or logits_buffer(tiles, plan))
+    for n in (22, 600):
+        hidden, weight, bias, labels = make_head(n, 32, 1019, torch.bfloat16, seed=n)
+        h, w = hidden.requires_grad_(), weight.requires_grad_(not frozen)
+        logp, ent = lsls(h, w, labels, True, chunk_bytes=2048 * 1019 * 2 + (8 << 20))
+        (logp.sum() + ent.sum()).backward()
+        assert {(count, min(group, count) * engine.ROW_TILE) for count, group, _ in sizes} == {
+            (-(-n // engine.ROW_TILE), -(-n // engine.ROW_TILE) * engine.ROW_TILE)}, sizes
+        assert all(group >= 4 for _count, group, _ in sizes)  # the budget would have held 4 tiles
+        sizes.clear()
+    # A budget that holds one tile of an unwidened block is accepted (here 96 MiB: the widest block's bf16 tile at
+    # H = 64 and V = 32003 needs 110 MiB; issue 41's example), the blocks narrowed to fit
+    hidden, weight, bias, labels = make_head(40, 64, 32003, torch.bfloat16, seed=3)
+    lsls(hidden.requires_grad_(), weight.requires_grad_(not frozen), labels, chunk_bytes=96 << 20).sum().backward()
+    assert all(width < 32003 for *_, width in sizes), sizes
+
+
+def test_default_chunk_bytes_holds_one_tile(monkeypatch):
+    # A call without chunk_bytes runs where the 256 MiB default is below one row tile of a vocab block (bf16
+    # at H = 4096 and 8192 columns needs 288 MiB): here, small blocks and a default made smaller than one.
+    hidden, weight, bias, labels = make_head(40, 16, 300, torch.bfloat16, seed=5)
+    hidden.requires_grad_(), weight.requires_grad_()  # a trainable head: the backward's tile is the larger
+    with blocks(64, 16):
+        smallest = smallest_chunk(300, 16, torch.bfloat16)
+        monkeypatch.setattr(logprobs, "DEFAULT_CHUNK_BYTES", smallest - 1)
+        got = lsls(hidden, weight, labels, True, bias=bias)
+        (grad,) = torch.autograd.grad(got[0].sum() + got[1].sum(), hidden)
+        want = lsls(hidden, weight, labels, True, bias=bias, chunk_bytes=smallest)
+        (want_grad,) = torch.autograd.grad(want[0].sum() + want[1].sum(), hidden)
+        with pytest.raises(ValueError, match="below one row tile"):
+            lsls(hidden, weight, labels, True, bias=bias, chunk_bytes=smallest - 1)
+    assert all(torch.equal(a, b) for a, b in zip((*got, grad), (*want, want_grad)))
+    monkeypatch.undo()
+    for h in (256, 512, 2560, 4096, 5120, 8192):  # small heads (wide blocks); Qwen3 4B, 8B, 14B, 32B+, at V = 151936
+        for vectors in (0, 1, 2):  # a trainable head; a frozen one summing one or two vectors
+            fit_width(151936, h, torch.bfloat16, logprobs.default_chunk_bytes(151936, h, torch.bfloat16, vectors),
+                      vectors)
+    for h in (64, 256, 512, 1024):  # below H = 2048 the 256 MiB default holds one bf16 tile of the widest blocks
+        assert logprobs.default_chunk_bytes(151936, h, torch.bfloat16) == logprobs.DEFAULT_CHUNK_BYTES, h
+        assert fit_width(151936, h, torch.bfloat16, logprobs.DEFAULT_CHUNK_BYTES) == block_width(151936, h), h
+
+
+# ------------------------------------------------------------------ errors
+def test_bad_arguments():
+    hidden, weight, bias, labels = make_head(4, 8, 30, torch.float32, seed=12)
+    cases = [
+        (dict(hidden=hidden[:, :7]), "weight must be"),
+        (dict(weight=weight.double()), "dtype"),
+        (dict(weight=weight[None]), "weight must be"),
+        (dict(hidden=hidden.int()), "hidden must be"),
+        (dict(bias=bias[:-1]), "bias must be"),
+        (dict(bias=bias.double()), "bias must have"),
+        (dict(index=labels.float()), "index must be"),
+        (dict(index=labels[:3]), "index shape"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=torch.tensor(1.0)), "temperature"),
+        (dict(ignore_index=1.5), "ignore_index"),
+        (dict(chunk_bytes=0), "chunk_bytes"),
+        (dict(chunk_bytes=smallest_chunk(30, 8, torch.float32) - 1), "chunk_bytes"),  # below one row tile
+    ]
+    for change, match in cases:
+        args = dict(hidden=hidden, weight=weight, index=labels, bias=bias)
+        args.update(change)
+        kw = {k: args.pop(k) for k in list(args) if k not in ("hidden", "weight", "index")}
+        with pytest.raises(ValueError, match=match):
+            lsls(args["hidden"], args["weight"], args["index"], True, **kw)
+    if torch.device("meta") != hidden.device:
+        with pytest.raises(ValueError, match="on meta"):
+            lsls(hidden, weight.to("meta"), labels)
+    bad = labels.clone()
+    bad[2] = 30
+    with pytest.raises(RuntimeError, match="out of range"):
+        lsls(hidden, weight, bad)
+    bad[2] = -1
+    with pytest.raises(RuntimeError, match="out of range"):
+        lsls(hidden, weight, bad, ignore_index=-100)
+
+
+def test_padding_label_without_ignore_index_says_what_to_do():
+    # Issue 27: the fused head gives the op's message, naming the entry of the caller's index (not of a row
+    # tile: the ignored rows before it are dropped before any tile is formed).
+    hidden, weight, _, labels = make_head(12, 16, 30, torch.float32, ignore_frac=0.0, seed=3)
+    labels[:5] = 7
+    labels[5] = -100
+    with pytest.raises(RuntimeError) as err:
+        lsls(hidden, weight, labels, ignore_index=7)
+    assert str(err.value) == ("twinkle_mem: label out of range: labels.flatten()[5] = -100 is neither a token id in "
+                              "[0, 30) (vocab size 30) nor the ignore_index (7); to ignore such positions (logp 0, "
+                              "no gradient), pass ignore_index=-100")
+
+
+# ------------------------------------------------------------------ compile, opcheck, composite
+def test_torch_compile_fullgraph():
+    hidden, weight, bias, labels = make_head(12, 16, 300, torch.float32, ignore_frac=0.4, seed=13)
+    chunk = smallest_chunk(300, 16, torch.float32)
+
+    def step(h, w, b):
+        logp, ent = lsls(h, w, labels, True, bias=b, temperature=0.9, ignore_index=-100, chunk_bytes=chunk)
+        loss = -(logp * 2.0).sum() + 0.1 * ent.sum()
+        return loss, torch.autograd.grad(loss, (h, w, b))
+
+    def fwd_bwd(fn):
+        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        logp, ent = fn(h, w, b)
+        loss = -(logp * 2.0).sum() + 0.1 * ent.sum()
+        return [loss.detach(), *torch.autograd.grad(loss, (h, w, b))]
+
+    def model(h, w, b):
+        return lsls(h, w, labels, True, bias=b, temperature=0.9, ignore_index=-100, chunk_bytes=chunk)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with blocks(64, 16):
+        for got, want in zip(fwd_bwd(compiled), fwd_bwd(model)):
+            assert torch.equal(got, want)
+
+
+def test_opcheck():
+    hidden, weight, bias, labels = make_head(9, 8, 200, torch.float32, ignore_frac=0.3, seed=14)
+    one, two = torch.tensor(1.0, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64)  # 1/T
+    with blocks(64, 16):
+        chunk = smallest_chunk(200, 8, torch.float32)
+        h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        y = labels.view(9, 1)
+        torch.library.opcheck(linear_fwd, (h, w, b, y, one, -100, True, chunk, 0, 200, "", False, True))
+        torch.library.opcheck(linear_fwd, (h, w, None, y, two, -100, False, chunk, 0, 200, "", False, True))
+        _logp, ent, shift, log_sum, _, _ = linear_fwd(hidden, weight, bias, y, one, -100, True, chunk, 0, 200, "",
+                                                      False, True)
+        torch.library.opcheck(linear_bwd, (torch.randn(9, 1), torch.randn(9), hidden, weight, bias, y, shift,
+                                           log_sum, ent, one, -100, chunk, 0, True, True, True))
+        # a frozen head: the forward's gradient vectors, the backward from them
+        frozen_chunk = tile_budget(64, 8, torch.float32, 2)
+        torch.library.opcheck(linear_fwd, (h, weight, None, y, two, -100, True, frozen_chunk, 0, 200, "", True, True))
+        # the entropy a metric: autograd's checks differentiate every output, which this raises for (next test)
+        torch.library.opcheck(linear_fwd, (h, weight, None, y, two, -100, True, frozen_chunk, 0, 200, "", True, False),
+                              test_utils=("test_schema", "test_faketensor"))
+        *_, vec_logp, vec_entropy = linear_fwd(hidden, weight, None, y, two, -100, True, frozen_chunk, 0, 200, "",
+                                               True, True)
+        assert vec_logp.shape == vec_entropy.shape == (9, 8)
+        torch.library.opcheck(frozen_grad, (torch.randn(9, 1), torch.randn(9), vec_logp, vec_entropy, hidden,
+                                            weight, y, two, -100, 0, 200))
+        torch.library.opcheck(frozen_grad, (torch.randn(9, 1), None, vec_logp, vec_entropy[:0], hidden, weight, y,
+                                            two, -100, 0, 200))
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_entropy_as_a_metric(frozen):
+    # entropy_grad=False: the entropy's value as before, the log-probs' gradient as with entropy_grad=True where
+    # the loss leaves the entropy out (or takes it times 0); a nonzero gradient reaching the entropy raises (never a
+    # silently wrong gradient), eagerly and compiled. A frozen head then saves one [N, H] vector, not two.
+    hidden, weight, bias, labels = make_head(40, 16, 300, torch.float32, seed=8)
+
+    def run(entropy_grad, use_entropy, compiled=False):
+        h = hidden.clone().requires_grad_()
+        w, b = (t.clone().requires_grad_(not frozen) for t in (weight, bias))
+        saved = []
+
+        def fn(h, w, b):
+            return lsls(h, w, labels, True, bias=b, temperature=0.7, entropy_grad=entropy_grad)
+        with blocks(64, 16), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            logp, ent = (torch.compile(fn, fullgraph=True, backend="aot_eager") if compiled else fn)(h, w, b)
+        loss = logp.sum() + ent.sum() * use_entropy
+        with blocks(64, 16):
+            grads = torch.autograd.grad(loss, [t for t in (h, w, b) if t.requires_grad])
+        return logp, ent, grads, [t for t in saved if t.shape == hidden.shape and t.dtype == torch.float32]
+
+    torch._dynamo.reset()
+    logp, ent, grads, saved = run(True, 0)
+    for compiled in (False, True):
+        m_logp, m_ent, m_grads, m_saved = run(False, 0, compiled)
+        assert torch.equal(m_logp, logp) and torch.equal(m_ent, ent)
+        assert all(torch.equal(a, b) for a, b in zip(m_grads, grads))
+        if frozen and not compiled:
+            assert len(saved) == 3 and len(m_saved) == 2  # hidden and S (and E where the entropy may get one)
+        with pytest.raises(RuntimeError, match="declared a metric"):
+            run(False, 1, compiled)
+
+
+def test_composite_backend():
+    # The same path where no native kernel exists: torch.ops.twinkle_mem routed to the composite.
+    hidden, weight, bias, labels = make_head(16, 16, 700, torch.bfloat16, ignore_frac=0.25, seed=15)
+    with composite.forced(("cpu",), budget_bytes=64 << 10):
+        check_against_float64(hidden, weight, bias, labels, ignore_index=-100, cols=200, rows=16)
