@@ -131,7 +131,7 @@ def test_chunk_budget_invariance(dtype, frozen):
     for chunk in (narrowest, smallest - 1):  # narrower blocks: accepted, the same values but for rounding
         for what, a, r in zip(names, run(chunk), ref):
             tol = 2e-5 if dtype == torch.float32 else 2**-6
-            assert torch.allclose(a.double(), r.double(), rtol=tol, atol=tol * r.double().abs().max()), what
+            assert torch.allclose(a.double(), r.double(), rtol=tol, atol=tol * r.double().abs().max().item()), what
     with pytest.raises(ValueError, match="below one row tile of a vocab block"):
         run(narrowest - 1)
 
