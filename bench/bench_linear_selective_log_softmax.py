@@ -395,6 +395,7 @@ def _mib(x):
 
 def _table(rows, meta):
     head = meta.get("head", "trainable")
+    recorded_before_41 = "head" not in meta  # (no head kind, no warm process: its table re-renders as it was)
     grad = "logp and entropy" if meta.get("entropy_grad", True) else "logp (the entropy a metric)"
     title = (f"fwd+bwd of log-probs (+ entropy) from hidden [N, {meta['h']}] and weight [{meta['vocab']}, "
              f"{meta['h']}], a {head} head (gradients to hidden{'' if head == 'frozen' else ' and weight'} from "
@@ -402,6 +403,10 @@ def _table(rows, meta):
              f"chunk {meta['chunk_mib']} MiB, fresh processes: min of {meta['reps']}"
              f"{'; one warm process: median [q1, q3] of ' + str(meta['warm_reps']) if meta.get('warm_reps') else ''}"
              f"; torch {meta['torch']}")
+    if recorded_before_41:
+        title = (f"fwd+bwd of log-probs (+ entropy) from hidden [N, {meta['h']}] and weight [{meta['vocab']}, "
+                 f"{meta['h']}], {meta['dtype']}, {meta['device']} ({meta['cpu']}, {meta['threads']} threads), "
+                 f"chunk {meta['chunk_mib']} MiB, min of {meta['reps']}; torch {meta['torch']}")
     cells = []
     for r in rows:
         if r.get("error"):
@@ -423,8 +428,12 @@ def _table(rows, meta):
                       f"{r.get('max_dlogp', float('nan')):.2g}", f"{r.get('max_dentropy', float('nan')):.2g}"])
     header = ["peer", "N", "entropy", "time (s)", "vs unfused", "warm process (s), vs unfused", "peak rise (MiB)",
               "beyond outputs + grads (MiB)", "max abs dlogp vs unfused", "max abs dentropy"]
+    align = "lrcrrrrrrr"
+    if recorded_before_41:
+        header.pop(5)
+        cells, align = [c[:5] + c[6:] for c in cells], align[:-1]
     line = ran_line(meta)  # (none in a run recorded before it: its table re-renders as it was)
-    return title + "\n\n" + markdown_table(header, cells, align="lrcrrrrrrr") + (f"\n{line}\n" if line else "")
+    return title + "\n\n" + markdown_table(header, cells, align=align) + (f"\n{line}\n" if line else "")
 
 
 def _plot(rows, meta, path):

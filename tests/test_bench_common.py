@@ -99,6 +99,9 @@ def test_recorded_vocab_parallel_table_renders_unchanged():
 
 
 @pytest.mark.parametrize("script,stem", [("bench_linear_selective_log_softmax", "linear_selective_log_softmax"),
+                                         *(("bench_linear_selective_log_softmax", f"linear_issue41_{case}")
+                                           for case in ("frozen_fp32_logp", "frozen_fp32_entropy", "trainable_fp32",
+                                                        "frozen_bf16_logp")),
                                          ("bench_twinkle_fused", "twinkle_fused"),
                                          ("bench_twinkle_mcore_bridge", "twinkle_mcore_bridge"),
                                          ("bench_recipe", "recipe")])
