@@ -46,7 +46,12 @@ mkdir -p "$RESULTS"
 PY=${PYTHON:-python3}
 ARCHS=${TORCH_CUDA_ARCH_LIST:-9.0}
 export PYTHONUNBUFFERED=1
-export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+# The GPU run builds the library in place (step 1) and imports it from python/. A dry run builds
+# nothing: it imports the tree only where a library was built in it, else the installed package
+# (a clean checkout with `pip install .`, as CI has), whose kernels the benchmark step needs.
+if [ $DRY_RUN -eq 0 ] || ls python/twinkle_mem/_C_cpu*.so >/dev/null 2>&1; then
+  export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
+fi
 FAILED=0
 STEPS=()  # "name|status|seconds|note"
 
@@ -88,7 +93,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   # Pure-Python wheels are zip files of importable packages: unpacked onto the path, no pip.
   mkdir -p /tmp/site
   for whl in .whl/*.whl; do $PY -m zipfile -e "$whl" /tmp/site || echo "(could not unpack $whl)"; done
-  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site"
 fi
 
 banner "1. build in place (TORCH_CUDA_ARCH_LIST=$ARCHS) and ptxas figures"
