@@ -48,7 +48,7 @@ ARCHS=${TORCH_CUDA_ARCH_LIST:-9.0}
 export PYTHONUNBUFFERED=1
 # The GPU run builds the library in place (step 1) and imports it from python/. A dry run builds
 # nothing: it imports the tree only where a library was built in it, else the installed package
-# (a clean checkout with `pip install .`, as CI has), whose kernels the benchmark step needs.
+# (a clean checkout installed the way CI installs it), whose kernels the benchmark step needs.
 if [ $DRY_RUN -eq 0 ] || ls python/twinkle_mem/_C_cpu*.so >/dev/null 2>&1; then
   export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 fi
