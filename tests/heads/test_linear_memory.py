@@ -88,10 +88,11 @@ def run_child(**cfg):
 
 @pytest.mark.parametrize("cfg", [
     dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=4 << 20, vocab_block=2048, row_tile=128),
-    dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=4 << 20, ignore_frac=0.75, vocab_block=2048,
-         row_tile=128),
+    # (the ignored rows and the default tiles: the end-to-end tier)
+    pytest.param(dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=4 << 20, ignore_frac=0.75,
+                      vocab_block=2048, row_tile=128), marks=pytest.mark.e2e),
     # the default tiles and blocks (at H = 128 4 x 8192 columns wide: one 64 MiB tile, the logits 128 MiB)
-    dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=64 << 20),
+    pytest.param(dict(n=1024, h=128, v=32768, dtype="float32", chunk_bytes=64 << 20), marks=pytest.mark.e2e),
     # a weight-sized fp32 buffer would be +32 MiB
     dict(n=512, h=256, v=32768, dtype="bfloat16", chunk_bytes=8 << 20, vocab_block=2048, row_tile=128),
 ], ids=["fp32", "fp32 3/4 ignored", "fp32 default tiles", "bf16"])

@@ -42,7 +42,7 @@ def _cli_cpu_line(env_value):
 def test_cli_names_the_path_in_use_and_the_cap():
     widest = PATHS[0]
     assert f"cpu kernel path: {widest} (the widest this CPU has)" in _cli_cpu_line(None)
-    for path in PATHS:
+    for path in sorted({PATHS[0], PATHS[-1]}):  # the message is one f-string: the widest and the narrowest forced
         assert f"cpu kernel path: {path} ({native.CPU_ISA_ENV}={path}; this CPU has {widest})" in _cli_cpu_line(path)
     assert "cpu kernel path: none" in _cli_cpu_line("sse")
 

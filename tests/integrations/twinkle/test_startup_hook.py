@@ -124,12 +124,12 @@ def test_unset_imports_nothing_at_start_and_leaves_twinkle_as_shipped():
     assert "twinkle_mem.startup" not in proc.stderr
 
 
+@pytest.mark.e2e  # two fresh interpreters each: the end-to-end tier (the default tier imports twinkle under the variable
+# in test_import_twinkle_under_the_variable_imports_nothing_more_than_twinkle)
 @pytest.mark.parametrize("first_import,value", [
-    ("import twinkle", "fused_lm_head"),  # the rest of the matrix (two fresh interpreters each): the end-to-end tier
-    *(pytest.param(*p, marks=pytest.mark.e2e) for p in [
-        ("from twinkle.model.megatron import MegatronModel", "fused_lm_head"),
-        ("import twinkle.loss.grpo", "fused_lm_head"), ("import twinkle", "1"),
-        ("import twinkle", "fused_lm_head,mask_skip=always,fused_chunk_bytes=128M")]),
+    ("import twinkle", "fused_lm_head"), ("from twinkle.model.megatron import MegatronModel", "fused_lm_head"),
+    ("import twinkle.loss.grpo", "fused_lm_head"), ("import twinkle", "1"),
+    ("import twinkle", "fused_lm_head,mask_skip=always,fused_chunk_bytes=128M"),
 ])
 def test_variable_installs_what_install_gives(first_import, value):
     options = startup.parse(value)
