@@ -193,6 +193,21 @@ def test_against_float64(dtype, name, frozen):
                           entropy=entropy, cols=cols, rows=16, frozen=frozen)
 
 
+def test_native_bf16_products_only_where_the_cpu_has_them(monkeypatch):
+    """bf16 products replace fp32 copies on the CPU path avx512_bf16 alone (elsewhere torch's bf16 product is far
+    slower than fp32, docs/cpu.md); TWINKLE_MEM_CPU_ISA caps it; never for fp16 or off the CPU."""
+    from twinkle_mem.heads.matmul import native_reduced_products
+    from twinkle_mem.op.native import cpu_kernel_path
+    cpu = torch.device("cpu")
+    assert not native_reduced_products(torch.float16, cpu)
+    assert not native_reduced_products(torch.float32, cpu)
+    assert not native_reduced_products(torch.bfloat16, torch.device("cuda"))
+    monkeypatch.setenv("TWINKLE_MEM_CPU_ISA", "avx2")
+    assert not native_reduced_products(torch.bfloat16, cpu)
+    monkeypatch.delenv("TWINKLE_MEM_CPU_ISA")
+    assert native_reduced_products(torch.bfloat16, cpu) == (cpu_kernel_path() == "avx512_bf16")
+
+
 def _unfused(hidden, weight, bias, labels, g_logp, g_ent, temperature):
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
@@ -220,6 +235,35 @@ def test_reduced_precision_gradients_no_worse_than_unfused(dtype):
     rms = lambda g, r: ((g.double() - r) ** 2).mean().sqrt().item()  # noqa: E731
     for name, f, u, r in (("hidden", fused[0], unfused[0], ref_h), ("weight", fused[1], unfused[1], ref_w)):
         assert rms(f, r) <= 1.1 * rms(u, r), f"grad_{name}: RMS error {rms(f, r):.3g} vs unfused {rms(u, r):.3g}"
+
+
+@pytest.mark.parametrize("rounded", [False, True], ids=["fp32 copies", "bf16 products"])
+def test_frozen_bf16_no_worse_than_unfused(monkeypatch, rounded):
+    # A frozen head's log-prob vector, summed over 32 vocab blocks: bf16 products rounded once per row tile and
+    # block (a CPU that multiplies bf16 natively) must stay as close to float64 as the unfused path's one bf16
+    # product over the whole vocab, on randn rows and peaked ones (hidden x40).
+    monkeypatch.setattr(engine, "native_reduced_products", lambda dtype, device: rounded)
+    taken, made = [], engine.BlockProducts.__init__
+
+    def spy(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        taken.append(self.rounded)
+
+    monkeypatch.setattr(engine.BlockProducts, "__init__", spy)
+    n, h, v = 64, 64, 8192
+    for scale in (1.0, 40.0):
+        hidden, weight, _, labels = make_head(n, h, v, torch.bfloat16, bias=False, seed=5)
+        hidden = hidden * scale
+        g = torch.randn(n, generator=torch.Generator().manual_seed(9))
+        ref = linear_selective_log_softmax_ref(hidden, weight, None, labels, g, None, 1.0, None)["d"] @ weight.double()
+        hf = hidden.clone().requires_grad_()
+        with blocks(256, 16):
+            fused, = torch.autograd.grad((lsls(hf, weight, labels, False, entropy_grad=False) * g).sum(), hf)
+        hu = hidden.clone().requires_grad_()
+        unfused, = torch.autograd.grad((twinkle_mem.selective_log_softmax(hu @ weight.t(), labels) * g).sum(), hu)
+        rms = lambda t: ((t.double() - ref) ** 2).mean().sqrt().item()  # noqa: E731
+        assert rms(fused) <= 1.1 * rms(unfused), f"x{scale}: RMS error {rms(fused):.3g} vs unfused {rms(unfused):.3g}"
+    assert taken == [rounded, rounded]  # the path asked for is the one taken
 
 
 def test_float64_tight_and_gradcheck():

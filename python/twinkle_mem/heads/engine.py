@@ -32,7 +32,7 @@ from torch import Tensor
 from ..op.contract import acc_dtype, check_float_tensor  # acc_dtype: the op's rule is the heads' (fp32; fp64)
 from ..op.op_args import arg_names
 from ..op.rows import kept_rows
-from .matmul import Operands, add_matmul, logits_into, matmul_into, reduced
+from .matmul import Operands, add_matmul, logits_into, matmul_into, native_reduced_products, reduced
 
 # Every matmul and merge is cut from these constants and H alone, never from N or chunk_bytes: a row's results depend
 # only on its hidden state and the weight. (EPYC, H 1024, fp32: 512 x 8192 tiles ran as fast as whole matmuls.)
@@ -302,21 +302,30 @@ class BlockProducts:
     logits), one product per row tile in the accumulation dtype, as backward_sweep's grad_hidden: a frozen
     head's forward (heads/frozen.py) turns a block into per-row vectors while its logits are at hand. The weight
     block's operand (an fp32 copy for bf16/fp16 where the device cannot sum their products in fp32) is made once
-    per block."""
+    per block. ``rounded`` (for bf16 d and weight, on a CPU that multiplies bf16 natively: matmul.
+    native_reduced_products): instead of fp32 copies, one bf16 product per row tile and block (summed in fp32
+    inside the BLAS, rounded once to bf16, as the unfused backward's product is), added into out in fp32."""
 
-    def __init__(self, weight: Tensor, logits_dtype: torch.dtype, tile: int):
+    def __init__(self, weight: Tensor, logits_dtype: torch.dtype, tile: int, rounded: bool = False):
         self.weight, self.tile = weight, tile
         self.operands = Operands(weight.dtype, weight.device, logits_dtype)
+        self.rounded = (rounded and self.operands.copies and logits_dtype == weight.dtype
+                        and native_reduced_products(weight.dtype, weight.device))
+        self.scratch = weight.new_empty((tile, weight.shape[1])) if self.rounded else None
         self.block = (None, None)  # (v0, its operand)
 
     def __call__(self, out: Tensor, v0: int, v1: int, d: Tensor, accumulate: bool = False) -> Tensor:
         """out = (or += with ``accumulate``) d @ weight[v0:v1]."""
         if self.block[0] != v0:
             self.block = (None, None)  # the last block's copy freed first
-            self.block = (v0, self.operands(self.weight[v0:v1]))
+            self.block = (v0, self.weight[v0:v1] if self.rounded else self.operands(self.weight[v0:v1]))
         for r0 in range(0, d.shape[0], self.tile):
-            (add_matmul if accumulate else matmul_into)(out[r0:r0 + self.tile], self.operands(d[r0:r0 + self.tile]),
-                                                         self.block[1])
+            o, t = out[r0:r0 + self.tile], d[r0:r0 + self.tile]
+            if self.rounded:
+                p = torch.mm(t, self.block[1], out=self.scratch[:t.shape[0]])
+                o.add_(p) if accumulate else o.copy_(p)
+            else:
+                (add_matmul if accumulate else matmul_into)(o, self.operands(t), self.block[1])
         return out
 
 

@@ -105,7 +105,7 @@ class FrozenGrads:
         # (w_b p underflows its range), from fp32 copies of a row tile at a time instead.
         self.exact = reduced(weight.dtype) and (entropy or weight.dtype == torch.float16)
         grad_dtype = acc if self.exact else plan.logits_dtype
-        self.products = BlockProducts(weight, grad_dtype, tiles.tile)
+        self.products = BlockProducts(weight, grad_dtype, tiles.tile, rounded=not self.exact)
         size = tiles.tile * plan.width
         self.copies = [weight.new_empty(size, dtype=grad_dtype) for _ in range(entropy + self.exact)]
 

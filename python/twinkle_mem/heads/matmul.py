@@ -53,6 +53,20 @@ def mixed_addmm(device: torch.device) -> bool:
     return _mixed_addmm_ok[device.type]
 
 
+def native_reduced_products(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this CPU multiplies bf16 natively: twinkle-mem's CPU path is avx512_bf16 (AVX-512 BF16 dot
+    products; TWINKLE_MEM_CPU_ISA caps it). torch's bf16 product then runs at about twice its fp32 rate (Zen 4:
+    [512, 8192] @ [8192, 1024] 23 ms against 48 ms); without those instructions it is far slower than fp32
+    (docs/cpu.md), so elsewhere bf16 operands are copied to fp32."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    from ..op.native import cpu_kernel_path
+    try:
+        return cpu_kernel_path() == "avx512_bf16"
+    except ValueError:  # a cap that names no path: the op raises it; here, no claim
+        return False
+
+
 def matmul_into(out: Tensor, a: Tensor, b: Tensor) -> None:
     """out = a @ b, the products summed in out's dtype (add_matmul's rule)."""
     if out.dtype == a.dtype:
