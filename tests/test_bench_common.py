@@ -101,10 +101,10 @@ def test_recorded_vocab_parallel_table_renders_unchanged():
 @pytest.mark.parametrize("script,stem", [("bench_linear_selective_log_softmax", "linear_selective_log_softmax"),
                                          *(("bench_linear_selective_log_softmax", f"linear_issue41_{case}")
                                            for case in ("frozen_fp32_logp", "frozen_fp32_entropy", "trainable_fp32",
-                                                        "frozen_bf16_logp")),
+                                                        "frozen_bf16_logp", "frozen_bf16_logp_avx512")),
                                          ("bench_twinkle_fused", "twinkle_fused"),
                                          ("bench_twinkle_mcore_bridge", "twinkle_mcore_bridge"),
-                                         ("bench_recipe", "recipe")])
+                                         ("bench_recipe", "recipe"), ("bench_recipe", "recipe_issue41")])
 def test_recorded_tables_render_unchanged(script, stem):
     # These benchmarks write their .md through markdown_table; --replot redraws it from the recorded JSON.
     import importlib
