@@ -193,6 +193,27 @@ def test_against_float64(dtype, name, frozen):
                           entropy=entropy, cols=cols, rows=16, frozen=frozen)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["fp32 copies", "native bf16"])
+def test_frozen_bf16_entropy_gradient(monkeypatch, native):
+    """bf16, a frozen head, the entropy's gradient too: summed in the forward from fp32 copies (an fp32 [N, H]
+    vector saved per output), or, on a CPU that multiplies bf16 natively, recomputed in the backward as a
+    trainable head's (frozen.recompute_is_cheaper: no vector saved); either way within the op's bound of float64."""
+    from twinkle_mem.heads import frozen
+    monkeypatch.setattr(frozen, "native_reduced_products", lambda dtype, device: native)
+    monkeypatch.setattr(engine, "native_reduced_products", lambda dtype, device: native)
+    for name in ("blocks, T=0.7, ignored rows", "k=3 labels, some ignored"):
+        cfg = dict(CONFIGS[name])
+        cols, temperature = cfg.pop("chunk_cols"), cfg.pop("temperature", 1.0)
+        hidden, weight, bias, labels = make_head(24, 32, 1000, torch.bfloat16, seed=list(CONFIGS).index(name), **cfg)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            check_against_float64(hidden, weight, bias, labels, temperature=temperature,
+                                  ignore_index=-100 if cfg.get("ignore_frac") else None, cols=cols, rows=16,
+                                  frozen=True)
+        vectors = [t for t in saved if t.dtype == torch.float32 and t.shape == (24, 32)]
+        assert len(vectors) == (0 if native else 2), name
+
+
 def test_native_bf16_products_only_where_the_cpu_has_them(monkeypatch):
     """bf16 products replace fp32 copies on the CPU path avx512_bf16 alone (elsewhere torch's bf16 product is far
     slower than fp32, docs/cpu.md); TWINKLE_MEM_CPU_ISA caps it; never for fp16 or off the CPU."""

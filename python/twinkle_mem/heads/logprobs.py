@@ -43,7 +43,7 @@ from ..op.row_stats import combine_shard_stats_in_tiles, output_shift
 from ..op.vocab_parallel import VocabShard, gather_shard_stats
 from .engine import (VOCAB_BLOCK, BlockPlan, Needs, Rows, backward_sweep, check_head_args, fake_grads, fit_width,
                      forward_sweep, frozen_head, tile_budget, tiles_in_flight)
-from .frozen import FrozenGrads, frozen_grad
+from .frozen import FrozenGrads, frozen_grad, recompute_is_cheaper
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 
@@ -307,7 +307,8 @@ def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *,
 
     A frozen head (``weight`` and ``bias`` need no gradient while ``hidden`` does: LoRA) is differentiated in the
     forward: it sums each row's d logp / d hidden (and d entropy / d hidden) as it goes, saves those [N, H]
-    vectors and recomputes no logits in the backward (heads/frozen.py). ``entropy_grad=False`` declares the
+    vectors and recomputes no logits in the backward (heads/frozen.py; except bf16 with the entropy's gradient on
+    a CPU that multiplies bf16 natively, where the recompute is cheaper: frozen.recompute_is_cheaper). ``entropy_grad=False`` declares the
     entropy a metric: its vector is not summed, and a gradient reaching it raises RuntimeError (never a silently
     wrong gradient). Details: module docstring, docs/linear.md.
     """
@@ -315,7 +316,8 @@ def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *,
                         DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
     h_size = hidden.shape[-1]
     n = math.prod(hidden.shape[:-1])
-    frozen = frozen_head(hidden, weight, bias)
+    frozen = frozen_head(hidden, weight, bias) and not recompute_is_cheaper(
+        hidden.dtype, hidden.device, bool(return_entropy and entropy_grad))
     vectors = vectors_summed(frozen, bool(return_entropy), bool(entropy_grad))
     if chunk_bytes is None:
         chunk_bytes = default_chunk_bytes(weight.shape[0], h_size, hidden.dtype, vectors)
