@@ -177,7 +177,7 @@ CONFIGS = {
 @pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_against_float64(dtype, name, frozen):
+def test_against_float64(dtype, name, frozen, monkeypatch):
     cfg = dict(CONFIGS[name])
     n, h, v = 24, 32, cfg.pop("v", 1000)
     cols = cfg.pop("chunk_cols", None)
@@ -188,9 +188,16 @@ def test_against_float64(dtype, name, frozen):
     if int32:
         labels = labels.int()
     ignore = -100 if cfg.get("ignore_frac") else None
-    # row tiles of 16: the 24 rows (fewer when ignored) in a full and a zero-padded tile
-    check_against_float64(hidden, weight, bias, labels, temperature=temperature, ignore_index=ignore,
-                          entropy=entropy, cols=cols, rows=16, frozen=frozen)
+    # row tiles of 16: the 24 rows (fewer when ignored) in a full and a zero-padded tile. A frozen bf16 head both
+    # ways whatever this CPU is: fp32 copies, and a CPU that multiplies bf16 natively (bf16 products for the
+    # log-prob vector; with the entropy's gradient, the recompute: heads/frozen.py)
+    for native in (False, True) if frozen and dtype == torch.bfloat16 else (None,):
+        if native is not None:
+            from twinkle_mem.heads import frozen as frozen_module
+            for module in (engine, frozen_module):
+                monkeypatch.setattr(module, "native_reduced_products", lambda d, device, n=native: n)
+        check_against_float64(hidden, weight, bias, labels, temperature=temperature, ignore_index=ignore,
+                              entropy=entropy, cols=cols, rows=16, frozen=frozen)
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["fp32 copies", "native bf16"])
@@ -225,8 +232,23 @@ def test_native_bf16_products_only_where_the_cpu_has_them(monkeypatch):
     assert not native_reduced_products(torch.bfloat16, torch.device("cuda"))
     monkeypatch.setenv("TWINKLE_MEM_CPU_ISA", "avx2")
     assert not native_reduced_products(torch.bfloat16, cpu)
-    monkeypatch.delenv("TWINKLE_MEM_CPU_ISA")
+    monkeypatch.setenv("TWINKLE_MEM_CPU_ISA", "no_such_path")  # the op refuses it; no claim here
+    assert not native_reduced_products(torch.bfloat16, cpu)
+    monkeypatch.setenv("TWINKLE_MEM_CPU_ISA", "avx512_bf16")
     assert native_reduced_products(torch.bfloat16, cpu) == (cpu_kernel_path() == "avx512_bf16")
+
+
+def test_recompute_only_where_it_is_cheaper(monkeypatch):
+    """A frozen head recomputes in the backward only for bf16 with the entropy's vector on a CPU that multiplies
+    bf16 natively (its two fp32 products cost more there than one bf16 and one fp32); else it sums in the forward."""
+    from twinkle_mem.heads import frozen
+    cpu = torch.device("cpu")
+    for native in (False, True):
+        monkeypatch.setattr(frozen, "native_reduced_products", lambda dtype, device, n=native: n)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            for entropy_vector in (False, True):
+                want = native and entropy_vector and dtype == torch.bfloat16
+                assert frozen.recompute_is_cheaper(dtype, cpu, entropy_vector) == want, (native, dtype, entropy_vector)
 
 
 def _unfused(hidden, weight, bias, labels, g_logp, g_ent, temperature):
@@ -559,6 +581,28 @@ def test_torch_compile_fullgraph():
 
     def model(h, w, b):
         return lsls(h, w, labels, True, bias=b, temperature=0.9, ignore_index=-100, chunk_bytes=chunk)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with blocks(64, 16):
+        for got, want in zip(fwd_bwd(compiled), fwd_bwd(model)):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["logp", "entropy"])
+def test_torch_compile_fullgraph_frozen_bf16(entropy_grad):
+    # A frozen bf16 head asks which CPU path runs (a ctypes call) to choose its products and whether to recompute
+    # (frozen.recompute_is_cheaper): torch.compile takes that answer at trace time, with no graph break.
+    hidden, _, _, labels = make_head(24, 16, 300, torch.bfloat16, ignore_frac=0.3, seed=15)
+    weight = make_head(24, 16, 300, torch.bfloat16, seed=16)[1]
+
+    def model(h):
+        return lsls(h, weight, labels, True, temperature=0.9, ignore_index=-100, entropy_grad=entropy_grad)
+
+    def fwd_bwd(fn):
+        h = hidden.clone().requires_grad_()
+        logp, ent = fn(h)
+        loss = -(logp * 2.0).sum() + (0.1 * ent.sum() if entropy_grad else 0)
+        return [loss.detach(), *torch.autograd.grad(loss, h)]
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     with blocks(64, 16):

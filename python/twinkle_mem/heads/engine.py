@@ -57,7 +57,8 @@ def vocab_blocks(shard: int, width: int):
 
 def frozen_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     """Whether autograd will ask a head for grad_hidden alone (LoRA's frozen LM head): then its forward sums the
-    hidden-gradient vectors of its outputs and its backward recomputes no logits (heads/frozen.py)."""
+    hidden-gradient vectors of its outputs and its backward recomputes no logits (heads/frozen.py; a head may
+    still recompute where that is cheaper: frozen.recompute_is_cheaper)."""
     return (torch.is_grad_enabled() and hidden.requires_grad and not weight.requires_grad
             and (bias is None or not bias.requires_grad))
 
@@ -304,7 +305,8 @@ class BlockProducts:
     block's operand (an fp32 copy for bf16/fp16 where the device cannot sum their products in fp32) is made once
     per block. ``rounded`` (for bf16 d and weight, on a CPU that multiplies bf16 natively: matmul.
     native_reduced_products): instead of fp32 copies, one bf16 product per row tile and block (summed in fp32
-    inside the BLAS, rounded once to bf16, as the unfused backward's product is), added into out in fp32."""
+    inside the BLAS and rounded to bf16 once per row tile and block, where the unfused backward rounds its one
+    product over the whole vocab once), added into out in fp32."""
 
     def __init__(self, weight: Tensor, logits_dtype: torch.dtype, tile: int, rounded: bool = False):
         self.weight, self.tile = weight, tile

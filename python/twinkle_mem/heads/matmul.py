@@ -58,8 +58,11 @@ def native_reduced_products(dtype: torch.dtype, device: torch.device) -> bool:
     products; TWINKLE_MEM_CPU_ISA caps it). torch's bf16 product then runs at about twice its fp32 rate (Zen 4:
     [512, 8192] @ [8192, 1024] 23 ms against 48 ms); without those instructions it is far slower than fp32
     (docs/cpu.md), so elsewhere bf16 operands are copied to fp32."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return False
+    return device.type == "cpu" and dtype == torch.bfloat16 and _cpu_path_multiplies_bf16()
+
+
+@torch.compiler.assume_constant_result  # (a ctypes call: torch.compile takes its answer at trace time)
+def _cpu_path_multiplies_bf16() -> bool:
     from ..op.native import cpu_kernel_path
     try:
         return cpu_kernel_path() == "avx512_bf16"

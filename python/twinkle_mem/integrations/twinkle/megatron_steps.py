@@ -91,8 +91,9 @@ def _check_chunk_bytes(model, layers, chunk_bytes: int) -> None:
     from twinkle_mem.heads.engine import fit_width
     error = None
     for weight in fused_eligibility.megatron_output_weights(model.model) if layers else []:
-        try:  # (a frozen layer's forward, LoRA's, may sum two vectors: heads/frozen.py)
-            fit_width(*weight.shape, weight.dtype, chunk_bytes, 0 if weight.requires_grad else 2)
+        try:  # (a frozen layer's forward, LoRA's, may sum two vectors, or recompute as a trainable one's backward:
+            for vectors in (0,) if weight.requires_grad else (0, 2):  # heads/frozen.py, recompute_is_cheaper)
+                fit_width(*weight.shape, weight.dtype, chunk_bytes, vectors)
         except ValueError as e:
             error = str(e)
     group = _pipeline_group()
