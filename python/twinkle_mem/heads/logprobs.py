@@ -308,9 +308,9 @@ def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *,
     A frozen head (``weight`` and ``bias`` need no gradient while ``hidden`` does: LoRA) is differentiated in the
     forward: it sums each row's d logp / d hidden (and d entropy / d hidden) as it goes, saves those [N, H]
     vectors and recomputes no logits in the backward (heads/frozen.py; except bf16 with the entropy's gradient on
-    a CPU that multiplies bf16 natively, where the recompute is cheaper: frozen.recompute_is_cheaper). ``entropy_grad=False`` declares the
-    entropy a metric: its vector is not summed, and a gradient reaching it raises RuntimeError (never a silently
-    wrong gradient). Details: module docstring, docs/linear.md.
+    a CPU that multiplies bf16 natively, where the recompute is cheaper: frozen.recompute_is_cheaper).
+    ``entropy_grad=False`` declares the entropy a metric: its vector is not summed, and a gradient reaching it
+    raises RuntimeError (never a silently wrong gradient). Details: module docstring, docs/linear.md.
     """
     multi = _check_args(hidden, weight, bias, index, temperature, ignore_index,
                         DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)

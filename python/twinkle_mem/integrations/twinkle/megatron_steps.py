@@ -89,10 +89,17 @@ def _check_chunk_bytes(model, layers, chunk_bytes: int) -> None:
     if getattr(model, "_twinkle_mem_chunk_bytes_fit", None) == chunk_bytes:
         return
     from twinkle_mem.heads.engine import fit_width
+    from twinkle_mem.heads.frozen import recompute_is_cheaper
     error = None
     for weight in fused_eligibility.megatron_output_weights(model.model) if layers else []:
-        try:  # (a frozen layer's forward, LoRA's, may sum two vectors, or recompute as a trainable one's backward:
-            for vectors in (0,) if weight.requires_grad else (0, 2):  # heads/frozen.py, recompute_is_cheaper)
+        # A frozen layer's forward (LoRA's) may sum two vectors (heads/frozen.py), or, where that is dearer, a call
+        # with the entropy's gradient recomputes as a trainable layer's backward does.
+        frozen = not weight.requires_grad
+        needs = [2] if frozen else [0]
+        if frozen and recompute_is_cheaper(weight.dtype, weight.device, True):
+            needs.append(0)
+        try:
+            for vectors in needs:
                 fit_width(*weight.shape, weight.dtype, chunk_bytes, vectors)
         except ValueError as e:
             error = str(e)
