@@ -52,6 +52,22 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _cuda_context_survives():
+    """A device-side assert leaves this process's CUDA context unusable: every later test would error. Under
+    pytest-xdist (bench/gpu_check.sh) the worker exits instead; xdist reports the test as crashed and carries on
+    in a fresh worker."""
+    yield
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:  # torch.AcceleratorError derives from it
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            os._exit(3)
+        raise
+
+
 @pytest.fixture
 def uninstalled():
     """twinkle_mem.integrations.twinkle not installed before the test, and undone after it."""

@@ -38,13 +38,14 @@ def test_no_host_sync_under_sync_debug_mode():
     y = torch.randint(0, 5003, (2, 9), device="cuda")
     y[0, :3] = -100
     yk = torch.randint(0, 5003, (2, 8, 3), device="cuda")
+    y_5000 = torch.where(y[:, 1:] < 0, y[:, 1:], y[:, 1:] % 5000)  # the [:5000] view's labels, -100 kept
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for inplace in (False, True):
             _fwd_bwd(x, y, inplace, ignore_index=-100)
             _fwd_bwd(x[:, :-1], yk, inplace)
-            _fwd_bwd(x[:, :-1, :5000], y[:, 1:], inplace, entropy=False, temperature=0.7)
+            _fwd_bwd(x[:, :-1, :5000], y_5000, inplace, entropy=False, temperature=0.7, ignore_index=-100)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
