@@ -8,6 +8,7 @@ test on each listed device; the default is the CPU alone.
 import functools
 import importlib.util
 import os
+import sys
 
 # A developer's exported TWINKLE_MEM_INSTALL would install twinkle-mem into this process the moment twinkle is
 # imported, and the comparisons with twinkle-kit as shipped would compare twinkle-mem with itself. The tests of
@@ -62,8 +63,10 @@ def _cuda_context_survives():
         return
     try:
         torch.cuda.synchronize()
-    except RuntimeError:  # torch.AcceleratorError derives from it
+    except RuntimeError as e:  # torch.AcceleratorError derives from it
         if os.environ.get("PYTEST_XDIST_WORKER"):
+            print(f"\n{os.environ['PYTEST_XDIST_WORKER']}: the CUDA context is broken after this test, the worker "
+                  f"ends: {e}", file=sys.__stderr__, flush=True)
             os._exit(3)
         raise
 

@@ -19,16 +19,29 @@ pytestmark = pytest.mark.skipif(
     reason="needs a GPU and the CUDA library loaded")
 
 
+def _upstream(logp, ent):
+    """The loss the tests differentiate: seeded upstream gradients for logp, 1 for the entropy."""
+    gen = torch.Generator(device=logp.device).manual_seed(0)
+    g = torch.randn(logp.shape, device=logp.device, generator=gen)
+    return (logp * g).sum() + (ent.sum() if ent is not None else 0)
+
+
 def _fwd_bwd(x, y, inplace=False, entropy=True, temperature=1.0, ignore_index=None):
     x = x.detach().clone().requires_grad_(True)
     out = twinkle_mem.selective_log_softmax(x, y, entropy, temperature=temperature, ignore_index=ignore_index,
                                             inplace_backward=inplace)
     logp, ent = out if entropy else (out, None)
-    gen = torch.Generator(device=x.device).manual_seed(0)
-    g = torch.randn(logp.shape, device=x.device, generator=gen)
-    total = (logp * g).sum() + (ent.sum() if entropy else 0)
-    (grad,) = torch.autograd.grad(total, x)
+    (grad,) = torch.autograd.grad(_upstream(logp, ent), x)
     return logp.detach(), None if ent is None else ent.detach(), grad
+
+
+def _fwd_bwd_through_view(base, make_view, y):
+    """As _fwd_bwd, differentiated with respect to a view of a copy of base: the gradient as the op lays it out
+    for that view (clone() would have made the view contiguous first)."""
+    view = make_view(base.detach().clone().requires_grad_(True))
+    logp, ent = twinkle_mem.selective_log_softmax(view, y, True)
+    (grad,) = torch.autograd.grad(_upstream(logp, ent), view)
+    return view, (logp.detach(), ent.detach(), grad)
 
 
 def test_no_host_sync_under_sync_debug_mode():
@@ -62,17 +75,27 @@ def test_sync_debug_mode_catches_a_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_out_of_range_label_is_a_device_side_assert():
+# The message is the host checks' (label_message.h): the entry, the value, the vocab and what to do.
+RANGE = "is neither a token id in [0, 100) (vocab size 100) nor the ignore_index (none given)"
+
+
+@pytest.mark.parametrize("labels,message", [
+    ("[1, 100, 2, 3]", f"labels.flatten()[1] = 100 {RANGE}; check that the labels come from the logits' vocabulary"),
+    ("[[1, 2], [3, -100]]", f"labels.flatten()[3] = -100 {RANGE}; to ignore such positions (logp 0, no gradient), "
+                            "pass ignore_index=-100"),
+])
+def test_out_of_range_label_is_a_device_side_assert(labels, message):
     """Run in a child: a device-side assert leaves the CUDA context unusable."""
     code = (
         "import torch, twinkle_mem\n"
-        "x = torch.randn(4, 100, device='cuda')\n"
-        "y = torch.tensor([1, 100, 2, 3], device='cuda')\n"
+        f"y = torch.tensor({labels}, device='cuda')\n"
+        "x = torch.randn(*y.shape, 100, device='cuda')\n"
         "twinkle_mem.selective_log_softmax(x, y)\n"
         "torch.cuda.synchronize()\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ))
     assert proc.returncode != 0
-    assert "device-side assert" in proc.stderr or "label out of range" in proc.stderr, proc.stderr[-2000:]
+    assert "device-side assert" in proc.stderr and "twinkle_mem: label out of range: " + message in proc.stderr, \
+        proc.stderr[-2000:]
 
 
 def test_batch_invariance_on_gpu():
@@ -103,17 +126,22 @@ def test_batch_invariance_on_gpu():
 
 
 def test_strided_views_bitwise_and_grad_layout():
+    """[B, S, V] views are read in place, bitwise as their contiguous copies; the out-of-place gradient takes
+    layout.h's layout (contract.new_grad_like): the view's own strides where the rows it skips are few."""
+    from twinkle_mem.op.contract import new_grad_like
     x = torch.randn(4, 257, 4099, device="cuda", dtype=torch.bfloat16)
     y = torch.randint(0, 4099, (4, 257), device="cuda")
-    for view, labels in ((x[:, :-1], y[:, 1:]), (x[:, -65:-1], y[:, -64:])):
-        got = _fwd_bwd(view, labels)
+    padded = torch.randn(64, 4160, device="cuda", dtype=torch.bfloat16)
+    cases = [(x, lambda t: t[:, :-1], y[:, 1:], True),  # one row in 257 skipped: the view's strides
+             (x, lambda t: t[:, -65:-1], y[:, -64:], False),  # most rows skipped: a dense gradient
+             (padded, lambda t: t[:, :4099], y[0, :64], True)]  # a padded vocab: the view's row stride
+    for base, make_view, labels, keeps_strides in cases:
+        view, got = _fwd_bwd_through_view(base, make_view, labels)
         want = _fwd_bwd(view.contiguous(), labels.contiguous())
         for a, b in zip(got, want):
             assert torch.equal(a, b)
-        assert got[2].stride() == view.stride()  # new_grad_like: the gradient keeps the view's row layout
-    padded = torch.randn(64, 4160, device="cuda", dtype=torch.bfloat16)[:, :4099]
-    grad = _fwd_bwd(padded, y[0, :64])[2]
-    assert grad.stride() == padded.stride()
+        assert got[2].stride() == new_grad_like(view).stride()
+        assert (got[2].stride() == view.stride()) == keeps_strides, (view.stride(), got[2].stride())
 
 
 def test_first_and_last_rows_beyond_2_pow_31_elements():
