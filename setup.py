@@ -129,6 +129,11 @@ def check_cuda_version_any_nvcc(original, cuda_home):
 
 
 cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-psabi"]
+# The argument checks throw; libtorch catches. Thrower and catcher must share one C++ runtime: a compiler that
+# links libstdc++ statically by default (the H200 image's /opt/gcc g++ does) gave each library its own copy, and a
+# failed check killed the process (SIGSEGV) instead of raising. Named here, the shared libstdc++ resolves every
+# reference before the driver's static archive is searched (tests/op/test_native_loading.py checks both).
+SHARED_CXX_RUNTIME = ["-lstdc++"]
 ext_modules = [
     CppExtension(
         name="twinkle_mem._C_cpu",
@@ -136,6 +141,7 @@ ext_modules = [
         include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=STABLE_DEFINES,
         extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=SHARED_CXX_RUNTIME,
         py_limited_api=True,
     )
 ]
@@ -177,7 +183,7 @@ if cuda_home and cuda_sources:
         define_macros=STABLE_DEFINES + [("USE_CUDA", None)],
         extra_compile_args={"cxx": cxx_flags, "nvcc": NVCC_FLAGS + gencode},
         # The runtime's symbols stay inside _C_cuda (no clash with torch's own libcudart).
-        extra_link_args=["-Wl,--exclude-libs,libcudart_static.a"],
+        extra_link_args=SHARED_CXX_RUNTIME + ["-Wl,--exclude-libs,libcudart_static.a"],
         py_limited_api=True,
     )
     # Static CUDA runtime instead of libcudart.so.<major> (CUDAExtension links the shared one).

@@ -87,6 +87,7 @@ fi
 # setuptools >= 77 reads pyproject.toml's SPDX license (torch requires it, so it comes with torch)
 $PY -c "import torch, sys, setuptools; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| setuptools', setuptools.__version__)"
 command -v nvcc >/dev/null && nvcc --version | tail -1
+echo "C++ compiler: ${CXX:-g++} ($("${CXX:-g++}" --version 2>/dev/null | head -1))"
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   banner "carried wheels: $(ls .whl | tr '\n' ' ')"

@@ -144,3 +144,41 @@ def test_built_cuda_library_needs_no_cudart_soname():
         pytest.skip(f"no _C_cuda built in {PKG} (or no readelf)")
     dynamic = subprocess.run(["readelf", "-d", libs[0]], capture_output=True, text=True).stdout
     assert "libcudart" not in dynamic, dynamic
+
+
+def _built_libraries():
+    return [pytest.param(lib, id=name) for name in ("cpu", "cuda")
+            for lib in glob.glob(os.path.join(PKG, f"_C_{name}*.so"))]
+
+
+@pytest.mark.parametrize("lib", _built_libraries())
+def test_native_library_shares_libtorchs_cxx_runtime(lib):
+    """The argument checks throw and libtorch catches: one libstdc++ for both (setup.py's SHARED_CXX_RUNTIME).
+    A statically linked copy crashed the process on the H200 image instead of raising."""
+    if shutil.which("readelf") is None:
+        pytest.fail("readelf (binutils) is needed to read the library's dynamic section")
+    dynamic = subprocess.run(["readelf", "-d", lib], capture_output=True, text=True, check=True).stdout
+    assert "libstdc++.so" in dynamic, dynamic
+
+
+FAILED_CHECK = r"""
+import sys, torch, twinkle_mem
+device = sys.argv[1]
+x = torch.randn(4, 10, device=device)
+y = torch.randint(0, 10, (2,), device=device)
+try:
+    torch.ops.twinkle_mem.selective_log_softmax_fwd(x, y, 1.0, -100, 0, 10, False, False)
+except RuntimeError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("on", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or twinkle_mem.backends().get("cuda") != "loaded",
+    reason="needs a GPU and the CUDA library loaded"))])
+def test_failed_check_raises_whole_in_a_fresh_process(on):
+    """A failed argument check is a RuntimeError with its whole message, not a crash (a fresh interpreter: a
+    crash must not take the test run with it)."""
+    proc = subprocess.run([sys.executable, "-c", FAILED_CHECK, on], capture_output=True, text=True)
+    assert proc.returncode == 0, f"the process died ({proc.returncode}): {proc.stderr[-1500:]}"
+    assert "twinkle_mem: labels must have the logits' leading shape" in proc.stdout, proc.stdout + proc.stderr[-1500:]
