@@ -92,8 +92,15 @@ echo "C++ compiler: ${CXX:-g++} ($("${CXX:-g++}" --version 2>/dev/null | head -1
 if ls .whl/*.whl >/dev/null 2>&1; then
   banner "carried wheels: $(ls .whl | tr '\n' ' ')"
   # Pure-Python wheels are zip files of importable packages: unpacked onto the path, no pip.
+  # Where the machine has its own pytest and hypothesis (the H200 image, with pytest-xdist and plugins built
+  # for them), only the peers are unpacked: a carried pytest ahead on the path would shadow it.
+  wheels=(.whl/*.whl)
+  if $PY -c 'import pytest, hypothesis' 2>/dev/null; then
+    wheels=(); for whl in .whl/*.whl; do case $(basename "$whl") in liger_kernel-*) wheels+=("$whl");; esac; done
+    echo "pytest and hypothesis are installed here: unpacking ${wheels[*]:-no peer wheel}"
+  fi
   mkdir -p /tmp/site
-  for whl in .whl/*.whl; do $PY -m zipfile -e "$whl" /tmp/site || echo "(could not unpack $whl)"; done
+  for whl in "${wheels[@]}"; do $PY -m zipfile -e "$whl" /tmp/site || echo "(could not unpack $whl)"; done
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site"
 fi
 
