@@ -131,9 +131,12 @@ def check_cuda_version_any_nvcc(original, cuda_home):
 cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-psabi"]
 # The argument checks throw; libtorch catches. Thrower and catcher must share one C++ runtime: a compiler that
 # links libstdc++ statically by default (the H200 image's /opt/gcc g++ does) gave each library its own copy, and a
-# failed check killed the process (SIGSEGV) instead of raising. Named here, the shared libstdc++ resolves every
-# reference before the driver's static archive is searched (tests/op/test_native_loading.py checks both).
-SHARED_CXX_RUNTIME = ["-lstdc++"]
+# failed check killed the process (SIGSEGV) instead of raising. On that image `-lstdc++` finds no shared linker
+# name (g++ -print-file-name=libstdc++.so finds nothing, libstdc++.a is there), and at the end of the line it left
+# _C_cuda without the shared runtime. So the shared object is named by file (-l:, never an archive), first among
+# the libraries, right after the objects. tests/op/test_native_loading.py checks both libraries; the H200 runs are
+# in bench/results/gpu_check_h200_2026-12-04_run2/fix_runs.log.
+SHARED_CXX_RUNTIME = [":libstdc++.so.6"]
 ext_modules = [
     CppExtension(
         name="twinkle_mem._C_cpu",
@@ -141,7 +144,7 @@ ext_modules = [
         include_dirs=[os.path.join(ROOT, "csrc")],
         define_macros=STABLE_DEFINES,
         extra_compile_args={"cxx": cxx_flags},
-        extra_link_args=SHARED_CXX_RUNTIME,
+        libraries=list(SHARED_CXX_RUNTIME),  # a copy: the Extension classes append torch's own to it
         py_limited_api=True,
     )
 ]
@@ -183,7 +186,8 @@ if cuda_home and cuda_sources:
         define_macros=STABLE_DEFINES + [("USE_CUDA", None)],
         extra_compile_args={"cxx": cxx_flags, "nvcc": NVCC_FLAGS + gencode},
         # The runtime's symbols stay inside _C_cuda (no clash with torch's own libcudart).
-        extra_link_args=SHARED_CXX_RUNTIME + ["-Wl,--exclude-libs,libcudart_static.a"],
+        libraries=list(SHARED_CXX_RUNTIME),  # a copy: the Extension classes append torch's own to it
+        extra_link_args=["-Wl,--exclude-libs,libcudart_static.a"],
         py_limited_api=True,
     )
     # Static CUDA runtime instead of libcudart.so.<major> (CUDAExtension links the shared one).

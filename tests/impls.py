@@ -86,10 +86,22 @@ if cuda_emulation.compiler() is not None:
                       checks_arguments=False))
 
 
+def same_layout_on(device, t):
+    """t copied to device with its sizes, strides and overlaps as they are (t.to(device) makes an expanded,
+    overlapping tensor contiguous, and the op's overlap check would never see one)."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.numel() == 0 or any(st < 0 for st in t.stride()):
+        return t.to(device)
+    span = 1 + sum((size - 1) * st for size, st in zip(t.shape, t.stride()))
+    flat = t.as_strided((span,), (1,), t.storage_offset()).to(device, copy=True)
+    return flat.as_strided(t.shape, t.stride(), 0)
+
+
 # The CUDA kernels on a GPU, when there is one: CPU tensors in, CPU tensors out.
 def _on_cuda(fn):
     def run(*args):
-        moved = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        moved = [same_layout_on("cuda", a) for a in args]
         out = fn(*moved)
         if isinstance(out, tuple):
             return tuple(t.cpu() for t in out)
@@ -101,10 +113,10 @@ def _cuda_backward(g_logp, g_entropy, logits, labels, shift, log_sum, entropy, i
     if not inplace:
         return _on_cuda(_native_backward)(g_logp, g_entropy, logits, labels, shift, log_sum, entropy, inv_t, ignore,
                                           vocab_start, False)
-    on_gpu = logits.cuda()  # written over in place, then copied back into the caller's logits
-    grad = _native_backward(*[a.cuda() if isinstance(a, torch.Tensor) else a for a in (g_logp, g_entropy)], on_gpu,
-                            *[a.cuda() if isinstance(a, torch.Tensor) else a
-                              for a in (labels, shift, log_sum, entropy)], inv_t, ignore, vocab_start, True)
+    on_gpu = same_layout_on("cuda", logits)  # written over in place, then copied back into the caller's logits
+    grad = _native_backward(*[same_layout_on("cuda", a) for a in (g_logp, g_entropy)], on_gpu,
+                            *[same_layout_on("cuda", a) for a in (labels, shift, log_sum, entropy)], inv_t, ignore,
+                            vocab_start, True)
     logits.copy_(grad.cpu())
     return logits
 
