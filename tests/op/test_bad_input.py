@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import make_case
-from impls import IMPLS
+from impls import IMPLS, same_layout_on
 
 N, V, IGNORE = 4, 10, -100
 
@@ -77,3 +77,13 @@ def test_out_of_range_label_message_is_one_on_every_backend(impl):
             impl.forward(logits, bad, 1.0, ignore, 0, V, False)
         got = str(err.value).removeprefix("device-side assert (emulated): ")
         assert got == "twinkle_mem: label out of range: " + want
+
+
+def test_harness_moves_views_with_their_layout():
+    """The CUDA rows above get their tensors through same_layout_on: a move that made an expanded tensor dense
+    would hide the overlap case from the op (it did, on the H200's second run)."""
+    x = torch.randn(N, V)
+    for view in (x, x.t(), x[:1].expand(N, V), x[1:3, 2:7], x.view(2, 2, V)[:, 1]):
+        moved = same_layout_on("cpu", view)
+        assert moved.stride() == view.stride() and torch.equal(moved, view)
+        assert moved.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
