@@ -60,20 +60,6 @@ inline void store_loaded_pair(T* p, Vec lo, Vec hi) {
   store_pair(p, lo, hi);
 }
 
-// How many of x[0, n) equal value (n a whole number of vector pairs: load_pair).
-template <typename Vec, typename scalar_t, typename acc_t>
-inline int64_t count_equal_in(const scalar_t* x, int64_t n, acc_t value) {
-  constexpr int64_t W = VecTraits<Vec>::W;
-  const Vec v_value(value);
-  int64_t count = 0;
-  for (int64_t i = 0; i < n; i += 2 * W) {
-    Vec lo, hi;
-    load_pair(x + i, lo, hi);
-    count += count_equal(lo, v_value) + count_equal(hi, v_value);
-  }
-  return count;
-}
-
 // Asks for x[from, from + kCount) to be brought into L2: no fault, no wait. The forward's
 // second sweep computes on an L1 buffer without touching memory; it asks for the
 // row kPrefetchAhead ahead meanwhile, so that memory and arithmetic overlap (one
@@ -131,13 +117,11 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
     acc_t block_max = tail_max;
     for (int64_t b = 0; b < subs; ++b) block_max = max_(block_max, sub_max[b]);
     const acc_t shift = finite_shift(block_max);
-    // The elements equal to the max (none for a NaN max; a block of -inf gets the empty state below).
+    // The elements equal to the max (none for a NaN max; a block of -inf gets the empty state below): the tail's
+    // here, the body's in sweep 2, where the sub-blocks that may hold the max compare each element with it
+    // (counting them here, in a pass of their own behind a branch on which sub-block holds the max, cost 5 % of
+    // the AVX-512 forward on Zen 4: docs/cpu.md).
     int64_t at_max = 0;
-    for (int64_t b = 0; b < subs; ++b) {
-      if (sub_max[b] == block_max) {
-        at_max += count_equal_in<Vec>(x_block + b * kSub, std::min(kSub, body - b * kSub), block_max);
-      }
-    }
     for (int64_t i = body; i < len; ++i) at_max += acc_t(load_scalar(x_block + i)) == block_max;
 
     // sweep 2: the sums in base 2. y = (x - shift) a with a = log2e_over_T(inv_T), so that exp(t) = 2^y:
@@ -159,7 +143,12 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
             // instruction set's exp2_for_sums does not take -inf to 0.
             const Vec y = kEntropy || !kExp2TakesNegInf ? max_(v_y_floor, y_raw) : y_raw;
             const Vec e = exp2_for_sums(y);
-            v_sum[half] = decltype(may_hold_max)::value ? add_below(v_sum[half], e, xv, v_block_max) : v_sum[half] + e;
+            if constexpr (decltype(may_hold_max)::value) {
+              v_sum[half] = add_below(v_sum[half], e, xv, v_block_max);
+              at_max += count_equal(xv, v_block_max);
+            } else {
+              v_sum[half] = v_sum[half] + e;
+            }
             if constexpr (kEntropy) v_zsum[half] = fma_(y, e, v_zsum[half]);
           };
           for (int64_t j = i; j < end; j += 2 * W) {
