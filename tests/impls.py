@@ -91,7 +91,7 @@ def same_layout_on(device, t):
     overlapping tensor contiguous, and the op's overlap check would never see one)."""
     if not isinstance(t, torch.Tensor):
         return t
-    if t.numel() == 0 or any(st < 0 for st in t.stride()):
+    if t.numel() == 0:
         return t.to(device)
     span = 1 + sum((size - 1) * st for size, st in zip(t.shape, t.stride()))
     flat = t.as_strided((span,), (1,), t.storage_offset()).to(device, copy=True)
