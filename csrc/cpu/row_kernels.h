@@ -8,8 +8,9 @@
 // bf16_t, fp16_t of 16-bit logits (for kRowKernels, isa.h's table of entry
 // points, defined at the end), VecTraits<Vec>, load_vec(const T*) -> Vec,
 // load_pair(const T*, Vec&, Vec&) where it has its own (2 W elements, in any fixed lane order) and with it
-// store_loaded_pair(T*, Vec, Vec) (the way back, the same order), max_of(const T*, n)
-// -> acc_t (the max of n elements, n a whole number of vector pairs), store_vec(T*, Vec),
+// store_loaded_pair(T*, Vec, Vec) (the way back, the same order), the running max of the first sweep
+// (max_start(const T*) -> m, max_add_pair(m, const T*) -> m with 2 W more elements, in order, and
+// max_result(m, const T*) -> acc_t), store_vec(T*, Vec),
 // store_pair(T*, Vec, Vec) (2 W elements, in order), load_scalar(const T*) -> acc_t,
 // store_scalar(T*, acc_t), hsum(Vec), count_equal(Vec, Vec) (how many lanes are equal),
 // add_below(sum, e, x, max) (sum + e in the lanes where x != max: below it, or
@@ -31,7 +32,7 @@
 
 constexpr int64_t kBlock = 2048;  // elements per L1-resident block of a row
 constexpr int64_t kSubVectors = 16;  // vectors summed in acc_t before their sum joins a double
-constexpr int64_t kPrefetchAhead = 4 * kBlock;  // how far ahead of the block in hand sweep 2 asks for the row
+constexpr int64_t kPrefetchAhead = 4 * kBlock;  // how far ahead of the pair in hand the sweeps ask for the row
 constexpr double kLog2e = 1.4426950408889634;
 constexpr double kLn2 = 0.6931471805599453;
 
@@ -60,20 +61,31 @@ inline void store_loaded_pair(T* p, Vec lo, Vec hi) {
   store_pair(p, lo, hi);
 }
 
-// Asks for x[from, from + kCount) to be brought into L2: no fault, no wait. The forward's
-// second sweep computes on an L1 buffer without touching memory; it asks for the
-// row kPrefetchAhead ahead meanwhile, so that memory and arithmetic overlap (one
-// block ahead into L1 kept a 6 GB/s stream waiting at each block's first sweep).
-// Past the segment's end too: a thread's next task is the row's next segment
-// (parallel_for hands each thread a contiguous range of tasks); bounding the hint
-// by the segment left half of each segment's blocks to the hardware prefetcher.
-// kCount is a constant (a sub-block): one hint per 64-byte line, unrolled (a loop
-// over them cost three more instructions per line, ~2 per 16 logits on AVX-512).
-template <int64_t kCount, typename scalar_t>
-inline void prefetch_range(const scalar_t* x, int64_t from) {
-  constexpr int64_t kLines = (kCount * int64_t(sizeof(scalar_t)) + 63) / 64;
+// Asks for the vector pair x[from, from + kPair) to be brought into L2: no fault, no wait. The sweeps ask for
+// the row kPrefetchAhead ahead of the pair in hand, one hint per pair as they go, so that memory and arithmetic
+// overlap. (One block ahead into L1 kept a 6 GB/s stream waiting at each block's first sweep; a burst of a
+// sub-block's 16 hints at once, then its arithmetic, left the forward 13 % slower on a Xeon: docs/cpu.md.)
+// Past the segment's end too: a thread's next task is the row's next segment (parallel_for hands each thread a
+// contiguous range of tasks); bounding the hint by the segment left half of each segment's blocks to the
+// hardware prefetcher. One hint per 64-byte line: a pair of 16-bit AVX-512 lanes is a line and of fp32 ones
+// two; where a pair is less than a line (AVX2 16-bit, the portable path) only a pair that starts one asks.
+template <int64_t kPair, typename scalar_t>
+inline void prefetch_pair(const scalar_t* x, int64_t from) {
+  constexpr int64_t kBytes = kPair * int64_t(sizeof(scalar_t));
   const uintptr_t at = reinterpret_cast<uintptr_t>(x) + from * sizeof(scalar_t);  // past the row: only a hint
-  for (int64_t line = 0; line < kLines; ++line) __builtin_prefetch(reinterpret_cast<const void*>(at + 64 * line), 0, 2);
+  if constexpr (kBytes >= 64) {
+    for (int64_t line = 0; line < kBytes / 64; ++line) __builtin_prefetch(reinterpret_cast<const void*>(at + 64 * line), 0, 2);
+  } else {
+    if (from * int64_t(sizeof(scalar_t)) % 64 == 0) __builtin_prefetch(reinterpret_cast<const void*>(at), 0, 2);
+  }
+}
+
+// The max of p[0, n), n a whole number of vector pairs: the first sweep's running max over them, in order.
+template <typename Vec, typename scalar_t>
+auto max_of(const scalar_t* p, int64_t n) {
+  auto m = max_start(p);
+  for (int64_t i = 0; i < n; i += 2 * VecTraits<Vec>::W) m = max_add_pair(m, p + i);
+  return max_result(m, p);
 }
 
 // Online softmax state of x[0, n) (see online_softmax.h), in double. Each block
@@ -101,9 +113,10 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
   constexpr int64_t W = VecTraits<Vec>::W;
   constexpr int64_t kSub = kSubVectors * W;  // elements per sub-block, a whole number of vector pairs
   constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  // Sweep 1 of a block runs inside sweep 2 of the block before, a sub-block before each of its sub-blocks: its
-  // loads go out while the arithmetic of sweep 2 runs (on Zen 4 the forward took 4 % less: docs/cpu.md). So the
-  // sub-block maxima of two blocks are kept, this one's and the next one's.
+  // Sweep 1 of a block runs inside sweep 2 of the block before, pair by pair beside its pairs: its loads go out
+  // while the arithmetic of sweep 2 runs (on Zen 4 the forward took 4 % less run a sub-block ahead, on a Xeon 5 %
+  // less again pair by pair: docs/cpu.md). So the sub-block maxima of two blocks are kept, this one's and the
+  // next one's.
   acc_t sub_max_of[2][kBlock / kSub + 1];
   auto body_of = [&](int64_t start) {
     const int64_t len = std::min(kBlock, n - start);
@@ -113,7 +126,7 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
   OnlineSoftmax<double> state = empty_state<double>();
   {  // the first block's sweep 1, on its own
     const int64_t body = body_of(0);
-    for (int64_t i = 0, b = 0; i < body; i += kSub, ++b) sub_max_of[0][b] = max_of(x + i, std::min(kSub, body - i));
+    for (int64_t i = 0, b = 0; i < body; i += kSub, ++b) sub_max_of[0][b] = max_of<Vec>(x + i, std::min(kSub, body - i));
   }
   for (int64_t start = 0, k = 0; start < n; start += kBlock, ++k) {
     const int64_t len = std::min(kBlock, n - start);
@@ -148,10 +161,15 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
       const Vec v_neg_shift(-shift), v_a(a), v_y_floor(exp2_floor<acc_t>()), v_block_max(block_max);
       for (int64_t i = 0, b = 0; i < body; i += kSub, ++b) {
         const int64_t end = std::min(body, i + kSub);
-        prefetch_range<kSub>(x_block, kPrefetchAhead + i);
-        // the next block's sweep 1, this sub-block's share (a block is whole but at the segment's end, so the
-        // next one has no more sub-blocks than this one)
-        if (i < next_body) next_sub_max[b] = max_of(x_next + i, std::min(kSub, next_body - i));
+        // The next block's sweep 1, this sub-block's share: a pair at a time beside this sub-block's pairs where it
+        // is whole, on its own where it is the last, partial one. (A block is whole but at the segment's end, so the
+        // next one has no more sub-blocks than this one, and this one's are whole where a next one exists.) Where
+        // it is not whole the running max reads this sub-block's own pairs instead and is dropped: no branch in the
+        // loop. (Pair by pair and not in a burst of loads of its own: 5 % of the forward on a Xeon, docs/cpu.md.)
+        const bool next_whole = i + kSub <= next_body;
+        if (!next_whole && i < next_body) next_sub_max[b] = max_of<Vec>(x_next + i, next_body - i);
+        const scalar_t* x_max = next_whole ? x_next : x_block;
+        auto next_max = max_start(x_max);
         Vec v_sum[2] = {acc_t(0), acc_t(0)}, v_zsum[2] = {acc_t(0), acc_t(0)};  // a pair's halves apart
         auto run = [&](auto may_hold_max) {  // only a sub-block whose max is the block's pays for the test
           auto add = [&](Vec xv, int half) {
@@ -169,6 +187,8 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
             if constexpr (kEntropy) v_zsum[half] = fma_(y, e, v_zsum[half]);
           };
           for (int64_t j = i; j < end; j += 2 * W) {
+            prefetch_pair<2 * W>(x_block, kPrefetchAhead + j);
+            next_max = max_add_pair(next_max, x_max + j);
             Vec lo, hi;
             load_pair(x_block + j, lo, hi);
             add(lo, 0);
@@ -180,6 +200,7 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
         } else {
           run(std::false_type{});
         }
+        if (next_whole) next_sub_max[b] = max_result(next_max, x_max);
         if constexpr (kEntropy) zsum_log2 += hsum(v_zsum[0] + v_zsum[1]);
         sum += hsum(v_sum[0] + v_sum[1]);
       }
@@ -209,13 +230,12 @@ OnlineSoftmax<double> segment_state(const scalar_t* x, int64_t n, typename VecTr
 // u and exp(u) as the contract writes them: 2 fp32 ulp would not hold the base-2 form.
 // One pass, by vector pairs in load_pair's order (x86 bf16: the odd and even elements
 // apart, put back in place by one blend per pair), asking for the row kPrefetchAhead
-// ahead as the forward's second sweep does: with the arithmetic between its loads the
-// pass issues too few of them to keep memory streaming on its own (issue 41).
+// ahead as the forward's sweeps do (prefetch_pair): with the arithmetic between its loads
+// the pass issues too few of them to keep memory streaming on its own (issue 41).
 template <typename Vec, typename scalar_t>
 void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, const RowGrad<typename VecTraits<Vec>::acc_t>& g) {
   using acc_t = typename VecTraits<Vec>::acc_t;
   constexpr int64_t W = VecTraits<Vec>::W;
-  constexpr int64_t kSub = kSubVectors * W;  // elements per prefetch hint, a whole number of vector pairs
   const Vec v_neg_shift(g.neg_shift), v_inv_T(g.inv_temperature), v_neg_log_sum(g.neg_log_sum),
       v_entropy(g.entropy), v_a(g.a), v_b(g.b), v_u_floor(g.u_floor);
   const Vec v_a2(log2e_over_T(g.inv_temperature)),
@@ -230,14 +250,11 @@ void segment_grad(const scalar_t* x, scalar_t* d, int64_t n, const RowGrad<typen
     }
   };
   const int64_t body = n - n % (2 * W);  // whole vector pairs
-  for (int64_t i = 0; i < body; i += kSub) {
-    prefetch_range<kSub>(x, kPrefetchAhead + i);
-    const int64_t end = std::min(body, i + kSub);
-    for (int64_t j = i; j < end; j += 2 * W) {
-      Vec lo, hi;
-      load_pair(x + j, lo, hi);
-      store_loaded_pair(d + j, grad(lo), grad(hi));
-    }
+  for (int64_t j = 0; j < body; j += 2 * W) {
+    prefetch_pair<2 * W>(x, kPrefetchAhead + j);
+    Vec lo, hi;
+    load_pair(x + j, lo, hi);
+    store_loaded_pair(d + j, grad(lo), grad(hi));
   }
   int64_t i = body;
   for (; i + W <= n; i += W) store_vec(d + i, grad(load_vec(x + i)));

@@ -56,11 +56,11 @@ inline V hsum(V v) { return v; }
 template <typename V>
 inline int64_t count_equal(V x, V value) { return x == value; }
 template <typename T>
-inline auto max_of(const T* p, int64_t n) {
-  auto m = load_vec(p);
-  for (int64_t i = 1; i < n; ++i) m = max_(m, load_vec(p + i));
-  return m;
-}
+inline auto max_start(const T* p) { return decltype(load_vec(p))(-std::numeric_limits<decltype(load_vec(p))>::infinity()); }
+template <typename T, typename V>
+inline V max_add_pair(V m, const T* p) { return max_(max_(m, load_vec(p)), load_vec(p + 1)); }
+template <typename T, typename V>
+inline V max_result(V m, const T*) { return m; }
 template <typename V>
 inline V add_below(V sum, V e, V x, V max) { return x != max ? sum + e : sum; }
 constexpr bool kExp2TakesNegInf = true;  // exp2f(-inf) is 0

@@ -159,22 +159,22 @@ inline void store_loaded_pair(bf16_bits* p, Vec8f odd, Vec8f even) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_blend_epi16(low, bf16_round_high(odd.v), 0b10101010));
 }
 
-// The max of p[0, n) (n a multiple of 16); 16-bit floats on integer keys (x86_common.h), as on AVX-512.
+// The running max of the forward's first sweep, a vector pair (16 elements) at a time; 16-bit floats on integer
+// keys (x86_common.h), as on AVX-512.
 template <typename T16>
-inline float max_of(const T16* p, int64_t n) {
-  const __m256i magnitude = _mm256_set1_epi16(0x7FFF);
-  __m256i keys = _mm256_set1_epi16(INT16_MIN);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
-    keys = _mm256_max_epi16(keys, _mm256_xor_si256(bits, _mm256_and_si256(_mm256_srai_epi16(bits, 15), magnitude)));
-  }
+inline __m256i max_start(const T16*) { return _mm256_set1_epi16(INT16_MIN); }
+template <typename T16>
+inline __m256i max_add_pair(__m256i keys, const T16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_max_epi16(keys, _mm256_xor_si256(bits, _mm256_and_si256(_mm256_srai_epi16(bits, 15), _mm256_set1_epi16(0x7FFF))));
+}
+template <typename T16>
+inline float max_result(__m256i keys, const T16*) {
   return value_of_key<T16>(max_key8(_mm_max_epi16(_mm256_castsi256_si128(keys), _mm256_extracti128_si256(keys, 1))));
 }
-inline float max_of(const float* p, int64_t n) {
-  __m256 v_max = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < n; i += 8) v_max = _mm256_max_ps(v_max, _mm256_loadu_ps(p + i));
-  return fold8<FoldMax>(v_max);
-}
+inline Vec8f max_start(const float*) { return Vec8f(-std::numeric_limits<float>::infinity()); }
+inline Vec8f max_add_pair(Vec8f v_max, const float* p) { return max_(max_(v_max, load_vec(p)), load_vec(p + 8)); }
+inline float max_result(Vec8f v_max, const float*) { return fold8<FoldMax>(v_max.v); }
 
 // sum + e in the lanes where x != max (NaN included).
 inline Vec8f add_below(Vec8f sum, Vec8f e, Vec8f x, Vec8f max) {

@@ -185,24 +185,25 @@ inline void store_loaded_pair(bf16_bits* p, Vec16f odd, Vec16f even) {
   _mm512_storeu_si512(p, _mm512_mask_blend_epi16(0xAAAAAAAAu, low, bf16_round_high(odd.v)));
 }
 
-// The max of p[0, n) (n a multiple of 32). 16-bit floats: on order-preserving integer keys, the
-// bits with the magnitude flipped where the sign is set (x86_common.h), 32 per vector
-// and 3 instructions, without converting to fp32.
+// The running max of the forward's first sweep, a vector pair (32 elements) at a time. 16-bit floats: on
+// order-preserving integer keys, the bits with the magnitude flipped where the sign is set (x86_common.h), 32 per
+// vector and 3 instructions, without converting to fp32.
 template <typename T16>
-inline float max_of(const T16* p, int64_t n) {
-  const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
-  __m512i keys = _mm512_set1_epi16(INT16_MIN);
-  for (int64_t i = 0; i < n; i += 32) {
-    const __m512i bits = _mm512_loadu_si512(p + i);
-    // bits ^ ((bits >> 15) & 0x7FFF): the ternary-logic table of a ^ (b & c)
-    keys = _mm512_max_epi16(keys, _mm512_ternarylogic_epi32(bits, _mm512_srai_epi16(bits, 15), magnitude, 0x78));
-  }
+inline __m512i max_start(const T16*) { return _mm512_set1_epi16(INT16_MIN); }
+template <typename T16>
+inline __m512i max_add_pair(__m512i keys, const T16* p) {
+  const __m512i bits = _mm512_loadu_si512(p);
+  // bits ^ ((bits >> 15) & 0x7FFF): the ternary-logic table of a ^ (b & c)
+  return _mm512_max_epi16(keys, _mm512_ternarylogic_epi32(bits, _mm512_srai_epi16(bits, 15), _mm512_set1_epi16(0x7FFF), 0x78));
+}
+template <typename T16>
+inline float max_result(__m512i keys, const T16*) {
   const __m256i half = _mm256_max_epi16(_mm512_castsi512_si256(keys), _mm512_extracti64x4_epi64(keys, 1));
   return value_of_key<T16>(max_key8(_mm_max_epi16(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1))));
 }
-inline float max_of(const float* p, int64_t n) {
-  Vec16f v_max(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < n; i += 16) v_max = max_(v_max, load_vec(p + i));
+inline Vec16f max_start(const float*) { return Vec16f(-std::numeric_limits<float>::infinity()); }
+inline Vec16f max_add_pair(Vec16f v_max, const float* p) { return max_(max_(v_max, load_vec(p)), load_vec(p + 16)); }
+inline float max_result(Vec16f v_max, const float*) {
   return fold8<FoldMax>(_mm256_max_ps(_mm512_castps512_ps256(v_max.v), _mm512_extractf32x8_ps(v_max.v, 1)));
 }
 

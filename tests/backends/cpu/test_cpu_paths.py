@@ -82,6 +82,31 @@ def test_each_forced_path_runs_its_own_code():
         assert torch.equal(stats["avx512_bf16"], stats["avx512"])
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_spike_is_the_max_wherever_it_is_in_a_block(path, dtype):
+    """The first sweep takes a block's max sub-block by sub-block: the next block's whole sub-blocks beside this
+    block's second sweep, a last partial one and the tail on their own (csrc/cpu/row_kernels.h). A logit 120 above
+    the rest in any of those places must be found as its row's max: else its 2^y, y = 120 log2(e), overflows fp32.
+    V's last block holds whole sub-blocks, a partial one and a tail of one element on every path."""
+    v = 2 * 2048 + 705
+    places = [0, 2047, 2048, 4095, 4096 + 100, 4096 + 600, v - 2, v - 1]
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(len(places), v, generator=gen, dtype=torch.float64) * 2
+    for row, col in enumerate(places):
+        x[row, col] = 120.0
+    x = x.to(dtype)
+    labels = torch.tensor(places)
+    labels[::2] = 7  # half the rows ask for a token 120 below the max
+    logp, entropy, _, _ = _statistics(path, x, labels)
+    ref_logp_all = torch.log_softmax(x.double(), dim=-1)
+    ref_logp = ref_logp_all.gather(1, labels[:, None])[:, 0]
+    ref_entropy = -(ref_logp_all.exp() * ref_logp_all).sum(-1)
+    for what, got, ref in (("logp", logp, ref_logp), ("entropy", entropy, ref_entropy)):
+        err = (got.double() - ref).abs()
+        assert bool((err <= 1e-6 + 1e-6 * ref.abs()).all()), f"{what} at {places}: error {err.tolist()}"
+
+
 def _bits(t):
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
 
