@@ -63,8 +63,9 @@ inline void store_loaded_pair(T* p, Vec lo, Vec hi) {
 
 // Asks for the vector pair x[from, from + kPair) to be brought into L2: no fault, no wait. The sweeps ask for
 // the row kPrefetchAhead ahead of the pair in hand, one hint per pair as they go, so that memory and arithmetic
-// overlap. (One block ahead into L1 kept a 6 GB/s stream waiting at each block's first sweep; a burst of a
-// sub-block's 16 hints at once, then its arithmetic, left the forward 13 % slower on a Xeon: docs/cpu.md.)
+// overlap. (One block ahead into L1 kept a 6 GB/s stream waiting at each block's first sweep; a sub-block's
+// hints in a burst (8 for 16-bit logits on AVX-512), then its arithmetic, left the forward 13 % slower on a Xeon:
+// docs/cpu.md.)
 // Past the segment's end too: a thread's next task is the row's next segment (parallel_for hands each thread a
 // contiguous range of tasks); bounding the hint by the segment left half of each segment's blocks to the
 // hardware prefetcher. One hint per 64-byte line: a pair of 16-bit AVX-512 lanes is a line and of fp32 ones

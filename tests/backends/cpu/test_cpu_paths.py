@@ -88,9 +88,11 @@ def test_a_spike_is_the_max_wherever_it_is_in_a_block(path, dtype):
     """The first sweep takes a block's max sub-block by sub-block: the next block's whole sub-blocks beside this
     block's second sweep, a last partial one and the tail on their own (csrc/cpu/row_kernels.h). A logit 120 above
     the rest in any of those places must be found as its row's max: else its 2^y, y = 120 log2(e), overflows fp32.
-    V's last block holds whole sub-blocks, a partial one and a tail of one element on every path."""
-    v = 2 * 2048 + 705
-    places = [0, 2047, 2048, 4095, 4096 + 100, 4096 + 600, v - 2, v - 1]
+    V's last block (713 elements) holds whole sub-blocks, a partial one and a tail on every path: AVX-512 (256
+    per sub-block, pairs of 32) [512, 704) and 9, AVX2 (128, 16) [640, 704) and 9, portable (16, 2) [704, 712)
+    and 1."""
+    v = 2 * 2048 + 713
+    places = [0, 2047, 2048, 4095, 4096 + 100, 4096 + 600, 4096 + 700, 4096 + 703, 4096 + 710, v - 1]
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(len(places), v, generator=gen, dtype=torch.float64) * 2
     for row, col in enumerate(places):
