@@ -18,7 +18,9 @@ vectors in its forward; heads/frozen.py). The --reps calls of each peer go round
 peers' (a shared machine's load falls on all alike); the table gives the fastest. Then, with --warm-reps,
 one more process runs every peer of this tree (not --base-tree's) alternating, after a warm-up call of each
 at the full size, and the table adds each one's median and quartiles there: the figure of a training
-loop's warm process, where a whole product can run faster than in a fresh one. Peak memory is the rise of the
+loop's warm process, where a whole product can run faster than in a fresh one (with glibc's own malloc
+settings, as a training process has them: the fixed threshold below made every buffer of 64 KiB or more, the
+BLAS's scratch of each row tile's product among them, fresh pages at each call). Peak memory is the rise of the
 resident set's high-water mark over the call (CPU; glibc's mmap threshold is fixed so that freed
 buffers go back to the OS), or the device allocator's peak, the largest over the reps; "beyond" subtracts the outputs and
 the gradients of hidden and weight, so it is the peer's working memory. Log-probs and entropy are
@@ -222,10 +224,10 @@ def warm_child(cfg, hidden, weight, labels, elem):
 
 
 # ------------------------------------------------------------------ the parent
-def _env(base_tree=None):
+def _env(base_tree=None, warm=False):
     """A child's environment: this interpreter's (the twinkle_mem it imports), or with ``base_tree``'s python/
-    first on PYTHONPATH."""
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    first on PYTHONPATH; glibc's mmap threshold fixed for the peak RSS, but in the warm process (times only)."""
+    env = dict(os.environ) if warm else dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     if base_tree:
         env["PYTHONPATH"] = os.pathsep.join([os.path.join(base_tree, "python"), *filter(None, [env.get("PYTHONPATH")])])
     return env
@@ -234,7 +236,7 @@ def _env(base_tree=None):
 def _run(cfg):
     """One child run of ``cfg`` (its own process: its own peak RSS); its JSON, with ``wall_s``, and what
     twinkle-mem ran there (``ran``, named after the peer)."""
-    env = _env(cfg["base_tree"] if cfg["kind"] == "fused_base" else None)
+    env = _env(cfg["base_tree"] if cfg["kind"] == "fused_base" else None, warm=bool(cfg.get("warm")))
     t0 = time.monotonic()
     try:
         res = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env)

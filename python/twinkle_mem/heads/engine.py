@@ -313,7 +313,10 @@ class BlockProducts:
         self.operands = Operands(weight.dtype, weight.device, logits_dtype)
         self.rounded = (rounded and self.operands.copies and logits_dtype == weight.dtype
                         and native_reduced_products(weight.dtype, weight.device))
+        # (the bf16 product and its fp32 copy: an add of the bf16 product into out would make that copy anew on
+        # every call, a fresh allocation per row tile and block)
         self.scratch = weight.new_empty((tile, weight.shape[1])) if self.rounded else None
+        self.scratch_acc = weight.new_empty((tile, weight.shape[1]), dtype=self.operands.acc) if self.rounded else None
         self.block = (None, None)  # (v0, its operand)
 
     def __call__(self, out: Tensor, v0: int, v1: int, d: Tensor, accumulate: bool = False) -> Tensor:
@@ -325,7 +328,7 @@ class BlockProducts:
             o, t = out[r0:r0 + self.tile], d[r0:r0 + self.tile]
             if self.rounded:
                 p = torch.mm(t, self.block[1], out=self.scratch[:t.shape[0]])
-                o.add_(p) if accumulate else o.copy_(p)
+                o.add_(self.scratch_acc[:t.shape[0]].copy_(p)) if accumulate else o.copy_(p)
             else:
                 (add_matmul if accumulate else matmul_into)(o, self.operands(t), self.block[1])
         return out
