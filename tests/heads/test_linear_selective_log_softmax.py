@@ -469,24 +469,29 @@ def test_block_plan():
 def test_buffers_hold_the_rows_present(monkeypatch, frozen):
     # The logits buffer of a call holds its rows' tiles (rounded up to one), not the budget's: a 22-row micro-batch
     # at V = 1019 gets 512 x 1019 logits, not the 2048 x 1019 the default budget would hold; N = 600 two tiles.
-    sizes = []
+    sizes = []  # (the plan's group of tiles, its width, the buffer's elements) of each sweep's buffer
     logits_buffer = engine.logits_buffer
-    monkeypatch.setattr(engine, "logits_buffer", lambda tiles, plan: sizes.append(
-        (tiles.count, plan.group, plan.width)) or logits_buffer(tiles, plan))
+
+    def recorded(tiles, plan):
+        buf = logits_buffer(tiles, plan)
+        sizes.append((plan.group, plan.width, buf.numel()))
+        return buf
+
+    monkeypatch.setattr(engine, "logits_buffer", recorded)
     for n in (22, 600):
         hidden, weight, bias, labels = make_head(n, 32, 1019, torch.bfloat16, seed=n)
         h, w = hidden.requires_grad_(), weight.requires_grad_(not frozen)
         logp, ent = lsls(h, w, labels, True, chunk_bytes=2048 * 1019 * 2 + (8 << 20))
         (logp.sum() + ent.sum()).backward()
-        assert {(count, min(group, count) * engine.ROW_TILE) for count, group, _ in sizes} == {
-            (-(-n // engine.ROW_TILE), -(-n // engine.ROW_TILE) * engine.ROW_TILE)}, sizes
-        assert all(group >= 4 for _count, group, _ in sizes)  # the budget would have held 4 tiles
+        rows_held = -(-n // engine.ROW_TILE) * engine.ROW_TILE  # the rows present, rounded up to one tile
+        assert sizes and {numel for *_, numel in sizes} == {rows_held * 1019}, sizes
+        assert all(group >= 4 for group, *_ in sizes)  # the budget would have held 4 tiles
         sizes.clear()
     # A budget that holds one tile of an unwidened block is accepted (here 96 MiB: the widest block's bf16 tile at
     # H = 64 and V = 32003 needs 110 MiB; issue 41's example), the blocks narrowed to fit
     hidden, weight, bias, labels = make_head(40, 64, 32003, torch.bfloat16, seed=3)
     lsls(hidden.requires_grad_(), weight.requires_grad_(not frozen), labels, chunk_bytes=96 << 20).sum().backward()
-    assert all(width < 32003 for *_, width in sizes), sizes
+    assert sizes and all(width < 32003 for _group, width, _numel in sizes), sizes
 
 
 def test_default_chunk_bytes_holds_one_tile(monkeypatch):
