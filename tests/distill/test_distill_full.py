@@ -132,7 +132,7 @@ def test_against_twinkle_float64(kind, dtype, small_blocks):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", KINDS)
 def test_frozen_head_against_twinkle_float64(kind, dtype, small_blocks):
-    # LoRA's frozen head: dL/dhidden summed in the forward's second sweep (A - c B, heads/gkd_full.py)
+    # LoRA's frozen head: dL/dhidden summed in a third forward sweep, once the rows' L and K are known (heads/gkd_full.py)
     for beta in BETAS:
         check_case(kind, dtype, beta, 0.7, seed=KINDS.index(kind) + 40, frozen=True)
 
