@@ -60,15 +60,15 @@ def bounds(hidden, weight, bias, ids, lp, labels, g_out, beta, temperature):
 
 
 def run_and_check(rank, world, *, n=30, h=32, shard=120, k=8, dtype=torch.float32, bias=True, beta=0.5,
-                  temperature=0.7, seed=0, group=None, neg_inf=False, through_megatron=False):
+                  temperature=0.7, seed=0, group=None, neg_inf=False, through_megatron=False, frozen=False):
     import twinkle_mem
     group = group if group is not None else dist.group.WORLD
     hidden, weight, b, ids, lp, labels = make_inputs(n, h, world * shard, k, dtype, bias, seed, neg_inf)
     g_out = torch.randn(n, generator=torch.Generator().manual_seed(seed + 2))  # replicated (Megatron's convention)
-    hp, w, bb, x = tp_head_leaves(hidden, weight, b if bias else None, rank, world, through_megatron)
+    hp, w, bb, x = tp_head_leaves(hidden, weight, b if bias else None, rank, world, through_megatron, frozen)
     per = twinkle_mem.linear_gkd_topk(x, w, ids, lp, labels, bias=bb, beta=beta, temperature=temperature,
                                       process_group=group)
-    grads = torch.autograd.grad((per * g_out).sum(), [t for t in (hp, w, bb) if t is not None])
+    grads = torch.autograd.grad((per * g_out).sum(), [t for t in (hp, w, bb) if t is not None and t.requires_grad])
     summed = grads[0].double()
     if not through_megatron:
         dist.all_reduce(summed, group=group)  # what the caller's all-reduce makes of the partial sums
@@ -85,9 +85,12 @@ def run_and_check(rank, world, *, n=30, h=32, shard=120, k=8, dtype=torch.float3
     for r, other in enumerate(losses):
         assert torch.equal(other, one_per), f"rank {r}'s loss differs from the single-process loss"
     bh, bw, bb_ = bounds(hidden, weight, b, ids, lp, labels, g_out, beta, temperature)
-    checks = [("grad_hidden summed over ranks", summed, one[0], bh, world),
-              ("grad_weight shard", grads[1], vocab_shard(one[1], rank, world), vocab_shard(bw, rank, world), 1)]
-    if bias:
+    checks = [("grad_hidden summed over ranks", summed, one[0], bh, world)]
+    if frozen:  # LoRA's head: grad_hidden alone (the single process's weight is trainable: the same grad_hidden)
+        assert len(grads) == 1
+    else:
+        checks.append(("grad_weight shard", grads[1], vocab_shard(one[1], rank, world), vocab_shard(bw, rank, world), 1))
+    if bias and not frozen:
         checks.append(("grad_bias shard", grads[2], vocab_shard(one[2], rank, world), vocab_shard(bb_, rank, world), 1))
     for name, got, single, bound, parts in checks:
         assert got.shape == single.shape, name
@@ -129,6 +132,14 @@ def tp_subgroups_use_group_rank(rank, world):
     group = groups[rank // 2]
     run_and_check(dist.get_rank(group), 2, group=group, seed=6 + rank // 2)
     dist.destroy_process_group(group)
+
+
+@case()
+def frozen_head_fp32_and_bf16(rank, world):
+    # LoRA's frozen head under TP: grad_hidden alone, each rank's partial sum (the coefficients kept, the k weight
+    # rows gathered again in the backward: heads/gkd_topk.py, frozen_in_forward)
+    run_and_check(rank, world, frozen=True, seed=12)
+    run_and_check(rank, world, frozen=True, dtype=torch.bfloat16, bias=False, k=16, seed=13)
 
 
 @case()
