@@ -163,6 +163,31 @@ def test_frozen_output_layer_differentiated_in_the_forward(path, dtype, entropy,
     assert_same_training(want, got, dtype, entropy)
 
 
+def _peft_lora_on_attention(model):
+    """peft's LoRA as a recipe configures it: adapters on the attention projections, every base weight frozen
+    (lm_head among them), the model wrapped in a PeftModel."""
+    from peft import LoraConfig, get_peft_model
+    model.model = get_peft_model(model.model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+
+
+@pytest.mark.parametrize("entropy", [False, True], ids=["logp", "entropy"])
+def test_peft_lora_head_differentiated_in_the_forward(entropy, fused_calls, monkeypatch):
+    # The transformers path under peft: lm_head frozen by get_peft_model, reached through the PeftModel wrapper; the
+    # fused head sums grad_hidden's vectors in its forward, and the LoRA weights train as unfused.
+    from twinkle_mem.heads import logprobs
+    summed, backward_sweeps, frozen_grads = [], [], logprobs.FrozenGrads
+    monkeypatch.setattr(logprobs, "FrozenGrads", type("Counted", (frozen_grads,), {
+        "__init__": lambda self, *a, **k: summed.append(1) or frozen_grads.__init__(self, *a, **k)}))
+    sweep = logprobs.backward_sweep
+    monkeypatch.setattr(logprobs, "backward_sweep", lambda *a, **k: backward_sweeps.append(1) or sweep(*a, **k))
+    case = dict(temperature=0.7, entropy=entropy, dtype=torch.float32, edit=_peft_lora_on_attention)
+    want = run("transformers", False, **case)
+    got = run("transformers", True, **case)
+    assert len(fused_calls) == 1 and len(summed) == 1 and backward_sweeps == []
+    assert want["grads"] and all("lora_" in name for name in want["grads"])  # the adapters alone train
+    assert_same_training(want, got, torch.float32, entropy)
+
+
 def test_transformers_autocast_same_training(fused_calls):
     """twinkle's mixed_precision="bf16": fp32 weights, the forward under CPU autocast (lm_head in bf16)."""
     case = dict(temperature=0.7, entropy=True, mixed_precision="bf16")
