@@ -7,17 +7,19 @@ twinkle-mem's fused path against the unfused path and the chunked peers, side by
     /tmp/linear-peers-venv/bin/pip install .                 # twinkle-mem itself, its native library built
     /tmp/linear-peers-venv/bin/python bench/bench_linear_selective_log_softmax.py \\
         [--n 1024 4096] [--h 1024] [--vocab 151936] [--dtype fp32|bf16] [--reps 2] [--chunk-mib 256] \\
-        [--rss-n 4096 16384] [--device cpu|cuda|npu] [--head trainable|frozen] [--no-entropy-grad] \\
-        [--warm-reps 5]
+        [--rss-n 4096 16384] [--device cpu|cuda|npu] [--head trainable frozen] [--no-entropy-grad] \\
+        [--warm-reps 3]
 
 Every timed call runs in its own subprocess, after one warm-up call (compiles what compiles) at a
 small vocab: forward + backward (gradients of hidden, and of weight for a trainable --head, from logp,
-and from entropy where the peer gives it, unless --no-entropy-grad: the entropy a metric). ``--head
-frozen`` is LoRA's case: the LM head needs no gradient (twinkle-mem's fused head then sums grad_hidden's
-vectors in its forward; heads/frozen.py). The --reps calls of each peer go round robin with the other
-peers' (a shared machine's load falls on all alike); the table gives the fastest. Then, with --warm-reps,
-one more process runs every peer of this tree (not --base-tree's) alternating, after a warm-up call of each
-at the full size, and the table adds each one's median and quartiles there: the figure of a training
+and from entropy where the peer gives it, unless --no-entropy-grad: the entropy a metric). Both kinds of
+LM head run, one after the other, each with its own table and files (``--head trainable`` or ``--head frozen``
+for one): a trainable head, and a frozen one, LoRA's case, where the head needs no gradient (twinkle-mem's fused
+head then sums grad_hidden's vectors in its forward; heads/frozen.py). The --reps calls of each peer go round
+robin with the other peers' (a shared machine's load falls on all alike); the table gives the fastest. Then
+(--warm-reps, 3 by default; 0 for none) one more process runs every peer of this tree (not --base-tree's)
+alternating, after a warm-up call of each at the full size, and the table adds each one's median and quartiles
+there, beside the fresh processes' figure: the figure of a training
 loop's warm process, where a whole product can run faster than in a fresh one (with glibc's own malloc
 settings, as a training process has them: the fixed threshold below made every buffer of 64 KiB or more, the
 BLAS's scratch of each row tile's product among them, fresh pages at each call). Peak memory is the rise of the
@@ -42,7 +44,8 @@ packages:
 Every child records what twinkle-mem ran there (backend, CPU kernel path); the table and the JSON name them.
 A run whose twinkle-mem (this tree's or --base-tree's) would take the composite fallback on --device refuses to
 start unless --allow-composite.
-Writes bench/results/local/linear_selective_log_softmax.{json,md,png} (--out, --name); progress on stderr.
+Writes bench/results/local/linear_selective_log_softmax_{trainable,frozen}.{json,md,png} (one head kind:
+linear_selective_log_softmax.*; --out, --name); progress on stderr.
 """
 import argparse
 import json
@@ -267,14 +270,16 @@ def main(argv=None):
     p.add_argument("--peers", nargs="+", default=[k for k in PEERS.values() if k != "fused_base"],
                    choices=list(PEERS.values()))
     p.add_argument("--device", default="cpu")
-    p.add_argument("--head", choices=["trainable", "frozen"], default="trainable",
-                   help="frozen: the LM head needs no gradient (LoRA), grad_hidden alone")
+    p.add_argument("--head", nargs="+", choices=["trainable", "frozen"], default=["trainable", "frozen"],
+                   help="the LM head's kinds, each run in turn (default both); frozen: the head needs no gradient "
+                        "(LoRA), grad_hidden alone")
     p.add_argument("--no-entropy-grad", dest="entropy_grad", action="store_false",
                    help="the entropy a metric: the loss is sum(logp) (twinkle-mem: entropy_grad=False)")
-    p.add_argument("--warm-reps", type=int, default=0,
-                   help="then one process running every peer of this tree this many times, alternating")
+    p.add_argument("--warm-reps", type=int, default=3,
+                   help="then one process running every peer of this tree this many times, alternating (0: none)")
     p.add_argument("--out", default=local_out(""), help="results folder (default bench/results/local/, not tracked)")
-    p.add_argument("--name", default="linear_selective_log_softmax", help="file stem of the results in --out")
+    p.add_argument("--name", default="linear_selective_log_softmax",
+                   help="file stem of the results in --out (with both heads: <name>_trainable, <name>_frozen)")
     p.add_argument("--base-tree", help="another twinkle-mem checkout (built in place): the fused_base peer")
     p.add_argument("--replot", action="store_true", help="redraw the table and PNG from the JSON in --out")
     add_allow_composite(p)
@@ -282,11 +287,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.child:
         return child(json.loads(args.child))
+    heads = list(dict.fromkeys(args.head))
+    names = {head: args.name if len(heads) == 1 else f"{args.name}_{head}" for head in heads}
     if args.replot:
-        stem = os.path.join(args.out, args.name)
-        saved = read_json(stem + ".json")
-        print(_table(saved["rows"], saved["meta"]))
-        _plot(saved["rows"], saved["meta"], stem + ".png")
+        for name in names.values():
+            stem = os.path.join(args.out, name)
+            saved = read_json(stem + ".json")
+            print(_table(saved["rows"], saved["meta"]))
+            _plot(saved["rows"], saved["meta"], stem + ".png")
         return 0
 
     if "fused_base" in args.peers and not args.base_tree:
@@ -295,6 +303,14 @@ def main(argv=None):
     if "fused_base" in args.peers:  # the base tree's children: known before any starts
         ran.append(probe_twinkle_mem(_env(args.base_tree), args.device, "--base-tree"))
         refuse_composite(ran[-1], args.allow_composite)
+    for head, name in names.items():
+        args.head, args.name = head, name
+        _measure(args, list(ran))
+    return 0
+
+
+def _measure(args, ran):
+    """Every peer's fresh-process calls, then the warm process, for one head kind (args.head); writes and prints."""
     import torch
 
     names = PEER_NAMES
@@ -388,7 +404,6 @@ def main(argv=None):
     _plot(rows, meta, stem + ".png")
     print(f"done in {meta['total_s']:.0f} s; load average before {load_before}, after {meta['loadavg_after']}",
           file=sys.stderr)
-    return 0
 
 
 def _mib(x):
