@@ -1,5 +1,5 @@
 """What one training step of twinkle-kit's Megatron recipes costs with TWINKLE_MEM_INSTALL unset (twinkle-kit as shipped),
-``1`` and ``fused_lm_head``: each worker's peak memory, the step time, the loss.
+``1`` and ``fused_lm_head``: each worker's peak memory, the step time, the loss and twinkle's metrics.
 
     python bench/bench_recipe.py [--vocab 151936] [--seq 4096] [--prompt 512] [--hidden 64]
         [--layers 2] [--k 64] [--recipes grpo,gkd] [--modes unset,1,fused_lm_head] [--base-tree DIR]
@@ -20,7 +20,8 @@ vocab, as the recipe's vLLM teacher gives them). A local Qwen3 (V = ``--vocab``,
 fp32. Each mode in a fresh driver process (the variable set before Ray starts), each recipe a model of its own, one
 warm-up step, then the measured step: the rise of each worker's resident-set high-water mark over the step, read in
 the worker (``/proc/self/clear_refs`` before, ``VmHWM`` after), and the step's wall time in the driver. The loss of
-both steps (the first from the same weights in every mode). What twinkle-mem ran (backend, CPU kernel path) is read
+both steps (the first from the same weights in every mode), and twinkle's metrics after each
+(``calculate_metric(is_training=True)``: the first step's compared with the first mode's). What twinkle-mem ran (backend, CPU kernel path) is read
 in each driver and each worker, and named in the table and the JSON; a run whose twinkle-mem (this one's or
 --base-tree's) would take the composite fallback refuses to start unless --allow-composite. Writes
 bench/results/local/recipe.{json,md,png} (--out); ``--replot`` redraws the table and the PNG from the JSON. Progress on
@@ -119,7 +120,7 @@ def _measure(ckpt, recipe, args):
         else:
             model.set_loss(GKDLoss(beta=0.5, temperature=1.0))
         call = _grpo_call if recipe == "grpo" else _gkd_call
-        losses, seconds = [], []
+        losses, seconds, metrics = [], [], []
         for step in range(2):
             kwargs = call(args, seed=step)
             base = tr.on_workers(model, _reset_peak)
@@ -129,7 +130,8 @@ def _measure(ckpt, recipe, args):
             seconds.append(time.perf_counter() - start)
             peaks = [p - b for p, b in zip(tr.on_workers(model, _peak), base)]
             losses.append(recipes.loss_of(out))
-        result.update(losses=losses, step_s=seconds[-1], warmup_s=seconds[0], peak_bytes=peaks)
+            metrics.append(_plain(model.calculate_metric(is_training=True)))
+        result.update(losses=losses, metrics=metrics, step_s=seconds[-1], warmup_s=seconds[0], peak_bytes=peaks)
         result["ran"] = [twinkle_mem_ran(where="driver")] + [dict(r, where=f"worker {rank}") for rank, r in
                                                              enumerate(tr.on_workers(model, _ran))]
     except Exception as error:  # noqa: BLE001  (shipped's GKD at TP = 2: recorded, shown in the table)
@@ -138,6 +140,37 @@ def _measure(ckpt, recipe, args):
     finally:
         tr.release(model)
     return result
+
+
+def _plain(value):
+    """twinkle's metrics (per worker in Ray mode) as JSON: numbers as floats, anything else as its text."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _metrics_against(metrics, first):
+    """The first step's numeric metrics against the first row's: "same", or each that differs with its difference.
+    (twinkle's text metrics are the step's wall time and speed: not compared.)"""
+    def flat(value, key=""):
+        if isinstance(value, dict):
+            return {k: v for name, item in value.items() for k, v in flat(item, f"{key}.{name}" if key else name).items()}
+        if isinstance(value, list):
+            return {k: v for i, item in enumerate(value) for k, v in flat(item, f"{key}[{i}]").items()}
+        return {key: value}
+    mine, theirs = flat(metrics), flat(first)
+    differ = []
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key), theirs.get(key)
+        if isinstance(a, str) or isinstance(b, str) or a == b:
+            continue
+        differ.append(f"{key} {a - b:+.1e}" if isinstance(a, float) and isinstance(b, float) else f"{key}: {a} / {b}")
+    return "same" if not differ else "; ".join(differ)
 
 
 def child(mode, ckpt, args):
@@ -218,18 +251,24 @@ def _base_env(base_tree, env):
 
 def _table(meta, results):
     rows = []
+    with_metrics = all("metrics" in res for per_recipe in results.values() for res in per_recipe.values()
+                       if "error" not in res)  # (a run recorded before they were: its table re-renders as it was)
     for recipe in next(iter(results.values())):
         ran = [mode for mode, per_recipe in results.items() if "error" not in per_recipe[recipe]]
         for mode, per_recipe in results.items():
             res = per_recipe[recipe]
             if "error" in res:
-                rows.append([recipe.upper(), MODES[mode], "fails: " + res["error"].split(": ", 1)[-1], "-", "-", "-"])
+                rows.append([recipe.upper(), MODES[mode], "fails: " + res["error"].split(": ", 1)[-1], "-", "-", "-"]
+                            + ["-"] * with_metrics)
                 continue
             first = results[ran[0]][recipe]["losses"][0]
             vs = "-" if mode == ran[0] else f"{res['losses'][0] - first:+.1e}"
             peak = " / ".join(f"{p / 2**20:,.0f}" for p in res["peak_bytes"])
             rows.append([recipe.upper(), MODES[mode], f"{peak} MiB", f"{res['step_s']:.1f} s", f"{res['losses'][0]:.6f}",
                          vs])
+            if with_metrics:
+                rows[-1].append("-" if mode == ran[0] else
+                                _metrics_against(res["metrics"][0], results[ran[0]][recipe]["metrics"][0]))
     title = (f"twinkle-kit 0.5.1's Megatron recipes, one training step (`forward_backward` + `clip_grad_and_step`), "
              f"LoRA r = 8, twinkle's Ray mode, TP = 2 in 2 CPU workers (1 thread each), a Qwen3 of V = {meta['vocab']}, "
              f"H = {meta['hidden']}, {meta['layers']} layers, fp32; 2 micro-batches of one {meta['seq']}-token sequence "
@@ -237,9 +276,9 @@ def _table(meta, results):
              f"{meta['one_micro_batch_logits_shard_mib']:,.0f} MiB per worker. The loss of the first step (the same "
              f"weights in every row) against the recipe's first row that ran")
     header = ["recipe", "TWINKLE_MEM_INSTALL", "peak RSS rise per worker (TP rank 0 / 1)", "step time",
-              "loss (first step)", "vs first row"]
+              "loss (first step)", "vs first row"] + ["twinkle's metrics (first step) vs first row"] * with_metrics
     line = ran_line(meta)  # (none in a run recorded before it: its table re-renders as it was)
-    return title + "\n\n" + markdown_table(header, rows, "llrrrr") + (f"\n{line}\n" if line else "")
+    return title + "\n\n" + markdown_table(header, rows, "llrrrr" + "l" * with_metrics) + (f"\n{line}\n" if line else "")
 
 
 def _write(meta, results, stem):

@@ -334,3 +334,24 @@ def test_a_source_tree_without_a_library_is_refused_and_the_composite_runs_by_na
     assert "twinkle-mem ran: composite (the native library: not built" in ran.stdout
     meta = json.loads((tmp_path / "run.json").read_text())["meta"]
     assert meta["twinkle_mem_backend"] == "composite" and meta["twinkle_mem_ran"][0]["where"] == "twinkle_mem"
+
+
+def test_recipe_table_compares_twinkles_metrics():
+    # Issue 41: bench_recipe.py shows each mode's first-step metrics against the first mode's (the step's numeric
+    # metrics; twinkle's text ones are its wall time and speed).
+    import importlib
+
+    recipe = importlib.import_module("bench_recipe")
+    recorded = bench_common.read_json(str(BENCH / "results" / "recipe_issue41.json"))
+    meta, results = recorded["meta"], recorded["results"]
+    first, second = list(results)[:2]
+    for mode, grad_norm in ((first, 0.5), (second, 0.25)):
+        for res in results[mode].values():
+            res["metrics"] = [{"loss": 0.01, "grad_norm": grad_norm, "speed": f"{grad_norm} iters/s"}]
+    rows = [line for line in recipe._table(meta, results).splitlines() if line.startswith("| ")]
+    assert rows[0].endswith("| twinkle's metrics (first step) vs first row |")
+    assert [row.rsplit("|", 2)[1].strip() for row in rows[1:]] == ["-", "grad_norm -2.5e-01"] * 2
+    for res in results[second].values():
+        res["metrics"][0]["grad_norm"] = 0.5
+    assert [row.rsplit("|", 2)[1].strip() for row in recipe._table(meta, results).splitlines()
+            if row.startswith("| ")][1:] == ["-", "same"] * 2
