@@ -105,7 +105,8 @@ def test_recorded_vocab_parallel_table_renders_unchanged():
                                                         "frozen_bf16_entropy_avx512")),
                                          ("bench_twinkle_fused", "twinkle_fused"),
                                          ("bench_twinkle_mcore_bridge", "twinkle_mcore_bridge"),
-                                         ("bench_recipe", "recipe"), ("bench_recipe", "recipe_issue41")])
+                                         ("bench_recipe", "recipe"), ("bench_recipe", "recipe_issue41"),
+                                         ("bench_recipe", "recipe_issue41_xeon")])
 def test_recorded_tables_render_unchanged(script, stem):
     # These benchmarks write their .md through markdown_table; --replot redraws it from the recorded JSON.
     import importlib
