@@ -304,8 +304,7 @@ def main(argv=None):
         ran.append(probe_twinkle_mem(_env(args.base_tree), args.device, "--base-tree"))
         refuse_composite(ran[-1], args.allow_composite)
     for head, name in names.items():
-        args.head, args.name = head, name
-        _measure(args, list(ran))
+        _measure(argparse.Namespace(**dict(vars(args), head=head, name=name)), list(ran))
     return 0
 
 

@@ -130,6 +130,18 @@ def test_same_training_as_unfused(path, dtype, tied, temperature, entropy, fused
     assert got["grads"] == {} and want["grads"] == {}
 
 
+def _count_frozen_heads(monkeypatch):
+    """(one entry per fused call that summed grad_hidden's vectors in its forward, one per backward sweep that
+    recomputed logits), filled as the calls run."""
+    from twinkle_mem.heads import logprobs
+    summed, backward_sweeps, frozen_grads = [], [], logprobs.FrozenGrads
+    monkeypatch.setattr(logprobs, "FrozenGrads", type("Counted", (frozen_grads,), {
+        "__init__": lambda self, *a, **k: summed.append(1) or frozen_grads.__init__(self, *a, **k)}))
+    sweep = logprobs.backward_sweep
+    monkeypatch.setattr(logprobs, "backward_sweep", lambda *a, **k: backward_sweeps.append(1) or sweep(*a, **k))
+    return summed, backward_sweeps
+
+
 def _freeze_output_layer(path):
     """The edit that freezes the output layer's weight, as LoRA leaves it (megatron: output_layer; transformers:
     lm_head)."""
@@ -146,12 +158,8 @@ def test_frozen_output_layer_differentiated_in_the_forward(path, dtype, entropy,
     # LoRA's case: the output layer needs no gradient, so the fused head sums grad_hidden's vectors in its forward
     # (heads/frozen.py) and its backward recomputes no logits; the same training as unfused. (bf16 with the
     # entropy's gradient on a CPU that multiplies bf16 natively recomputes instead: frozen.recompute_is_cheaper.)
-    from twinkle_mem.heads import frozen, logprobs
-    summed, backward_sweeps, frozen_grads = [], [], logprobs.FrozenGrads
-    monkeypatch.setattr(logprobs, "FrozenGrads", type("Counted", (frozen_grads,), {
-        "__init__": lambda self, *a, **k: summed.append(1) or frozen_grads.__init__(self, *a, **k)}))
-    sweep = logprobs.backward_sweep
-    monkeypatch.setattr(logprobs, "backward_sweep", lambda *a, **k: backward_sweeps.append(1) or sweep(*a, **k))
+    from twinkle_mem.heads import frozen
+    summed, backward_sweeps = _count_frozen_heads(monkeypatch)
     case = dict(temperature=0.7, entropy=entropy, dtype=dtype, edit=_freeze_output_layer(path))
     want = run(path, False, **case)
     got = run(path, True, **case)
@@ -174,12 +182,7 @@ def _peft_lora_on_attention(model):
 def test_peft_lora_head_differentiated_in_the_forward(entropy, fused_calls, monkeypatch):
     # The transformers path under peft: lm_head frozen by get_peft_model, reached through the PeftModel wrapper; the
     # fused head sums grad_hidden's vectors in its forward, and the LoRA weights train as unfused.
-    from twinkle_mem.heads import logprobs
-    summed, backward_sweeps, frozen_grads = [], [], logprobs.FrozenGrads
-    monkeypatch.setattr(logprobs, "FrozenGrads", type("Counted", (frozen_grads,), {
-        "__init__": lambda self, *a, **k: summed.append(1) or frozen_grads.__init__(self, *a, **k)}))
-    sweep = logprobs.backward_sweep
-    monkeypatch.setattr(logprobs, "backward_sweep", lambda *a, **k: backward_sweeps.append(1) or sweep(*a, **k))
+    summed, backward_sweeps = _count_frozen_heads(monkeypatch)
     case = dict(temperature=0.7, entropy=entropy, dtype=torch.float32, edit=_peft_lora_on_attention)
     want = run("transformers", False, **case)
     got = run("transformers", True, **case)
