@@ -62,14 +62,14 @@ def test_a_part_not_recognized_is_refused_by_name_and_runs_as_shipped(twinkle_mo
     import twinkle.version
     from twinkle_mem.integrations.twinkle import twinkle_names
     monkeypatch.setattr(twinkle.version, "__version__", "0.0.1")
-    real = twinkle_names.recognize
+    real = integration.FRAMEWORK.recognize
     reduce_loss = f"{twinkle_names.STRATEGY}:MegatronStrategy.reduce_loss"
 
     def changed_reduce_loss(folder):
         found = real(folder)
         return found._replace(names={**found.names, reduce_loss: "unexpected signature (self, x)"})
 
-    monkeypatch.setattr(twinkle_names, "recognize", changed_reduce_loss)
+    monkeypatch.setattr(integration.FRAMEWORK, "recognize", changed_reduce_loss)
     before = patch_points(twinkle_modules)
     with pytest.warns(integration.TwinklePartsNotRecognized, match=r"megatron_logits_guard \(twinkle\.model\.megatron"
                       r"\.strategy\.megatron\.MegatronStrategy\.reduce_loss: unexpected signature \(self, x\)\)"):
@@ -111,7 +111,7 @@ def test_what_the_source_says_is_what_python_has(twinkle_modules):
     the parameters Python gives the imported objects (undecorated), also when read up to their parameters only,
     and its bound names are there."""
     from twinkle_mem.integrations.twinkle import twinkle_names, twinkle_source
-    found, source = twinkle_names.found(), twinkle_source.TwinkleSource(twinkle_names.twinkle_folder())
+    found, source = integration.FRAMEWORK.found(), twinkle_source.TwinkleSource(integration.FRAMEWORK.folder())
     checked = 0
     for key, name in twinkle_names.NAMES.items():
         if found.names[key] is not None:

@@ -55,7 +55,7 @@ def state(**env):
 
 
 DEFAULTS = {"logits_path": False, "fused_chunk_bytes": None}
-VERSION = verl_names.found().version  # (0.9.1 from the test extras; .ci/run also runs this file against 0.9.0)
+VERSION = integration.FRAMEWORK.found().version  # (0.9.1 from the test extras; .ci/run also runs this file against 0.9.0)
 
 
 def test_import_verl_installs_the_defaults_and_changes_nothing_unless_asked():
@@ -144,21 +144,21 @@ def released(tmp_path_factory):
 def _plan(folder, logits_path=True):
     return patches.VerlInstallPlan.for_settings(verl_names.PARTS,
                                                 {"logits_path": logits_path, "fused_chunk_bytes": None},
-                                                verl_names.recognize(folder))
+                                                integration.FRAMEWORK.recognize(folder))
 
 
 def test_this_verl_and_0_9_0_are_recognized_whole(released):
     assert VERSION in ("0.9.1", "0.9.0")
-    for folder in (verl_names.verl_folder(), released["0.9.0"]):
+    for folder in (integration.FRAMEWORK.folder(), released["0.9.0"]):
         plan = _plan(folder)
         assert plan.refused == {} and plan.accepted == {p.key for p in verl_names.PARTS}, folder
         assert all(plan.features.values()), plan.features
-    assert verl_names.recognize(released["0.9.0"]).version == "0.9.0"
+    assert integration.FRAMEWORK.recognize(released["0.9.0"]).version == "0.9.0"
 
 
 def test_0_8_0_is_refused_part_by_part_for_its_missing_plugin_group(released):
     plan = _plan(released["0.8.0"])
-    assert verl_names.recognize(released["0.8.0"]).version == "0.8.0"
+    assert integration.FRAMEWORK.recognize(released["0.8.0"]).version == "0.8.0"
     assert set(plan.refused) == {p.key for p in verl_names.PARTS} and plan.accepted == frozenset()
     for why in plan.refused.values():
         assert "verl/__init__.py loads the verl.plugins entry points at `import verl`: not recognized" in why
@@ -166,7 +166,7 @@ def test_0_8_0_is_refused_part_by_part_for_its_missing_plugin_group(released):
 
 def test_a_changed_part_alone_is_refused_by_name(tmp_path):
     copy = tmp_path / "verl"
-    shutil.copytree(verl_names.verl_folder(), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(integration.FRAMEWORK.folder(), copy, ignore=shutil.ignore_patterns("__pycache__"))
     monkey_patch = copy / "models" / "transformers" / "monkey_patch.py"
     monkey_patch.write_text(monkey_patch.read_text().replace("model.__class__.forward =", "model.forward ="))
     plan = _plan(str(copy))
@@ -177,14 +177,14 @@ def test_a_changed_part_alone_is_refused_by_name(tmp_path):
 
 def test_install_leaves_a_refused_part_as_shipped_and_warns(monkeypatch):
     import verl.models.transformers.monkey_patch as monkey_patch
-    real = verl_names.recognize
+    real = integration.FRAMEWORK.recognize
     key = verl_names.PATCH_FORWARD_WITH_BACKENDS.key
 
     def changed(folder):
         found = real(folder)
         return found._replace(names={**found.names, key: "unexpected signature (model)"})
 
-    monkeypatch.setattr(verl_names, "recognize", changed)
+    monkeypatch.setattr(integration.FRAMEWORK, "recognize", changed)
     try:
         integration.uninstall()
         with pytest.warns(integration.VerlPartsNotRecognized, match=r"fsdp_fused_head \(verl\.models\.transformers"
@@ -238,7 +238,7 @@ def test_python_m_twinkle_mem_names_the_verl_and_its_parts():
                           env={**os.environ, "TWINKLE_MEM_VERL": "logits_path"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    found = f"verl at {verl_names.verl_folder()} (version/version says {VERSION}); install(logits_path=True) patches"
+    found = f"verl at {integration.FRAMEWORK.folder()} (version/version says {VERSION}); install(logits_path=True) patches"
     assert found in out
     for part in verl_names.PARTS:
         assert f"{part.key:28s} {part.what}: patched" in out

@@ -9,7 +9,8 @@ Each integration declares, in its names module (twinkle's ``twinkle_names.py``, 
   for it. A part whose names or features are not what is expected is refused by name: the framework runs that
   part as it ships it.
 
-:func:`recognize` reads a package's source (``source.py``) against those, importing nothing.
+:func:`recognize` reads a package's source (``source.py``) against those, importing nothing (each framework's
+declaration, ``framework.py``, caches it per folder).
 """
 import importlib.util
 import os

@@ -3,7 +3,7 @@
 This module owns the variable: its grammar (:func:`parse`), what it would do (:func:`describe`, for
 ``python -m twinkle_mem``), and the install run by the start-up hook (``twinkle_mem_startup.py``, put
 in site-packages by ``pip install``) right after twinkle's package has been imported
-(:func:`install_from_environment`), with its one log line.
+(``FRAMEWORK.install_from_environment``, ``core/framework.py``), with its one log line.
 
 Values: unset, empty or ``0``: off. ``1``: ``install()`` with its defaults. Otherwise a comma-separated
 list of ``install()``'s keyword arguments, a bare name meaning ``True``:
@@ -14,8 +14,8 @@ more than it did: install() patches each twinkle module when the process imports
 module and those it imports need no torch.
 """
 import os
-from typing import Any, Dict, Optional
 
+from ..core.framework import StartupHook
 from ..core.startup import Variable
 from .settings import SETTINGS
 
@@ -49,14 +49,8 @@ def hook_status() -> str:
     return f"installed ({found[0]}), not active in this process (Python started with -S?)"
 
 
-def install_from_environment() -> Optional[Dict[str, Any]]:
-    """Run by the start-up hook right after twinkle's package is imported: install() as the variable asks.
-
-    Returns the options installed (``None`` when off). Any failure raises, naming the variable; so does a part
-    of twinkle-kit install() does not recognize (an explicit install() would leave it as shipped)."""
-    from . import install_settings
-    from .twinkle_names import version
-    return VARIABLE.install_from_environment(
-        lambda settings: install_settings(settings, strict=True), version,
-        advice=f"To run twinkle-kit as shipped, unset {ENV_VAR} (or set it to 0); install() called in the script "
-               "patches the parts it recognizes and leaves the others as shipped.")
+# A part of twinkle-kit not recognized makes the variable's install raise (an explicit install() would leave it as
+# shipped): the job fails at its start instead of training with twinkle-kit as shipped.
+HOOK = StartupHook("start-up hook", hook_status, strict=True,
+                   advice=f"To run twinkle-kit as shipped, unset {ENV_VAR} (or set it to 0); install() called in the "
+                          "script patches the parts it recognizes and leaves the others as shipped.")

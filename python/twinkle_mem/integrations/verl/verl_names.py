@@ -12,11 +12,10 @@ module and its table.
 - :data:`PARTS`: what install() patches: a part whose names or features are not recognized is refused by name.
 """
 import ast
-import functools
 from typing import Dict, Tuple
 
 from ..core import source as src
-from ..core.recognition import Feature, Found, Name, Part, names_table, package_folder, recognize as recognize_in
+from ..core.recognition import Feature, Name, Part, names_table
 from .settings import LOGITS_PATH
 
 MONKEY_PATCH = "verl.models.transformers.monkey_patch"
@@ -163,26 +162,6 @@ MEGATRON_LOGITS_PATH = Part("megatron_logits_path", "vocab_parallel_log_probs_fr
                             _EVERY_PROCESS)
 
 PARTS: Tuple[Part, ...] = (FSDP_FUSED_HEAD, MEGATRON_FUSED_HEAD, LOGITS_PATH_PART, MEGATRON_LOGITS_PATH)
-
-
-@functools.lru_cache(maxsize=None)
-def recognize(folder: str) -> Found:
-    """Read the verl package at ``folder`` (nothing imported) against NAMES and FEATURES."""
-    return recognize_in(folder, NAMES, FEATURES)
-
-
-def verl_folder() -> str:
-    """The folder of the verl package this process imports (found, not imported)."""
-    return package_folder("verl", "verl")
-
-
-def found() -> Found:
-    """The verl of this process, as install() sees it."""
-    return recognize(verl_folder())
-
-
-def version() -> str:
-    return found().version or "(no version)"
 
 
 def impl_backend(model_config) -> object:
