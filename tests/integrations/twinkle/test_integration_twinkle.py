@@ -81,6 +81,31 @@ def test_a_part_not_recognized_is_refused_by_name_and_runs_as_shipped(twinkle_mo
         assert (after[key] is before[key]) == (key in shipped), key
 
 
+def test_report_says_what_install_would_patch_and_what_is_patched_here(monkeypatch):
+    """`python -m twinkle_mem`'s lines (issue 52): each part says what install() would do (patch it, recognized; or
+    refuse it, and why) apart from what is patched in this process, which says "patched" only once install() ran."""
+    from twinkle_mem.integrations.twinkle import twinkle_names
+    framework = integration.FRAMEWORK
+    guard, log_softmax = twinkle_names.MEGATRON_LOGITS_GUARD, twinkle_names.LOG_SOFTMAX_PART
+
+    def line(part):
+        return next(x for x in framework.report(None) if x.split()[:1] == [part.key])
+
+    assert line(log_softmax).endswith(": would be patched (recognized); not patched in this process")
+    integration.install()
+    assert line(log_softmax).endswith(": would be patched (recognized); patched in this process")
+    assert "install() in this process: yes" in framework.report(None)[1]
+    real, reduce_loss = framework.recognize, f"{twinkle_names.STRATEGY}:MegatronStrategy.reduce_loss"
+    monkeypatch.setattr(framework, "recognize", lambda folder: real(folder)._replace(
+        names={**real(folder).names, reduce_loss: "unexpected signature (self, x)"}))
+    with pytest.warns(integration.TwinklePartsNotRecognized):
+        integration.install(logits_guard=True, mask_skip="always")  # (other settings: a reinstall)
+    assert line(guard).endswith(": refused, would run as twinkle-kit ships it (twinkle.model.megatron.strategy."
+                                "megatron.MegatronStrategy.reduce_loss: unexpected signature (self, x)); left as "
+                                "shipped in this process (refused)"), line(guard)
+    assert line(log_softmax).endswith("; patched in this process")
+
+
 def test_this_twinkle_kit_is_recognized_whole():
     """In every release CI runs these tests against (0.4.0, 0.5.0, 0.5.1), install() recognizes every part."""
     with warnings.catch_warnings():

@@ -13,8 +13,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Type
 
 from .install_plan import InstallPlan
 from .patching import Patcher
-from .recognition import Feature, Found, Name, Part, package_folder, recognize
+from .recognition import Engine, Feature, Found, Name, Part, package_folder, recognize
 from .settings import Settings
+from .source import PackageSource
 from .startup import Variable
 
 
@@ -46,18 +47,22 @@ class Framework:
     it); ``names``, ``features``, ``parts``: its names table (``core/recognition.py``); ``settings``: install()'s
     (``core/settings.py``); ``patcher``: its patch points (``core/patching.py``) and ``plan``: the install plan
     class its patches read; ``variable`` and ``hook``: how every process of a job installs (``core/startup.py``);
-    ``refused_warning``: the warning install() gives for parts not recognized; ``before_install``: run first by
-    every install() (twinkle imports twinkle, whose start-up hook may install first)."""
+    ``refused_warning``: the warning install() gives for parts not recognized (a subclass of
+    :class:`PartsNotRecognized` declared in the integration's module); ``engines``: where the framework has several,
+    the parts that serve each (``python -m twinkle_mem`` names them); ``before_install``: run first by every
+    install() (twinkle imports twinkle, whose start-up hook may install first)."""
 
     def __init__(self, name: str, *, package: str, distribution: str, version_file: str, names: Dict[str, Name],
                  features: Tuple[Feature, ...], parts: Tuple[Part, ...], settings: Settings, patcher: Patcher,
-                 variable: Variable, hook: StartupHook, plan: Type[InstallPlan] = InstallPlan,
-                 refused_warning: Type[PartsNotRecognized] = PartsNotRecognized,
+                 variable: Variable, hook: StartupHook, refused_warning: Type[PartsNotRecognized],
+                 plan: Type[InstallPlan] = InstallPlan, engines: Tuple[Engine, ...] = (),
                  before_install: Callable[[], None] = lambda: None):
         self.name, self.package, self.distribution, self.version_file = name, package, distribution, version_file
         self.names, self.features, self.parts, self.settings = names, features, parts, settings
         self.patcher, self.variable, self.hook, self.plan_class = patcher, variable, hook, plan
-        self.refused_warning, self.before_install = refused_warning, before_install
+        self.refused_warning, self.engines, self.before_install = refused_warning, engines, before_install
+        # The integration's module, where the public functions are (its warning is declared there too)
+        self.module = refused_warning.__module__
         self.plan: Optional[InstallPlan] = None  # the plan in effect in this process (None: not installed)
         self._recognized: Dict[str, Found] = {}
 
@@ -128,6 +133,67 @@ class Framework:
         found = self.found()
         plan = self.plan_class.for_settings(self.parts, self.settings.bind("install", given), found)
         return [self.where(found), *plan.describe(self.parts)]
+
+    # --- what `python -m twinkle_mem` says ---------------------------------------------------------------------
+
+    def every_part(self) -> Dict[str, Any]:
+        """install()'s arguments that ask for every part (those whose default does not)."""
+        return {p.asked.name: True for p in self.parts if p.asked is not None and p.asked.default is not True}
+
+    def report(self, value: Optional[str]) -> List[str]:
+        """What ``python -m twinkle_mem`` says of this framework, its variable set to ``value``: the framework found,
+        whether install() ran in this process, the start-up hook, what the variable would do; then part by part
+        what install() would patch (as the variable asks, or every part where it asks for none): recognized by the
+        framework's code, or refused and why; and what is patched in this process; the engines, where declared."""
+        try:
+            options = self.variable.parse(value)
+        except ValueError:
+            options = None
+        shown = self.every_part() if options is None else options
+        installed = "yes" if self.plan is not None else "no, nothing patched here"
+        lines = [f"  install() in this process: {installed} ({self.module}.is_installed() tells, in any process)",
+                 f"  {self.hook.title}: {self.hook.status()}", f"  {self.variable.describe(value)}"]
+        try:
+            found = self.found()
+        except ImportError as error:
+            return [f"{self.name}: {error}", *lines]
+        plan = self.plan_class.for_settings(self.parts, self.settings.bind("install", shown), found)
+        asked = f"as {self.variable.name} asks" if options is not None else "every part"
+        lines.append(f"  what {self.variable.install_call(shown)} ({asked}) would patch, each part recognized by "
+                     f"{self.name}'s code or refused; and what is patched in this process:")
+        for part in self.parts:
+            lines.append(f"    {part.key:28s} {part.what}: {self._would(plan, found, part)}; {self._now(part)}")
+        lines += [f"    {note}" for note in plan.notes()]
+        if self.engines:
+            lines.append(f"  {self.name}'s engines, each read from its code: the parts that would serve it")
+            source = PackageSource(found.folder)
+            lines += [f"    {engine.key:12s} {self._engine(plan, found, source, engine)}" for engine in self.engines]
+        return [self.where(found), *lines]
+
+    def _would(self, plan: InstallPlan, found: Found, part: Part) -> str:
+        if part.is_asked(plan.settings):
+            return plan.status(part)
+        why = found.refusals(part)  # (a part not asked for: whether it would be recognized)
+        return plan.status(part) + (f", and refused if asked ({'; '.join(why)})" if why else ", recognized")
+
+    def _now(self, part: Part) -> str:
+        if self.plan is None or not part.is_asked(self.plan.settings):
+            return "not patched in this process"
+        if part.key in self.plan.refused:
+            return "left as shipped in this process (refused)"
+        return "patched in this process"
+
+    def _engine(self, plan: InstallPlan, found: Found, source: PackageSource, engine: Engine) -> str:
+        if not source.has_module(engine.module):
+            return f"not in this {self.name} (no {engine.module})"
+        said = []
+        for part, feature in engine.served:
+            if feature.check(source):
+                said.append(f"{part.key} {self._would(plan, found, part)}")
+            else:
+                said.append(f"{part.key} refused for it, it runs as {self.name} ships it ({feature.doc}: not "
+                            "recognized)")
+        return "; ".join(said)
 
     def install_from_environment(self) -> Optional[Dict[str, Any]]:
         """install() as the variable asks, run by the framework's start-up hook: the options installed (None: off).

@@ -37,7 +37,8 @@ class VerlPartsNotRecognized(PartsNotRecognized):
 FRAMEWORK = Framework(
     "verl", package="verl", distribution="verl", version_file="version/version", names=verl_names.NAMES,
     features=verl_names.FEATURES, parts=verl_names.PARTS, settings=SETTINGS, patcher=patches.PATCHER,
-    plan=patches.VerlInstallPlan, variable=startup.VARIABLE, hook=startup.HOOK, refused_warning=VerlPartsNotRecognized)
+    plan=patches.VerlInstallPlan, variable=startup.VARIABLE, hook=startup.HOOK, refused_warning=VerlPartsNotRecognized,
+    engines=verl_names.ENGINES)
 
 install, uninstall, is_installed, installed_settings, refused, describe = FRAMEWORK.public_functions(
     """Make twinkle-mem a backend of the verl this process imports; idempotent, undone by :func:`uninstall`.
