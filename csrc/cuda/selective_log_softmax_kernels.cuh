@@ -3,7 +3,9 @@
 // launches them; the stable-ABI glue (selective_log_softmax.cu) registers the
 // op for the CUDA dispatch key. The math (online state, merge, finalize,
 // gradient, label classification) is csrc/common/online_softmax.h, the row and
-// label indexing csrc/common/layout.h: nothing of either is written here.
+// label indexing csrc/common/layout.h: nothing of either is written here but
+// how a thread streams its elements into a state (RunningSums: the sums in base
+// 2 against a running max, re-based as merge() does).
 //
 // Work decomposition, forward and backward alike:
 //   segment = a fixed run of kSegmentBytes of one row (the last one shorter):
@@ -17,14 +19,15 @@
 //             thread. This assignment is by element index: a row's reduction is
 //             the same whatever its address. A slot is moved with one 16-byte
 //             vector when its segment is 16-byte aligned, else element by element.
-// Forward: each task reduces its segment to one online state (thread -> warp ->
-// block, merge() in a fixed tree) and writes it to a workspace; a second kernel,
-// one thread per row, merges the row's states in segment order and finishes the
-// row. So a row's results are bitwise the same whatever N, the other rows, the
-// grid size or the row's alignment.
-// Backward: each task writes grad_off_label, p (a + b (u + entropy)), over its
-// segment (read first: the in-place variant is safe), then rewrites the label
-// positions in it with grad_at_label (repeated labels summed).
+// Forward: each task reduces its segment to one online state (each thread's
+// RunningSums, then warp and block, merge() in a fixed tree) and writes it to a
+// workspace; a second kernel, one thread per row, merges the row's states in
+// segment order and finishes the row. So a row's results are bitwise the same
+// whatever N, the other rows, the grid size or the row's alignment.
+// Backward: each task writes grad_off_label, p (a + b (u + entropy)) (its base-2
+// form for 16-bit gradients), over its segment (read first: the in-place variant
+// is safe), then rewrites the label positions in it with grad_at_label (repeated
+// labels summed).
 //
 // Out-of-range labels (neither ignore_index nor in [0, vocab_size)) are never used
 // as an index. The forward checks them on the device, as PyTorch's own nll_loss
@@ -56,7 +59,8 @@ namespace cuda {
 
 constexpr int kMaxThreads = 64;              // threads per block of a task (a multiple of 32)
 constexpr int kRowThreads = 256;             // threads per block of finish_rows_kernel (one per row)
-constexpr int kUnroll = 8;                   // slots in flight per thread per chunk: 128 bytes
+constexpr int kUnroll = 4;                   // slots per thread per chunk of the forward: 64 bytes in flight
+constexpr int kGradUnroll = 8;               // slots per thread per step of the backward: 128 bytes in flight
 constexpr int64_t kSegmentBytes = 64 << 10;  // logits per task: 32768 bf16, 16384 fp32
 
 // ------------------------------------------------------------ element types
@@ -217,11 +221,11 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 }
 __device__ __forceinline__ double max_nan(double a, double b) { return (a != a || b != b) ? a + b : fmax(a, b); }
 
-// 2^y in one MUFU.EX2 (ex2.approx.ftz: within 2 ulp, the error of exp2f, which
-// is this instruction plus the scaling that keeps its subnormal results; here
-// they are flushed to 0). Off the device (the CPU emulation) the host's exp2f,
-// made 2 ulp too large and flushed alike: the emulated kernels carry the
-// device's worst error, not libm's.
+// 2^y in one MUFU.EX2 (ex2.approx.ftz: within 2 ulp, the error CUDA gives for
+// exp2f, which is this instruction plus the scaling that keeps its subnormal
+// results; here they are flushed to 0). Off the device (the CPU emulation) the
+// host's exp2f times 1 + 2^-22, 2 to 4 ulp too large, flushed alike: the
+// emulated kernels carry at least the device's worst error, not libm's.
 __device__ __forceinline__ float ex2_approx_ftz(float y) {
 #if defined(__CUDA_ARCH__)
   float r;
@@ -240,7 +244,7 @@ __device__ __forceinline__ float ex2_approx_ftz(float y) {
 // twice MUFU.EX2's, 4.5 ulp: within the 1e-6 bound of logp and far below the
 // ulp of a 16-bit gradient. Wider logits: exp2_ (exp2f, 2 ulp), as fp32
 // gradients need. The kernels carry their exponents in units of `unit` (their
-// scales multiplied by it: exact) and call of(y * unit).
+// scales multiplied by it: exact) and call exp2(y * unit).
 template <typename scalar_t>
 struct Exp2 {
   using acc_t = acc_of<scalar_t>;
@@ -268,11 +272,10 @@ __device__ __forceinline__ bool block_row_skipped(const Labels<label_t>& labels,
 }
 
 // ---------------------------------------------------------------- reductions
-// Lane 0 ends with lanes 0 .. 2 * first_offset - 1 merged in a fixed tree.
 template <typename acc_t>
-__device__ __forceinline__ OnlineSoftmax<acc_t> warp_merge(OnlineSoftmax<acc_t> s, acc_t inv_T, int first_offset = 16) {
+__device__ __forceinline__ OnlineSoftmax<acc_t> warp_merge(OnlineSoftmax<acc_t> s, acc_t inv_T) {
 #pragma unroll
-  for (int offset = first_offset; offset > 0; offset >>= 1) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
     const OnlineSoftmax<acc_t> other{__shfl_down_sync(0xffffffffu, s.max, offset),
                                      __shfl_down_sync(0xffffffffu, s.rest, offset),
                                      __shfl_down_sync(0xffffffffu, s.zsum, offset)};
@@ -289,10 +292,9 @@ __device__ __forceinline__ OnlineSoftmax<acc_t> block_merge(OnlineSoftmax<acc_t>
   s = warp_merge(s, inv_T);
   if (lane == 0) smem[warp] = s;
   __syncthreads();
-  if (warp == 0) {  // the warps' states, in a tree as deep as their count needs (a power of two)
-    const int warps = static_cast<int>(blockDim.x / 32);
-    s = lane < warps ? smem[lane] : empty_state<acc_t>();
-    s = warp_merge(s, inv_T, warps / 2);
+  if (warp == 0) {
+    s = lane < static_cast<int>(blockDim.x / 32) ? smem[lane] : empty_state<acc_t>();
+    s = warp_merge(s, inv_T);
   }
   __syncthreads();  // smem is reused by the block's next task
   return s;
@@ -387,17 +389,21 @@ struct RunningSums {
   acc_t at_max = 0;
   acc_t zsum = 0;
 
-  // A larger max (not NaN): every element so far is below it now, its weight
-  // 2^gap with gap = (max - new_max) log2(e) / T, and its y moves by gap (merge()'s
-  // algebra). A max far below (-inf, finfo.min at a low temperature) has weight 0;
-  // its gap is clamped so that gap (below + at_max) stays finite, as in merge().
-  __device__ __forceinline__ void raise_max(acc_t new_max, acc_t scale) {
-    const acc_t gap = max_(acc_t(-1e30), (max - new_max) * scale);
+  // Re-bases the sums to new_max >= max. A larger one (not NaN): every element
+  // so far is below it now, its weight 2^gap with gap = (max - new_max) log2(e) / T,
+  // and its y moves by gap (merge()'s algebra). A max far below (-inf, finfo.min
+  // at a low temperature) has weight 0; its gap is clamped so that
+  // gap (below + at_max) stays finite, as in merge(). Branch-free (gap 0, weight
+  // 1 where the max stays): a branch diverges in most warps at most chunks anyway.
+  __device__ __forceinline__ void rebase(acc_t new_max, acc_t scale) {
+    const bool raised = new_max > max;
+    const acc_t gap = raised ? max_(acc_t(-1e30), (max - new_max) * scale) : acc_t(0);
     const acc_t weight = exp2_(gap);
     const acc_t all = below + at_max;
     zsum = weight * fma_(gap, all, zsum);
-    below = all * weight;
-    at_max = 0;
+    below = raised ? all * weight : below;
+    at_max = raised ? acc_t(0) : at_max;
+    max = new_max;
   }
 
   // Adds `count` values whose max (NaN if any is NaN) is values_max: for_each(f)
@@ -410,10 +416,8 @@ struct RunningSums {
   template <bool kEntropy, typename ForEach>
   __device__ __forceinline__ void add(acc_t values_max, int count, acc_t scale, ForEach&& for_each) {
     constexpr Exp2<scalar_t> exp2;
-    const acc_t new_max = max_nan(max, values_max);
-    if (new_max > max) raise_max(new_max, scale);
-    max = new_max;
-    const acc_t neg_shift = -finite_shift(new_max);
+    rebase(max_nan(max, values_max), scale);
+    const acc_t neg_shift = -finite_shift(max);
     const acc_t scale_in_units = scale * exp2.unit;
     acc_t chunk_below = 0, chunk_below_count = 0, chunk_zsum = 0;
     for_each([&](acc_t x) {
@@ -585,9 +589,9 @@ __device__ __forceinline__ void zero_segment(scalar_t* d, int64_t n) {
 
 // d[0, n) = the off-label gradient of x[0, n): in base 2 for 16-bit gradients
 // (online_softmax.h's grad_off_label_base2, with Exp2's 2^(y / 2) squared), as
-// the contract writes it for fp32 and fp64 ones. d may alias x: each slot is read and written by the same
-// thread, read first. kUnroll slots are loaded before any is written: 128 bytes
-// in flight per thread.
+// the contract writes it for fp32 and fp64 ones. d may alias x: each slot is
+// read and written by the same thread, read first. kGradUnroll slots are loaded
+// before any is written: 128 bytes in flight per thread.
 template <typename scalar_t, bool kLoadVector, bool kStoreVector>
 __device__ __forceinline__ void grad_segment(const scalar_t* x, scalar_t* d, int64_t n,
                                              const RowGrad<acc_of<scalar_t>>& g) {
@@ -605,16 +609,16 @@ __device__ __forceinline__ void grad_segment(const scalar_t* x, scalar_t* d, int
   const int tid = threadIdx.x, threads = blockDim.x;
   const int64_t slots = n / W;
   if (slots * W + tid < n) d[slots * W + tid] = from_acc<scalar_t>(grad(to_acc(x[slots * W + tid])));
-  const int64_t step = static_cast<int64_t>(kUnroll) * threads;
+  const int64_t step = static_cast<int64_t>(kGradUnroll) * threads;
   for (int64_t base = tid; base < slots; base += step) {
-    uint4 raw[kUnroll];
+    uint4 raw[kGradUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kGradUnroll; ++u) {
       const int64_t s = base + u * threads;
       if (s < slots) raw[u] = load_slot<scalar_t, kLoadVector>(x + s * W);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kGradUnroll; ++u) {
       const int64_t s = base + u * threads;
       if (s < slots) {
         acc_t v[W];
