@@ -18,7 +18,7 @@ Issue 51, point 2. Per cell (head shape x output x head kind x peer), in one pro
   logits + log_softmax/gather); torch.compile of the unfused; Liger-Kernel's fused linear cross entropy
   (reduction="none"), its fused linear scaled cross entropy (verl's "liger" backend; log-probs and entropy) and its
   fused linear GRPO loss; verl's Triton kernel and its torch backend (FusedLinearForPPO); Cut Cross-Entropy
-  (reduction="none"). A peer that is not installed, cannot run on the device, or cannot give an output is
+  (reduction="none"), each with its own defaults (CCE's gradient filtering included). A peer that is not installed, cannot run on the device, or cannot give an output is
   reported as such, in its row, not left out: one without entropy is timed for what it gives ("logp only", "a
   GRPO loss"), marked so, and never counted among the peers that give the cell's outputs.
 
@@ -377,6 +377,9 @@ def run_cell(peer, output, head, data, ctx, args, device):
             row["ops"] = count_ops(call, device)
     except NotGiven as why:
         return dict(row, status=f"cannot run: {why}")
+    except ImportError as error:  # (a module its first call loads: Liger's CuTe DSL kernel needs nvidia-cutlass-dsl)
+        device.free()
+        return dict(row, status=f"not installed: {error}")
     except Exception as error:  # noqa: BLE001  (a peer's failure is its row's: OOM, a kernel that cannot compile)
         row["status"] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
         row["traceback"] = traceback.format_exc()[-2000:]
