@@ -66,6 +66,34 @@ def bench_parser(doc: str, out: str | None = None, **ints: int) -> argparse.Argu
     return parser
 
 
+def split_names(parser: argparse.ArgumentParser, text: str, known, what: str) -> list[str]:
+    """A comma-separated option's names, each one of ``known`` (else the parser's error naming the others)."""
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        parser.error(f"unknown {what} {unknown}; known: {', '.join(known)}")
+    return names
+
+
+def time_calls_ms(fn, reps: int, accel=None) -> list[float]:
+    """Milliseconds of each of ``reps`` calls of ``fn``: with a device's events where ``accel`` (torch.cuda,
+    torch.npu) is given, else the host's clock."""
+    times = []
+    for _ in range(reps):
+        if accel is None:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        start, end = accel.Event(enable_timing=True), accel.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 # ------------------------------------------------------------------ what twinkle-mem ran
 def twinkle_mem_ran(device: str = "cpu", where: str = "this process") -> dict:
     """What twinkle-mem runs on ``device`` in this process, for the run's record:

@@ -38,14 +38,13 @@ bench/results/local/head_peers); progress on stderr.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 import traceback
 
 from bench_common import (Progress, add_allow_composite, check_twinkle_mem, local_out, markdown_table, new_figure,
-                          ran_line, run_metadata, save_png, write_json)
+                          ran_line, run_metadata, save_png, split_names, time_calls_ms, write_json)
 
 SHAPES = {"3584x152064": "Qwen2.5-7B head", "1536x151936": "Qwen2.5-1.5B head"}
 DRY_SHAPES = {"64x1000": "tiny head", "32x777": "tiny head, odd V"}
@@ -226,20 +225,7 @@ class Device:
 
     def time_ms(self, fn, reps):
         """Milliseconds of each of ``reps`` calls of ``fn`` (device events where there are some)."""
-        times = []
-        for _ in range(reps):
-            if self.accel is None:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-                continue
-            start, end = self.accel.Event(enable_timing=True), self.accel.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return times
+        return time_calls_ms(fn, reps, self.accel)
 
     def peak_beyond(self, fn):
         """(peak bytes above what was allocated before ``fn``, bytes of what it returned), None on the CPU."""
@@ -439,10 +425,7 @@ def parse_args(argv=None):
     args.device = args.device or "cuda"
     args.shapes = args.shapes or list(SHAPES)
     args.n = args.n or 16384
-    args.peers = [name for name in args.peers.split(",") if name]
-    unknown = [name for name in args.peers if name not in PEERS]
-    if unknown:
-        p.error(f"unknown peers {unknown}; known: {', '.join(PEERS)}")
+    args.peers = split_names(p, args.peers, PEERS, "peers")
     return args
 
 

@@ -36,7 +36,7 @@ import sys
 import time
 
 from bench_common import (ChildFailed, Progress, add_allow_composite, check_twinkle_mem, local_out, markdown_table,
-                          peak_and_time_figure, ran_line, run_child, run_metadata, write_json)
+                          peak_and_time_figure, ran_line, run_child, run_metadata, split_names, write_json)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PATHS = {
@@ -185,10 +185,7 @@ def parse_args(argv=None):
         args.reps = min(args.reps, 2)
     args.device = args.device or "cuda"
     args.batch, args.seq = args.batch or 16, args.seq or 1024
-    args.paths = [x for x in args.paths.split(",") if x]
-    unknown = [x for x in args.paths if x not in PATHS]
-    if unknown:
-        p.error(f"unknown paths {unknown}; known: {', '.join(PATHS)}")
+    args.paths = split_names(p, args.paths, PATHS, "paths")
     return args
 
 
