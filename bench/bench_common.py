@@ -271,6 +271,14 @@ def write_json(path: str, data, indent: int = 2) -> str:
     return path
 
 
+def write_results(stem: str, meta: dict, rows: list, table: str) -> None:
+    """Print a benchmark's ``table`` and write STEM.json ({"meta", "rows"}) and STEM.md (the table)."""
+    print(table)
+    write_json(stem + ".json", {"meta": meta, "rows": rows}, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(table)
+
+
 def read_json(path: str):
     with open(path) as f:
         return json.load(f)

@@ -44,7 +44,7 @@ import time
 import traceback
 
 from bench_common import (Progress, add_allow_composite, check_twinkle_mem, local_out, markdown_table, new_figure,
-                          ran_line, run_metadata, save_png, split_names, time_calls_ms, write_json)
+                          ran_line, run_metadata, save_png, split_names, time_calls_ms, write_results)
 
 SHAPES = {"3584x152064": "Qwen2.5-7B head", "1536x151936": "Qwen2.5-1.5B head"}
 DRY_SHAPES = {"64x1000": "tiny head", "32x777": "tiny head, odd V"}
@@ -467,11 +467,7 @@ def main(argv=None):
     meta = run_metadata(ran, device=args.device, gpu=gpu, n=args.n, dtype=args.dtype, shapes=args.shapes,
                         reps=args.reps, warmup=args.warmup, dry_run=args.dry_run, notes=sorted(n for n in notes if n),
                         total_s=progress.elapsed(), command=" ".join(["python"] + sys.argv))
-    table = render(rows, meta)
-    print(table)
-    write_json(args.out + ".json", {"meta": meta, "rows": rows}, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(table)
+    write_results(args.out, meta, rows, render(rows, meta))
     plot(rows, meta, args.out + ".png")
     print(f"wrote {args.out}.json, .md, .png", file=sys.stderr)
     return 0

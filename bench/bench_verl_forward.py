@@ -36,7 +36,7 @@ import sys
 import time
 
 from bench_common import (ChildFailed, Progress, add_allow_composite, check_twinkle_mem, local_out, markdown_table,
-                          peak_and_time_figure, ran_line, run_child, run_metadata, split_names, write_json)
+                          peak_and_time_figure, ran_line, run_child, run_metadata, split_names, write_results)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PATHS = {
@@ -232,11 +232,7 @@ def main(argv=None):
                         tokens=args.batch * args.seq, model=model, reps=args.reps, entropy_grad=args.entropy_grad,
                         dry_run=args.dry_run, notes=notes, verl=_version("verl"), transformers=_version("transformers"),
                         total_s=progress.elapsed(), command=" ".join(["python"] + sys.argv))
-    table = render(rows, meta)
-    print(table)
-    write_json(args.out + ".json", {"meta": meta, "rows": rows}, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(table)
+    write_results(args.out, meta, rows, render(rows, meta))
     plot(rows, meta, args.out + ".png")
     return 0
 
