@@ -470,7 +470,12 @@ def main(argv=None):
     write_results(args.out, meta, rows, render(rows, meta))
     plot(rows, meta, args.out + ".png")
     print(f"wrote {args.out}.json, .md, .png", file=sys.stderr)
-    return 0
+    ours = [r for r in rows if r["peer"] in (FUSED, UNFUSED) and not r["status"].startswith("not run")]
+    broken = [r for r in ours if r["status"] != "ok" or not r.get("logp_ok", True)]
+    for r in broken:  # (a peer's failure is its row's; twinkle-mem's fails the run)
+        print(f"FAILED: {r['peer']} {r['shape']} {r['output']} {r['head']}: {r['status']}"
+              f"{'' if r.get('logp_ok', True) else ', log-probs beyond 1e-5 of float64'}")
+    return 1 if broken else 0
 
 
 def _progress_line(row):

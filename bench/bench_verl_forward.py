@@ -234,7 +234,7 @@ def main(argv=None):
                         total_s=progress.elapsed(), command=" ".join(["python"] + sys.argv))
     write_results(args.out, meta, rows, render(rows, meta))
     plot(rows, meta, args.out + ".png")
-    return 0
+    return 1 if any(r["status"].startswith("failed") for r in rows) else 0  # (a path that cannot run here: 0)
 
 
 def _version(name):

@@ -129,7 +129,8 @@ record() {
 run_step() {
   local name=$1 limit=$2 log=$3 t0 rc last
   shift 3
-  [ "$(left)" -lt "$limit" ] && limit=$(left)
+  # (a dry run on a slow shared CPU is not held to the device's call limit)
+  [ $DRY_RUN -eq 0 ] && [ "$(left)" -lt "$limit" ] && limit=$(( $(left) > 1 ? $(left) : 1 ))
   t0=$(date +%s)
   timeout "$limit" "$@" >"$log" 2>&1
   rc=$?
@@ -167,20 +168,28 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   # Wheels are zip files of importable packages: unpacked onto the path, no pip. Where the machine has its own
   # pytest and hypothesis (the H200 image, with pytest-xdist and plugins built for them), the carried test tools
   # are left out: a carried pytest ahead on the path would shadow it.
+  # A wheel built for another CPython (tensordict's, carried for the device's 3.12) is left out too: it cannot load.
   wheels=()
   have_tests=0
   $PY -c 'import pytest, hypothesis' 2>/dev/null && have_tests=1
+  py_tag=$($PY -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
   for whl in .whl/*.whl; do
     case $(basename "$whl") in
       pytest-*|hypothesis-*|iniconfig-*|pluggy-*|pygments-*|attrs-*|sortedcontainers-*|exceptiongroup-*|tomli-*|packaging-*)
         [ $have_tests -eq 1 ] && continue ;;
     esac
+    if [[ $(basename "$whl") =~ -cp3[0-9]+- && $(basename "$whl") != *-$py_tag-* ]]; then
+      echo "(left out $(basename "$whl"): built for another Python than this $py_tag)"
+      continue
+    fi
     wheels+=("$whl")
   done
   [ $have_tests -eq 1 ] && echo "pytest and hypothesis are installed here: the carried test tools are left out"
-  mkdir -p /tmp/site
-  for whl in "${wheels[@]}"; do $PY -m zipfile -e "$whl" /tmp/site || echo "(could not unpack $whl)"; done
-  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site"
+  SITE=/tmp/site
+  [ $DRY_RUN -eq 1 ] && SITE=${TMPDIR:-/tmp}/twinkle_mem_gpu_check_dry_run_site  # (a shared machine's /tmp/site untouched)
+  rm -rf "$SITE" && mkdir -p "$SITE"
+  for whl in "${wheels[@]}"; do $PY -m zipfile -e "$whl" "$SITE" || echo "(could not unpack $whl)"; done
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE"
 fi
 
 if selected build; then
@@ -223,11 +232,12 @@ if selected tests && fits tests; then
   elif [ $DRY_RUN -eq 1 ]; then  # (-m '': both test tiers, pyproject.toml leaving out the marker e2e)
     run_step "pytest (dry run: collection only)" 120 "$RESULTS/pytest.log" \
       env TWINKLE_MEM_TEST_DEVICES=cpu,cuda "$PY" -m pytest -q -p no:cacheprovider -m '' tests --collect-only \
-      -k "cuda and not emulat"
+      -k "cuda and not emulat" --ignore=tests/integrations/verl
   else
     # With pytest-xdist, a test that leaves a device-side assert behind ends its worker alone (tests/conftest.py).
-    PYTEST_EXTRA=()
-    $PY -c 'import xdist' 2>/dev/null && PYTEST_EXTRA=(-n 4)
+    # The verl tier (CPU tests, its own venv in CI) is left out: verl's carried wheel is the benchmarks', without Ray.
+    PYTEST_EXTRA=(--ignore=tests/integrations/verl)
+    $PY -c 'import xdist' 2>/dev/null && PYTEST_EXTRA+=(-n 4)
     # The twinkle-kit integration tests import twinkle (CI installs it; the GPU machine has none).
     $PY -c 'import twinkle' 2>/dev/null || { PYTEST_EXTRA+=(--ignore=tests/integrations/twinkle/test_integration_twinkle.py)
       echo "twinkle-kit is not installed: tests/integrations/twinkle/test_integration_twinkle.py left out"; }
@@ -280,7 +290,8 @@ if selected heads && fits heads 120; then
   banner "the fused heads and the op against every peer (Qwen2.5-7B and 1.5B heads, N = 16384, bf16)"
   if [ $DRY_RUN -eq 1 ]; then
     run_step "heads vs peers (dry run, CPU, tiny shapes)" 300 "$RESULTS/head_peers.log" \
-      "$PY" bench/bench_head_peers.py --dry-run --shapes 32x777 --count-ops --out "$RESULTS/head_peers"
+      "$PY" bench/bench_head_peers.py --dry-run --shapes 32x777 --outputs logp_grad forward --heads frozen \
+      --count-ops --out "$RESULTS/head_peers"
   else
     # its own budget: the cells it cannot reach are reported "not run" (a minute kept for verl and the packing)
     budget=$(( $(left) - ESTIMATE[verl] - 30 ))

@@ -106,3 +106,16 @@ def test_a_peer_that_gives_less_is_timed_and_marked(peers_bench, monkeypatch):
     row = peers_bench.run_cell("fake", "both_grad", "trainable", data, ctx, args, peers_bench.Device("cpu"))
     assert row["status"] == "logp only (no entropy)" and row["reps"] == 2 and row["logp_err_exact"] < 1e-5
     assert "entropy_err_exact" not in row
+
+
+def test_twinkle_mems_own_failure_fails_the_run(peers_bench, monkeypatch, tmp_path, capsys):
+    def wrong(ctx):  # log-probs off by 1e-3: beyond the 1e-5 bound against float64
+        fn, gives = peers_bench._unfused_op(ctx)
+        return (lambda h, w, y, entropy_grad: (lambda out: (out[0] + 1e-3, out[1]))(fn(h, w, y, entropy_grad))), gives
+    monkeypatch.setitem(peers_bench.PEERS, peers_bench.FUSED, ("off by 1e-3", wrong))
+    argv = ["--dry-run", "--shapes", "16x300", "--outputs", "forward", "--peers", "twinkle_fused,unfused_op,cce",
+            "--reps", "1", "--out", str(tmp_path / "x")]
+    assert peers_bench.main(argv) == 1
+    assert "FAILED: twinkle_fused 16x300 forward -: ok, log-probs beyond 1e-5 of float64" in capsys.readouterr().out
+    monkeypatch.setitem(peers_bench.PEERS, peers_bench.FUSED, ("the op", peers_bench._unfused_op))
+    assert peers_bench.main(argv) == 0  # (cce not installed: its row says so, the run passes)

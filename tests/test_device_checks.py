@@ -67,13 +67,17 @@ def test_gpu_check_dry_run_returns_every_log_within_the_limits(tmp_path):
     out.mkdir()
     env = dict(os.environ, OUT=str(out), TMPDIR=str(tmp_path), PYTHON=sys.executable)
     proc = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     files = assert_all_comes_back(out)
-    assert {"gpu_check.json", "gpu_check.md", "bench_cuda.json", "ptxas.json", "gpu_check_logs.tar.gz"} <= set(files)
+    assert {"gpu_check.json", "gpu_check.md", "bench_cuda.json", "ptxas.json", "gpu_check_logs.tar.gz",
+            "head_peers.json", "head_peers.png"} <= set(files)
     summary = json.loads((out / "gpu_check.json").read_text())
     logs = {word.strip(",") for step in summary["steps"] for word in step["note"].split() if word.endswith(".log")}
-    assert {"pytest.log", "smoke.log", "bench.log"} <= logs
+    assert {"pytest.log", "smoke.log", "bench.log", "head_peers.log"} <= logs
+    assert summary["steps"][-1]["step"] == "ncu" and summary["folder"] == "twinkle_mem_gpu_check_dry_run"
+    verl = next(step for step in summary["steps"] if step["step"] == "verl forward")  # run, or refused by name
+    assert verl["status"] == "PASS" or verl["status"] == "SKIP" and "not installed here" in verl["note"]
     left_in_results = set(pack_results.returned_files(str(tmp_path / "twinkle_mem_gpu_check_dry_run")))
     with tarfile.open(out / "gpu_check_logs.tar.gz") as tar:
         archived = set(tar.getnames())
