@@ -1,6 +1,6 @@
 """bench/bench_verl_forward.py and bench/verl_import.py (issue 51, point 4) without verl: a run missing a module
 verl's import needs is refused with one sentence naming it, and Ray alone is stood in for. Its dry run with verl:
-tests/integrations/verl/test_bench_verl_forward.py (the verl tier)."""
+tests/integrations/verl/test_verl_bench_forward.py (the verl tier)."""
 import importlib
 import importlib.util
 import sys
