@@ -44,7 +44,8 @@ import time
 import traceback
 
 from bench_common import (Progress, add_allow_composite, check_twinkle_mem, local_out, markdown_table, new_figure,
-                          ran_line, run_metadata, save_png, split_names, time_calls_ms, write_results)
+                          ran_line, run_metadata, save_png, split_names, time_calls_ms, write_json,
+                          write_results)
 
 SHAPES = {"3584x152064": "Qwen2.5-7B head", "1536x151936": "Qwen2.5-1.5B head"}
 DRY_SHAPES = {"64x1000": "tiny head", "32x777": "tiny head, odd V"}
@@ -460,6 +461,9 @@ def main(argv=None):
                 row.update(shape=shape, h=h, vocab=v)
                 rows.append(row)
                 progress.done(_progress_line(row))
+                # the rows so far, should the run be stopped (a device call's limit): replaced at the end
+                write_json(args.out + ".json", {"meta": {"partial": True, "n": args.n, "dtype": args.dtype,
+                                                         "device": args.device}, "rows": rows}, indent=1)
         del data
         device.free()
     add_ratios(rows)

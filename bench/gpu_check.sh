@@ -297,7 +297,7 @@ if selected heads && fits heads 120; then
     budget=$(( $(left) - ESTIMATE[verl] - 30 ))
     [ "$budget" -gt "${ESTIMATE[heads]}" ] && budget=${ESTIMATE[heads]}
     run_step "heads vs peers" $((budget + 60)) "$RESULTS/head_peers.log" \
-      "$PY" bench/bench_head_peers.py --count-ops --time-budget "$budget" --out "$RESULTS/head_peers"
+      "$PY" bench/bench_head_peers.py --reps 3 --count-ops --time-budget "$budget" --out "$RESULTS/head_peers"
   fi
   grep -E "^target|^note" "$RESULTS/head_peers.log"
 fi

@@ -119,3 +119,12 @@ def test_twinkle_mems_own_failure_fails_the_run(peers_bench, monkeypatch, tmp_pa
     assert "FAILED: twinkle_fused 16x300 forward -: ok, log-probs beyond 1e-5 of float64" in capsys.readouterr().out
     monkeypatch.setitem(peers_bench.PEERS, peers_bench.FUSED, ("the op", peers_bench._unfused_op))
     assert peers_bench.main(argv) == 0  # (cce not installed: its row says so, the run passes)
+
+
+def test_cells_past_the_time_budget_are_reported_not_run(peers_bench, tmp_path):
+    # The device check's call limit: what the budget leaves out is in the table, and the run does not fail for it.
+    argv = ["--dry-run", "--shapes", "16x300", "--peers", "twinkle_fused,unfused_op", "--time-budget", "0",
+            "--out", str(tmp_path / "x")]
+    assert peers_bench.main(argv) == 0
+    rows = json.loads((tmp_path / "x.json").read_text())["rows"]
+    assert len(rows) == 10 and all(r["status"] == "not run: the time budget (0 s) was spent" for r in rows)
