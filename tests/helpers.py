@@ -144,17 +144,35 @@ def opcheck_op_schemas(dtype, device="cpu"):
 
 # ------------------------------------------------------------------ the fused LM head
 @contextlib.contextmanager
-def blocks(cols=None, rows=None):
-    """Vocab blocks of `cols` columns at every H and row tiles of `rows` rows (engine.VOCAB_BLOCK, MAX_WIDEN,
-    ROW_TILE) for the duration, so that small test sizes see several blocks and tiles (None: the default)."""
-    saved = engine.VOCAB_BLOCK, engine.MAX_WIDEN, engine.ROW_TILE
-    if cols is not None:
-        engine.VOCAB_BLOCK, engine.MAX_WIDEN = cols, 1
-    engine.ROW_TILE = saved[2] if rows is None else rows
+def blocks(cols=None, rows=None, quantum=None, plan=None):
+    """The device plans (engine.PLANS) with vocab blocks of `cols` columns at every H, row tiles of `rows` rows and a
+    last tile rounded up to `quantum` rows (at most `rows`), for the duration, so that small test sizes see several
+    blocks and tiles (None: the plan's own). `plan`: the plan's name every device takes (TWINKLE_MEM_HEAD_PLAN: the
+    GPU's plan runs on the CPU)."""
+    saved = dict(engine.PLANS)
+    forced = os.environ.get("TWINKLE_MEM_HEAD_PLAN")
+    for name, p in saved.items():
+        changes = {}
+        if cols is not None:
+            changes.update(vocab_block=cols, max_widen=1)
+        if rows is not None:
+            changes.update(row_tile=rows, row_quantum=rows if p.step_rows else min(p.row_quantum, rows),
+                           step_rows=p.step_rows and max(rows, p.step_rows // p.row_tile * rows))
+        if quantum is not None and not p.step_rows:
+            changes.update(row_quantum=quantum)
+        engine.PLANS[name] = p._replace(**changes)
+    if plan is not None:
+        os.environ["TWINKLE_MEM_HEAD_PLAN"] = plan
     try:
         yield
     finally:
-        engine.VOCAB_BLOCK, engine.MAX_WIDEN, engine.ROW_TILE = saved
+        engine.PLANS.clear()
+        engine.PLANS.update(saved)
+        if plan is not None:
+            if forced is None:
+                os.environ.pop("TWINKLE_MEM_HEAD_PLAN", None)
+            else:
+                os.environ["TWINKLE_MEM_HEAD_PLAN"] = forced
 
 
 def json_child(script, cfg: dict) -> dict:

@@ -112,10 +112,12 @@ def twinkle_reference(hidden, weight, bias, ids, lp, labels, beta, temperature):
 
 
 def run_op(hidden, weight, bias, ids, lp, labels, beta, temperature, frozen=False):
-    """frozen: weight and bias need no gradient (the head differentiated in its forward), grad_hidden alone."""
+    """frozen: weight and bias need no gradient (the head differentiated in its forward: loss_grad=True), grad_hidden
+    alone."""
     h = hidden.detach().clone().requires_grad_()
     w, b = (t.detach().clone().requires_grad_(not frozen) for t in (weight, bias))
-    per_token = twinkle_mem.linear_gkd_topk(h, w, ids, lp, labels, bias=b, beta=beta, temperature=temperature)
+    per_token = twinkle_mem.linear_gkd_topk(h, w, ids, lp, labels, bias=b, beta=beta, temperature=temperature,
+                                            loss_grad=frozen or None)
     avg = twinkle_mem.gkd_average(per_token, labels)
     grads = torch.autograd.grad(avg, (h,) if frozen else (h, w, b))
     return avg.detach(), per_token.detach(), grads
@@ -254,11 +256,13 @@ def test_ignored_rows_and_no_labels():
     assert zero.item() == 0 and not g.any()
 
 
-@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
-def test_ignored_rows_cost_no_gather(monkeypatch, frozen):
+@pytest.mark.parametrize("frozen,loss_grad", [(False, None), (True, True), (True, None)],
+                         ids=["trainable", "frozen, loss trained", "frozen, by default"])
+def test_ignored_rows_cost_no_gather(monkeypatch, frozen, loss_grad):
     # The rows whose label is ignore_index never reach a gather or a matmul: one row kept of 64, tiles of 4
-    # rows: one tile in the forward and one in the backward; a frozen head gathers the tile once, in the forward
-    # (x and the vector from the same weight rows), and its backward gathers nothing.
+    # rows: one tile in the forward and one in the backward; a frozen head whose loss is declared trained gathers
+    # the tile once, in the forward (x and the vector from the same weight rows), and its backward gathers nothing;
+    # by default its backward gathers again (nothing spent on a loss that might get no gradient).
     monkeypatch.setattr(gkd_topk, "MAX_TILE_ROWS", 4)
     hidden, weight, bias, ids, lp, labels = make_case("teacher_topk", 64, 16, 100, 8, torch.float32, 0.5, 8)
     weight.requires_grad_(not frozen)
@@ -266,13 +270,13 @@ def test_ignored_rows_cost_no_gather(monkeypatch, frozen):
     labels[1, 3] = 5
     h = hidden.clone().requires_grad_()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        per = twinkle_mem.linear_gkd_topk(h, weight, ids, lp, labels, bias=bias)
+        per = twinkle_mem.linear_gkd_topk(h, weight, ids, lp, labels, bias=bias, loss_grad=loss_grad)
         torch.autograd.grad(per.sum(), h)
     bmm = [e.input_shapes for e in prof.events() if e.name == "aten::bmm"]
     assert len(bmm) == 2 and all(s[0][0] == 4 for s in bmm), bmm
     gathered = [e.input_shapes[2][0] for e in prof.events() if e.name == "aten::index_select" and
                 e.input_shapes[0] == [100, 16]]
-    assert gathered == [4 * 8] * (1 if frozen else 2), gathered  # one tile's k ids, twice (frozen: once)
+    assert gathered == [4 * 8] * (1 if loss_grad else 2), gathered  # one tile's k ids, twice (in the forward: once)
 
 
 def test_bad_arguments():
@@ -360,7 +364,7 @@ def test_rows_bitwise_the_same_whatever_the_batch(dtype, frozen, monkeypatch):
         hd = hidden[rows].clone().requires_grad_()
         w, b = (t.clone().requires_grad_(not frozen) for t in (weight, bias))
         per = twinkle_mem.linear_gkd_topk(hd, w, ids[rows], lp[rows], labels[rows], bias=b, beta=0.5,
-                                          temperature=0.7)
+                                          temperature=0.7, loss_grad=frozen or None)
         (gh,) = torch.autograd.grad((per * g_out[rows]).sum(), hd)
         return per.detach(), gh
 

@@ -35,7 +35,7 @@ LOSS_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-6, torch.float64: 1e-12}
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(gkd_full, "FULL_BLOCK", 64)  # 300 columns: 4 blocks and a ragged one
-    monkeypatch.setattr(engine, "ROW_TILE", 8)  # 24 rows, some ignored: tiles of 8, the last partial
+    monkeypatch.setattr(gkd_full, "FULL_ROWS", 8)  # 24 rows, some ignored: tiles of 8, the last partial
 
 
 def make_case(kind, n, h, v, dtype, beta, seed):
@@ -88,7 +88,8 @@ def twinkle_reference(hidden, weight, bias, teacher, labels, beta, temperature, 
 
 def check_case(kind, dtype, beta, temperature, seed, n=24, h=32, v=300, call_temperature=1.0, teacher_view=False,
                frozen=False):
-    """frozen: weight and bias need no gradient (the head differentiated in its forward), grad_hidden alone."""
+    """frozen: weight and bias need no gradient (the head differentiated in its forward: loss_grad=True),
+    grad_hidden alone."""
     hidden, weight, bias, teacher, labels = make_case(kind, n, h, v, dtype, beta, seed)
     avg_ref, per_ref, grads_ref, d_logits = twinkle_reference(hidden, weight, bias, teacher, labels, beta,
                                                               temperature, call_temperature)
@@ -98,7 +99,7 @@ def check_case(kind, dtype, beta, temperature, seed, n=24, h=32, v=300, call_tem
         longer = torch.full((2, n // 2 + 3, v), float("nan"))
         longer[:, : n // 2] = teacher
         teacher = longer[:, : n // 2]
-    per = twinkle_mem.linear_gkd_full(hd, w, teacher, labels, bias=b, beta=beta,
+    per = twinkle_mem.linear_gkd_full(hd, w, teacher, labels, bias=b, beta=beta, loss_grad=frozen or None,
                                       temperature=temperature * call_temperature, teacher_temperature=temperature)
     temperature = temperature * call_temperature  # the student's (the gradient's floor below)
     avg = twinkle_mem.gkd_average(per, labels)
@@ -165,7 +166,7 @@ def test_rows_bitwise_the_same_whatever_the_batch(dtype, frozen, small_blocks):
     def run(rows):
         x = hidden[rows].clone().requires_grad_()
         per = twinkle_mem.linear_gkd_full(x, weight.clone().requires_grad_(not frozen), teacher[rows], labels[rows],
-                                          temperature=0.7)
+                                          temperature=0.7, loss_grad=frozen or None)
         (g,) = torch.autograd.grad((per * g_out[rows]).sum(), x)
         return per.detach(), g
     full = run(torch.arange(n))
@@ -203,7 +204,7 @@ def test_no_tensor_of_the_logits_size_beyond_the_teacher(small_blocks):
         per = twinkle_mem.linear_gkd_full(hw, ww, teacher, labels, bias=bw)
         torch.autograd.grad(per.sum(), (hw, ww, bw))
     blocks = [s for e in prof.events() if e.name == "aten::exp" for s in e.input_shapes if s]
-    assert blocks and max(math.prod(s) for s in blocks) <= engine.ROW_TILE * gkd_full.FULL_BLOCK, blocks[:4]
+    assert blocks and max(math.prod(s) for s in blocks) <= gkd_full.FULL_ROWS * gkd_full.FULL_BLOCK, blocks[:4]
 
 
 def test_ignored_rows_and_bad_arguments():
@@ -237,3 +238,36 @@ def test_opcheck_and_gradcheck(small_blocks):
             lambda h, w, b: twinkle_mem.linear_gkd_full(h, w, t2, y2, bias=b, beta=beta, temperature=0.7), (h, w, b))
         assert torch.autograd.gradcheck(  # a frozen head: differentiated in the forward
             lambda h: twinkle_mem.linear_gkd_full(h, weight, t2, y2, bias=bias, beta=beta, temperature=0.7), (h,))
+
+
+@pytest.mark.parametrize("head", ["gkd_full", "gkd_topk"])
+def test_frozen_head_pays_for_its_vectors_only_when_told(head, small_blocks):
+    # A frozen head (LoRA's) sums dL/dhidden in its forward only where loss_grad=True says the loss will be trained
+    # (an [N, H] vector saved); by default it saves none and its backward recomputes, as a trainable head's does.
+    # Old and new losses (no_grad and grad enabled) bitwise the same either way; the gradients agree.
+    gen = torch.Generator().manual_seed(5)
+    n, h, v, k = 24, 16, 300, 8
+    hidden, weight = torch.randn(n, h, generator=gen), torch.randn(v, h, generator=gen) * 0.3
+    teacher = torch.randn(n, v, generator=gen)
+    ids, lp = torch.randint(0, v, (n, k), generator=gen), torch.randn(n, k, generator=gen).log_softmax(-1)
+    labels = torch.randint(0, v, (n,), generator=gen)
+
+    def call(x, loss_grad):
+        if head == "gkd_full":
+            return twinkle_mem.linear_gkd_full(x, weight, teacher, labels, temperature=0.7, loss_grad=loss_grad)
+        return twinkle_mem.linear_gkd_topk(x, weight, ids, lp, labels, temperature=0.7, loss_grad=loss_grad)
+
+    with torch.no_grad():
+        old = call(hidden, None)
+    results = {}
+    for loss_grad in (None, True):
+        x = hidden.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            per = call(x, loss_grad)
+        vectors = [t for t in saved if t.shape == (n, h) and t.data_ptr() != x.data_ptr()]
+        assert len(vectors) == (1 if loss_grad else 0), (loss_grad, [tuple(t.shape) for t in saved])
+        assert torch.equal(per.detach(), old)
+        results[loss_grad] = torch.autograd.grad(per.sum(), x)[0]
+    torch.testing.assert_close(results[None], results[True], rtol=1e-5, atol=1e-6)
+

@@ -295,7 +295,7 @@ def check(op, cls, dtype, beta, temperature, seed):
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(gkd_full, "FULL_BLOCK", 64)  # 300 columns: 4 blocks and a ragged one
-    monkeypatch.setattr(engine, "ROW_TILE", 8)  # 16 rows: 2 tiles
+    monkeypatch.setattr(gkd_full, "FULL_ROWS", 8)  # 16 rows: 2 tiles
     monkeypatch.setattr(gkd_topk, "MAX_TILE_ROWS", 8)
 
 

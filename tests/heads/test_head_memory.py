@@ -28,7 +28,7 @@ from helpers import OpsInside, json_child
 HEADS = ("logprobs", "gkd_topk", "gkd_full")
 DTYPES = ("bfloat16", "float16", "float32")
 # Small tiles and blocks, so that one of each is small against the LM head: row tiles of 128 rows, vocab blocks
-# of 512 columns, which at H = 256 the engine widens to 2048 (engine.MAX_WIDEN: the bound counts the widened
+# of 512 columns, which at H = 256 the engine widens to 2048 (the CPU plan's max_widen: the bound counts the widened
 # block), 512 for the whole-vocab teacher's float64 math, gathers of 2 MiB.
 SIZES = dict(n=512, h=256, v=32768, k=16, row_tile=128, vocab_block=512, full_block=512, gather_bytes=2 << 20,
              chunk_bytes=8 << 20)
@@ -40,8 +40,8 @@ TOPK_TEMPORARIES = 16  # float64 [N, k] tensors of the k-wide math (docs/distill
 
 def _small_blocks(row_tile, vocab_block, full_block, gather_bytes):
     from twinkle_mem.heads import engine, gkd_full, gkd_topk
-    engine.ROW_TILE, engine.VOCAB_BLOCK = row_tile, vocab_block
-    gkd_full.FULL_BLOCK, gkd_topk.GATHER_BYTES = full_block, gather_bytes
+    engine.PLANS["cpu"] = engine.PLANS["cpu"]._replace(row_tile=row_tile, vocab_block=vocab_block)
+    gkd_full.FULL_ROWS, gkd_full.FULL_BLOCK, gkd_topk.GATHER_BYTES = row_tile, full_block, gather_bytes
 
 
 def _inputs(head, dtype, n, h, v, k, requires=("hidden", "weight"), ignore_every=4):
@@ -88,8 +88,8 @@ def measure(head, dtype, n=SIZES["n"], h=SIZES["h"], v=SIZES["v"], k=SIZES["k"],
         held = sum(t.nbytes for t in _run(head, hidden, weight, labels, teacher, chunk_bytes))
     item, kept = dt.itemsize, int((labels != -100).sum())
     reduced = dt != torch.float32
-    from twinkle_mem.heads.engine import block_width
-    width = full_block if head == "gkd_full" else block_width(v, h)
+    from twinkle_mem.heads.engine import PLANS, block_width
+    width = full_block if head == "gkd_full" else block_width(v, h, PLANS["cpu"])
     budget = {"logprobs": chunk_bytes,
               "gkd_topk": 3 * gather_bytes + TOPK_TEMPORARIES * 8 * n * k,
               "gkd_full": FULL_TEMPORARIES * 8 * row_tile * full_block + 4 * row_tile * full_block}[head]
@@ -131,7 +131,7 @@ def test_gradients_not_asked_for_are_not_built(head, requires):
     # n not a multiple of the row tile, no row ignored (no kept-row copy of hidden), V above one vocab block (the
     # default blocks at this H: 32768 columns)
     n, h, k = 300, 32, 8
-    v = engine.block_width(1 << 20, h) + 3232
+    v = engine.block_width(1 << 20, h, engine.PLANS["cpu"]) + 3232
     hidden, weight, labels, teacher = _inputs(head, torch.bfloat16, n, h, v, k, requires=(requires,), ignore_every=0)
     other = weight if requires == "hidden" else hidden
     ops = (logprobs.linear_fwd, logprobs.linear_bwd, gkd_topk.gkd_fwd, gkd_topk.gkd_bwd, gkd_full.gkd_full_fwd,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from head_helpers import vocab_shard
-from helpers import Cases
+from helpers import Cases, blocks
 from twinkle_mem.heads import engine
 from twinkle_mem.heads.argmax import linear_argmax
 
@@ -43,11 +43,10 @@ def reference(hidden, weight, temperature=1.0):
 
 
 @pytest.fixture
-def small_blocks(monkeypatch):
+def small_blocks():
     """Vocab blocks of 64 columns, row tiles of 16: several of each in a small case."""
-    monkeypatch.setattr(engine, "ROW_TILE", 16)
-    monkeypatch.setattr(engine, "VOCAB_BLOCK", 64)
-    monkeypatch.setattr(engine, "MAX_WIDEN", 1)
+    with blocks(64, 16):
+        yield
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -114,7 +113,7 @@ def test_float64_maxima_kept_exactly(small_blocks):
 
 def test_default_blocks_one_block():
     """The package's own blocks (at H = 16 one block of 4 x 8192 columns and a ragged one, one row tile here)."""
-    hidden, weight = head(40, 16, engine.block_width(1 << 20, 16) + 100, torch.float32)
+    hidden, weight = head(40, 16, engine.block_width(1 << 20, 16, engine.PLANS["cpu"]) + 100, torch.float32)
     assert torch.equal(linear_argmax(hidden, weight), reference(hidden, weight))
 
 

@@ -27,7 +27,7 @@ PER_ROW = 256  # O(N): row statistics, labels, kept-row indices, upstream gradie
 def measure(n, h, v, dtype="float32", chunk_bytes=64 << 20, ignore_frac=0.0, path="fused", entropy=True,
             threads=None, vocab_block=None, row_tile=None, frozen=False):
     """Runs in this process: one forward + backward; returns the peak RSS rise and what it may hold.
-    vocab_block, row_tile: engine.VOCAB_BLOCK / ROW_TILE instead of the defaults (small sizes). frozen: the
+    vocab_block, row_tile: the CPU plan's vocab blocks / row tiles instead of its own (small sizes). frozen: the
     weight needs no gradient (LoRA's head): grad_hidden alone, from the [N, H] vectors summed in the forward."""
     import torch
 
@@ -35,8 +35,9 @@ def measure(n, h, v, dtype="float32", chunk_bytes=64 << 20, ignore_frac=0.0, pat
     from twinkle_mem.heads import engine
     from twinkle_mem.measure import peak_rss
     if vocab_block:
-        engine.VOCAB_BLOCK, engine.MAX_WIDEN = vocab_block, 1
-    engine.ROW_TILE = row_tile or engine.ROW_TILE
+        engine.PLANS["cpu"] = engine.PLANS["cpu"]._replace(vocab_block=vocab_block, max_widen=1)
+    if row_tile:
+        engine.PLANS["cpu"] = engine.PLANS["cpu"]._replace(row_tile=row_tile)
     assert twinkle_mem.backends()["cpu"] == "loaded", f"native CPU kernels not loaded: {twinkle_mem.backends()}"
     if threads:
         torch.set_num_threads(threads)

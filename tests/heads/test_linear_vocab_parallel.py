@@ -236,6 +236,40 @@ def rows_bitwise_whatever_the_batch(rank, world):
             assert torch.equal(a[p:p + 1], r), f"row {p} {what}: {(a[p:p + 1] - r).abs().max().item():.3g}"
 
 
+@case()
+def old_and_new_logprobs_bitwise(rank, world):
+    # PPO's old log-probs (no_grad) and the training forward's (grad enabled), a frozen head and a trainable one,
+    # fp32 and bf16, at the default budget and at the smallest one each shard accepts (its blocks narrowed): bitwise
+    # the same on every rank (issue 52: a frozen forward summing vectors once narrowed its blocks alone).
+    import twinkle_mem
+    from twinkle_mem.heads import engine
+    from twinkle_mem.heads.frozen import vectors_at_most
+    from twinkle_mem.heads.matmul import product_sums
+    cpu = torch.device("cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(21)
+        n, h, v = 70, 16, world * 20003  # (blocks of 32768 at this H: narrowed to 8192 at the smallest budget)
+        hidden = torch.randn(n, h, generator=gen).to(dtype)
+        weight = (torch.randn(v, h, generator=gen) * 0.3).to(dtype)
+        labels = torch.randint(0, v, (n,), generator=gen)
+        w = vocab_shard(weight, rank, world)
+        plan = engine.device_plan(cpu)
+        smallest = engine.block_need(plan.vocab_block, h, dtype, plan, product_sums(dtype, cpu),
+                                     vectors_at_most(dtype, cpu))
+        for chunk in (None, smallest):
+            with torch.no_grad():
+                old = twinkle_mem.linear_selective_log_softmax(hidden, w, labels, True, temperature=0.9,
+                                                               chunk_bytes=chunk, process_group=dist.group.WORLD)
+            for frozen in (True, False):
+                ws = w.clone().requires_grad_(not frozen)
+                new = twinkle_mem.linear_selective_log_softmax(hidden.clone().requires_grad_(), ws, labels, True,
+                                                               temperature=0.9, chunk_bytes=chunk,
+                                                               process_group=dist.group.WORLD)
+                for what, a, b in zip(("logp", "entropy"), old, new):
+                    assert torch.equal(a, b.detach()), (f"{dtype}, chunk_bytes={chunk}, frozen={frozen}: {what} "
+                                                        f"{(a - b.detach()).abs().max().item():.3g}")
+
+
 @case(2)
 def bad_labels_raise_on_every_rank_before_communicating(rank, world):
     import twinkle_mem

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..op.vocab_parallel import VocabShard
-from .engine import BlockPlan, RowTiles, acc_dtype, block_width, forward_sweep, pad_rows
+from .engine import BlockPlan, RowTiles, acc_dtype, block_width, device_plan, forward_sweep, pad_rows, step_tiles
 
 
 def _fold(best: Tensor, index: Tensor, value: Tensor, column: Tensor) -> None:
@@ -47,7 +47,8 @@ def linear_argmax(hidden: Tensor, weight: Tensor, rows: Optional[Tensor] = None,
     best = torch.full((n, ), float("-inf"), dtype=dtype, device=x.device)
     index = torch.full((n, ), -1, dtype=torch.long, device=x.device)
     if n:
-        tiles = RowTiles(x)
+        plan = device_plan(x.device)
+        tiles = RowTiles(x, plan)
         best, index = pad_rows(best, tiles.padded, float("-inf")), pad_rows(index, tiles.padded, -1)
 
         def step(v0: int, v1: int, rows: slice, logits: Tensor) -> None:
@@ -56,7 +57,8 @@ def linear_argmax(hidden: Tensor, weight: Tensor, rows: Optional[Tensor] = None,
             value, column = logits.max(-1)
             _fold(best[rows], index[rows], value.to(dtype), column + v0)
 
-        forward_sweep(tiles, weight, None, BlockPlan(block_width(weight.shape[0], x.shape[1]), 1, x.dtype), step)
+        forward_sweep(tiles, weight, None, BlockPlan(block_width(weight.shape[0], x.shape[1], plan), step_tiles(plan),
+                                                     x.dtype, plan), step)
         best, index = best[:n], index[:n]
     shard = VocabShard.of(process_group, weight.shape[0], "weight")
     if shard.group_name:

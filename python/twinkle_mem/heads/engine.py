@@ -24,6 +24,7 @@ each rounded once.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -32,21 +33,63 @@ from torch import Tensor
 from ..op.contract import acc_dtype, check_float_tensor  # acc_dtype: the op's rule is the heads' (fp32; fp64)
 from ..op.op_args import arg_names
 from ..op.rows import kept_rows
-from .matmul import Operands, add_matmul, logits_into, matmul_into, native_reduced_products, reduced
+from .matmul import (Operands, RoundedSums, add_bmm, add_matmul, batched_logits_into, bmm_into, logits_into, matmul_into,
+                     native_reduced_products, product_sums, reduced)
 
-# Every matmul and merge is cut from these constants and H alone, never from N or chunk_bytes: a row's results depend
-# only on its hidden state and the weight. (EPYC, H 1024, fp32: 512 x 8192 tiles ran as fast as whole matmuls.)
-ROW_TILE = 512  # rows per matmul (the last tile zero-padded): the BLAS sees one M whatever N is
-VOCAB_BLOCK = 8192  # vocab columns per block at H >= 1024 (the last one ragged): blocks and merge order from V, H
-# Below H = 1024 that is too little work per matmul for the Xeon's BLAS (docs/cpu.md): blocks widen by whole
-# VOCAB_BLOCKs, up to MAX_WIDEN, keeping cols x H <= VOCAB_BLOCK x 1024 (no more bytes than at H = 1024).
-MAX_WIDEN = 4
+# ------------------------------------------------------------------ the plans: how each device kind cuts the work
+class DevicePlan(NamedTuple):
+    """How a device kind cuts a fused head's work, chosen by measurement on that device (docs/linear.md, "Plans").
+    Every matmul shape and order of summation comes from these numbers, V and H, never from N: a row's results
+    depend on its hidden state and the weight alone."""
+    row_tile: int  # rows per matmul: a call's rows are tiles of this many
+    row_quantum: int  # the last tile holds the rest of the rows rounded up to this (zero rows), not a whole tile
+    vocab_block: int  # the narrowest vocab block, and the step by which blocks widen and narrow
+    max_widen: int  # blocks widen by whole vocab_blocks up to this many ...
+    widen_bytes: int  # ... while cols x H <= widen_bytes (a block's weight rows hold no more than that)
+    step_rows: int  # 0: a step holds as many row tiles as chunk_bytes does, one matmul per tile; else this many
+    #               rows, fixed, one batched matmul over their tiles (few launches; the sums over rows see one K)
+    chunk_bytes: int  # the budget of a call that gives none
 
 
-def block_width(shard: int, hidden_size: int) -> int:
-    """Columns of the vocab blocks from the (shard of the) vocab and H alone; the whole shard when smaller."""
-    widen = max(1, min(MAX_WIDEN, 1024 // max(1, hidden_size)))
-    return min(VOCAB_BLOCK * widen, shard)
+PLANS = {
+    # The CPU: tiles of 512 rows and blocks of 8192 columns ran as fast as whole matmuls (EPYC and Xeon, H 1024);
+    # below H = 1024 that is too little work per matmul for the Xeon's BLAS, so blocks widen (docs/cpu.md). A row in
+    # a matmul of M >= 16 rows gets the same bits whatever M (probe_matmul_rows.py: MKL and oneDNN, fp32 / bf16 /
+    # fp16, 1 and 2 threads; M < 16 differs), and 16 rows are whole vectors of torch's float64 loops: a call pays
+    # for its rows rounded up to 16, not 512.
+    "cpu": DevicePlan(512, 16, 8192, 4, 8192 * 1024, 0, 256 << 20),
+    # A GPU: one batched matmul per step of up to 16384 rows, over tiles of 128 rows of one shape (cuBLAS picks its
+    # kernel by shape: a row's bits then follow the tile's shape, not the call's), blocks up to 32768 columns at
+    # any H, 2 GiB of them by default (16384 x 32768 bf16 logits and the block's fp32 grad_weight at H 3584): a
+    # 16k-token call over V = 151936 is 5 steps of a few launches each, not 32 x 19 matmuls of 512 rows (the
+    # launches: bench/count_launches.py; docs/linear.md, "Plans"). Not yet run on a GPU.
+    "cuda": DevicePlan(128, 128, 8192, 4, 1 << 62, 16384, 2 << 30),
+}
+PLANS["npu"] = PLANS["cuda"]  # host launches cost more still on Ascend: the GPU's plan (not run: no NPU here)
+
+
+def device_plan(device: torch.device) -> DevicePlan:
+    """The plan of ``device``'s kind (the CPU's for a kind without one); TWINKLE_MEM_HEAD_PLAN=cpu|cuda|npu
+    forces one (tests and launch counts run the GPU's plan on the CPU)."""
+    forced = os.environ.get("TWINKLE_MEM_HEAD_PLAN")
+    if forced:
+        if forced not in PLANS:
+            raise ValueError(f"TWINKLE_MEM_HEAD_PLAN={forced!r} names no plan; one of {sorted(PLANS)}")
+        return PLANS[forced]
+    return PLANS.get(device.type, PLANS["cpu"])
+
+
+def fold_in_tiles(device: torch.device) -> bool:
+    """Whether per-row math runs a row tile per call on ``device``: the CPU's loops give an element vector or scalar
+    code by where it sits in the tensor (row_stats.combine_shard_stats_in_tiles); a GPU's kernels do not."""
+    return device.type == "cpu"
+
+
+def block_width(shard: int, hidden_size: int, plan: DevicePlan) -> int:
+    """Columns of the widest vocab blocks from the (shard of the) vocab, H and the plan alone; the whole shard
+    when smaller."""
+    widen = max(1, min(plan.max_widen, plan.widen_bytes // (plan.vocab_block * max(1, hidden_size))))
+    return min(plan.vocab_block * widen, shard)
 
 
 def vocab_blocks(shard: int, width: int):
@@ -86,58 +129,110 @@ def check_head_args(hidden, weight, bias) -> None:
 
 
 # ------------------------------------------------------------------ the chunk budget
-def tile_bytes(cols: int, hidden_size: int, dtype: torch.dtype, backward: bool, vectors: int = 0) -> tuple[int, int]:
+PIECE_ROWS = 1024  # rows of the fp32 scratch through which a bf16 product is added into an fp32 sum (matmul.RoundedSums)
+
+
+def step_bytes(cols: int, hidden_size: int, dtype: torch.dtype, plan: DevicePlan, sums: str, backward: bool,
+               vectors: int = 0) -> tuple[int, int]:
     """(bytes per row tile of a block, fixed bytes per block) of the block working memory, logits in ``dtype``.
 
-    Per tile: its logits [ROW_TILE, cols]. Fixed, in the backward for bf16/fp16 (fp32 accumulation): the fp32
-    copies of the weight block, of one gradient tile and of one hidden tile, and the fp32 accumulators of the
-    block's grad_weight and grad_bias. A frozen head's forward summing ``vectors`` (heads/frozen.FrozenGrads;
-    ``backward`` then ignored), a row tile at a time: the logits' gradients (bf16/fp16: fp32 copies, one per
-    vector, and the fp32 weight block; else a copy for the second vector)."""
-    per_tile = ROW_TILE * cols * dtype.itemsize
+    Per tile: its logits [row_tile, cols]. Fixed, with ``rows`` the rows of one product (a row tile; a GPU plan's
+    step): in the backward, what bf16/fp16's fp32 sums (matmul.product_sums) hold: ``copies``, the fp32 copies of
+    the weight block, of a product's gradient and hidden rows and the fp32 grad_weight / grad_bias of the block;
+    ``mixed``, those sums alone; ``rounded``, those sums, the bf16 products and the fp32 piece they are added
+    through. A frozen head's forward summing ``vectors`` (heads/frozen.FrozenGrads; ``backward`` then ignored): the
+    logits' gradients (where exact, bf16/fp16 with the entropy's vector or fp16: fp32 copies, one per vector, and
+    the fp32 weight block; bf16's log-prob vector alone: what its products hold; fp32: a copy for the second
+    vector)."""
+    rows = plan.step_rows or plan.row_tile
+    per_tile = plan.row_tile * cols * dtype.itemsize
     if vectors:
-        if reduced(dtype):
-            return per_tile, 4 * cols * (ROW_TILE * vectors + hidden_size)
-        return per_tile, ROW_TILE * cols * dtype.itemsize * (vectors - 1)
-    fixed = 4 * (2 * cols * hidden_size + cols + ROW_TILE * (cols + hidden_size)) if backward and reduced(dtype) else 0
+        if not reduced(dtype):
+            return per_tile, rows * cols * dtype.itemsize * (vectors - 1)
+        if vectors == 2 or dtype == torch.float16 or sums == "copies":
+            return per_tile, 4 * cols * (rows * vectors + hidden_size)
+        return per_tile, 6 * rows * hidden_size if sums == "rounded" else 0
+    if not backward or sums == "straight":
+        return per_tile, 0
+    fixed = 4 * (cols * hidden_size + cols)  # the block's grad_weight and grad_bias in fp32
+    if sums == "copies":
+        fixed += 4 * (cols * hidden_size + rows * (cols + hidden_size))
+    elif sums == "rounded":
+        fixed += 2 * cols * hidden_size + 4 * min(cols, PIECE_ROWS) * hidden_size + 6 * rows * hidden_size
     return per_tile, fixed
 
 
-def tiles_in_flight(cols: int, hidden_size: int, dtype: torch.dtype, chunk_bytes: int, backward: bool,
-                    vectors: int = 0) -> int:
-    """How many row tiles of a block one buffer holds within chunk_bytes (>= 1, else ValueError); a block widened
-    past VOCAB_BLOCK that many fewer (>= 1): its buffer no larger than VOCAB_BLOCK-wide blocks' at the same rows.
-
-    With fit_width, this is all that chunk_bytes decides: how many fixed tiles go through one step, never a
-    matmul's shape nor an order of summation (but where a budget narrows the blocks: fit_width)."""
-    per_tile, fixed = tile_bytes(cols, hidden_size, dtype, backward, vectors)
-    tiles = (chunk_bytes - fixed) // per_tile
-    if tiles < 1:
-        raise ValueError(f"chunk_bytes = {chunk_bytes} is below one row tile of a vocab block ({ROW_TILE} rows x "
-                         f"{cols} columns, H = {hidden_size}, {dtype}: {per_tile + fixed} bytes)")
-    return max(1, tiles // max(1, cols // VOCAB_BLOCK))
+def step_tiles(plan: DevicePlan) -> int:
+    """The row tiles of one step at the least: one (the CPU's), or a GPU plan's fixed step."""
+    return max(1, plan.step_rows // plan.row_tile)
 
 
-def tile_budget(cols: int, hidden_size: int, dtype: torch.dtype, vectors: int = 0) -> int:
-    """The smallest chunk_bytes that holds one row tile of a block of ``cols`` columns in the call's larger pass (the
-    backward; a frozen head's forward summing ``vectors``)."""
-    return sum(tile_bytes(cols, hidden_size, dtype, True, vectors))
+def block_need(cols: int, hidden_size: int, dtype: torch.dtype, plan: DevicePlan, sums: str, vectors: int = 2) -> int:
+    """The smallest chunk_bytes that holds one step of a block of ``cols`` columns in the larger of the passes any
+    call of these inputs may run: a trainable head's backward, a frozen head's forward summing the most ``vectors``
+    the device sums (frozen.vectors_at_most). One number whether autograd is on or not: the blocks of a call never
+    depend on it (old and new log-probs)."""
+    passes = (step_bytes(cols, hidden_size, dtype, plan, sums, True), step_bytes(cols, hidden_size, dtype, plan, sums,
+                                                                             False, vectors))
+    return max(per_tile * step_tiles(plan) + fixed for per_tile, fixed in passes)
 
 
-def fit_width(shard: int, hidden_size: int, dtype: torch.dtype, chunk_bytes: int, vectors: int = 0) -> int:
-    """The vocab blocks' columns for a call of this budget: block_width(shard, H), narrowed by whole VOCAB_BLOCKs
-    where one row tile of the wider block would not fit chunk_bytes (in the backward, or the frozen forward's
-    ``vectors``); ValueError only below one tile of an unwidened block (VOCAB_BLOCK columns, or the shard).
+def fit_width(shard: int, hidden_size: int, dtype: torch.dtype, chunk_bytes: int, plan: DevicePlan, sums: str,
+              vectors: int = 2) -> int:
+    """The vocab blocks' columns for a call of this budget: block_width(shard, H, plan), narrowed by whole
+    vocab_blocks where one step of the wider block would not fit chunk_bytes (block_need); ValueError below one step
+    of the narrowest (vocab_block columns, or the shard).
 
-    Every budget that holds the widest block's tile gets the same blocks, so the same bits; a smaller one gets
+    Every budget that holds the widest block's step gets the same blocks, so the same bits; a smaller one gets
     narrower blocks: the same math, another order of summation (docs/linear.md, Batch invariance)."""
-    widest = block_width(shard, hidden_size)
-    for width in range(widest, VOCAB_BLOCK, -VOCAB_BLOCK):  # widened: multiples of VOCAB_BLOCK, or the shard
-        if tile_budget(width, hidden_size, dtype, vectors) <= chunk_bytes:
+    widest = block_width(shard, hidden_size, plan)
+    narrowest = min(plan.vocab_block, shard)
+    for width in range(widest, narrowest - 1, -plan.vocab_block):  # widened: multiples of vocab_block, or the shard
+        if block_need(width, hidden_size, dtype, plan, sums, vectors) <= chunk_bytes:
             return width
-    narrowest = min(VOCAB_BLOCK, shard)
-    tiles_in_flight(narrowest, hidden_size, dtype, chunk_bytes, True, vectors)  # raises where it does not fit
-    return narrowest
+    need = block_need(narrowest, hidden_size, dtype, plan, sums, vectors)
+    raise ValueError(f"chunk_bytes = {chunk_bytes} is below one step of a vocab block ({step_tiles(plan) * plan.row_tile}"
+                     f" rows x {narrowest} columns, H = {hidden_size}, {dtype}: {need} bytes)")
+
+
+def tiles_in_flight(cols: int, hidden_size: int, dtype: torch.dtype, chunk_bytes: int, plan: DevicePlan, sums: str,
+                    backward: bool, vectors: int = 0) -> int:
+    """How many row tiles of a block one step holds: a GPU plan's fixed step; on the CPU as many as chunk_bytes
+    holds beside the pass's fixed bytes (>= 1), a block widened past vocab_block that many fewer: its buffer no
+    larger than vocab_block-wide blocks' at the same rows.
+
+    With fit_width, this is all that chunk_bytes decides: how many tiles go through one step, never a matmul's
+    shape nor an order of summation (but where a budget narrows the blocks: fit_width)."""
+    if plan.step_rows:
+        return step_tiles(plan)
+    per_tile, fixed = step_bytes(cols, hidden_size, dtype, plan, sums, backward, vectors)
+    return max(1, (chunk_bytes - fixed) // per_tile // max(1, cols // plan.vocab_block))
+
+
+def default_chunk_bytes(shard: int, hidden_size: int, dtype: torch.dtype, plan: DevicePlan, sums: str,
+                        vectors: int = 2) -> int:
+    """The chunk_bytes of a call that gives none: the plan's, or one step of the narrowest vocab block where that
+    needs more (bf16/fp16's fp32 sums at a large H)."""
+    return max(plan.chunk_bytes, block_need(min(plan.vocab_block, shard), hidden_size, dtype, plan, sums, vectors))
+
+
+def plan_blocks(hidden: Tensor, shard: int, chunk_bytes: Optional[int], backward: bool, vectors: int = 0,
+                logits_dtype: Optional[torch.dtype] = None) -> "BlockPlan":
+    """How a call of a head cuts its work (the same blocks in its forward and backward, with autograd on or off):
+    its device's plan, the vocab blocks' width for the budget (fit_width; the plan's default budget for None), the
+    row tiles per step of this pass, logits in ``logits_dtype`` (default: the input dtype, as the layer gives
+    them)."""
+    from .frozen import vectors_at_most  # (frozen.py builds on this module)
+    plan = device_plan(hidden.device)
+    h_size, dtype = hidden.shape[-1], hidden.dtype
+    logits_dtype = dtype if logits_dtype is None else logits_dtype
+    sums = product_sums(dtype, hidden.device, logits_dtype)
+    most = vectors_at_most(dtype, hidden.device)
+    if chunk_bytes is None:
+        chunk_bytes = default_chunk_bytes(shard, h_size, dtype, plan, sums, most)
+    cols = fit_width(shard, h_size, dtype, chunk_bytes, plan, sums, most)
+    return BlockPlan(cols, tiles_in_flight(cols, h_size, dtype, chunk_bytes, plan, sums, backward, vectors),
+                     logits_dtype, plan, sums)
 
 
 # ------------------------------------------------------------------ kept rows, row tiles
@@ -149,25 +244,38 @@ def pad_rows(t: Optional[Tensor], rows: int, value=0) -> Optional[Tensor]:
 
 
 class RowTiles:
-    """The rows of an [m, H] tensor as tiles of ``tile`` rows (ROW_TILE by default): views, but for a last
-    partial tile, which is a zero-padded [tile, H] copy (``write_back`` returns its rows to the tensor)."""
+    """The rows of an [m, H] tensor as tiles of the plan's row_tile rows, the last holding the rest rounded up to
+    its row_quantum with zero rows (``tile``: tiles of that many rows, the last padded whole). Views of the rows,
+    but for a padded last tile: a copy of the tail (``write_back`` returns its rows to the tensor), or, for a plan
+    that multiplies a step's tiles at once (``batched``), of all the rows."""
 
-    def __init__(self, rows: Tensor, tile: Optional[int] = None):
-        self.rows = rows
-        self.tile = ROW_TILE if tile is None else tile
+    def __init__(self, rows: Tensor, plan: DevicePlan, tile: Optional[int] = None):
+        self.tile = plan.row_tile if tile is None else tile
+        quantum = self.tile if tile is not None else min(plan.row_quantum, self.tile)
+        self.batched = bool(plan.step_rows) and tile is None
         m = rows.shape[0]
         self.count = -(-m // self.tile)
-        self.padded = self.count * self.tile
-        self.tail = m - (self.count - 1) * self.tile  # rows in the last tile
-        self.last = None
-        if self.tail < self.tile:
-            self.last = rows.new_zeros((self.tile, rows.shape[1]))
+        self.tail = m - (self.count - 1) * self.tile  # rows of the last tile, and with its zero rows:
+        self.last_rows = -(-self.tail // quantum) * quantum
+        self.padded = (self.count - 1) * self.tile + self.last_rows
+        # rows per call of the heads' per-row float64 math: a tile on the CPU, whose loops give an element vector or
+        # scalar code by where it sits (row_stats.combine_shard_stats_in_tiles); all at once on a GPU's batched plan
+        self.fold_rows = self.padded if self.batched and not fold_in_tiles(rows.device) else self.tile
+        self.rows, self.last = rows, None
+        if self.last_rows > self.tail and self.batched:
+            self.rows = pad_rows(rows, self.padded)
+        elif self.last_rows > self.tail:
+            self.last = rows.new_zeros((self.last_rows, rows.shape[1]))
             self.last[: self.tail] = rows[(self.count - 1) * self.tile:]
 
     def __getitem__(self, j: int) -> Tensor:
         if j == self.count - 1 and self.last is not None:
             return self.last
         return self.rows[j * self.tile:(j + 1) * self.tile]
+
+    def step(self, tile_ids: range) -> Tensor:
+        """The rows of consecutive tiles as one [tiles, row_tile, H] tensor (a batched plan)."""
+        return self.rows[tile_ids[0] * self.tile:(tile_ids[-1] + 1) * self.tile].view(len(tile_ids), self.tile, -1)
 
     def write_back(self) -> None:
         if self.last is not None:
@@ -176,14 +284,20 @@ class RowTiles:
 
 class Rows:
     """The rows a head works on: those of ``hidden`` [N, H] with a label other than ``ignore_index`` (labels
-    [N], [N, k]: kept if any of its k is, a row of k = 0 labels too; None: every row), as row tiles; per-row
-    tensors are taken alike (``take``) and results put back in place (``put``, ``spread``)."""
+    [N], [N, k]: kept if any of its k is, a row of k = 0 labels too; None: every row), as row tiles of the
+    device's plan (``tile``: of that many rows, RowTiles); per-row tensors are taken alike (``take``) and results
+    put back in place (``put``, ``spread``)."""
 
     def __init__(self, hidden: Tensor, labels: Optional[Tensor], ignore_index: int, tile: Optional[int] = None):
         self.n = hidden.shape[0]
+        self.plan, self.tile = device_plan(hidden.device), tile
         self.index = kept_rows(labels, ignore_index)  # None when every row is kept
         self.m = self.n if self.index is None else self.index.numel()
-        self.tiles = RowTiles(self.select(hidden), tile) if self.m else None
+        self.tiles = self.tiled(self.select(hidden)) if self.m else None
+
+    def tiled(self, t: Tensor) -> RowTiles:
+        """An [m, ...] tensor of the kept rows as row tiles alike."""
+        return RowTiles(t, self.plan, self.tile)
 
     def select(self, t: Optional[Tensor]) -> Optional[Tensor]:
         """t's kept rows (t itself when every row is kept)."""
@@ -236,26 +350,30 @@ class Needs(NamedTuple):
 
 
 class BlockPlan(NamedTuple):
-    """How a head's sweep cuts the work: vocab blocks of ``width`` columns, ``group`` row tiles per buffer of
-    logits (the chunk budget), logits in ``logits_dtype`` (the input dtype, as the model's layer would give
-    them; or the accumulation dtype, for math in fp32 / fp64)."""
+    """How a head's sweep cuts the work: vocab blocks of ``width`` columns, ``group`` row tiles per step (the
+    chunk budget, or the device's fixed step), logits in ``logits_dtype`` (the input dtype, as the model's layer
+    would give them; or the accumulation dtype, for math in fp32 / fp64), the device's plan, and how bf16/fp16
+    products are summed in fp32 (``sums``: matmul.product_sums)."""
     width: int
     group: int
     logits_dtype: torch.dtype
+    device: DevicePlan = PLANS["cpu"]
+    sums: str = "copies"
 
 
 def logits_buffer(tiles: RowTiles, plan: BlockPlan) -> Tensor:
-    """The reused buffer of a sweep's logits: plan.group row tiles of plan.width columns, never more tiles than
-    the rows present fill (a 22-row call holds one tile, not the budget's)."""
-    return tiles.rows.new_empty(min(plan.group, tiles.count) * tiles.tile * plan.width, dtype=plan.logits_dtype)
+    """The reused buffer of a sweep's logits: plan.group row tiles of plan.width columns, never more rows than
+    the call's tiles hold (a 22-row call holds 32 rows on the CPU, not the budget's)."""
+    rows = min(plan.group * tiles.tile, tiles.padded)
+    return tiles.rows.new_empty(rows * plan.width, dtype=plan.logits_dtype)
 
 
 def _groups(tiles: RowTiles, plan: BlockPlan, buf: Tensor, cols: int):
-    """(the padded rows' slice, their logits' view of the buffer [rows, cols]) of each group of row tiles."""
+    """(the step's tiles, their padded rows' slice, their logits' view of the buffer [rows, cols]) of each step."""
     for g0 in range(0, tiles.count, plan.group):
         g1 = min(g0 + plan.group, tiles.count)
-        rows = (g1 - g0) * tiles.tile
-        yield range(g0, g1), slice(g0 * tiles.tile, g1 * tiles.tile), buf[: rows * cols].view(rows, cols)
+        r0, r1 = g0 * tiles.tile, min(g1 * tiles.tile, tiles.padded)
+        yield range(g0, g1), slice(r0, r1), buf[: (r1 - r0) * cols].view(r1 - r0, cols)
 
 
 def _block_operands(weight, bias, v0, v1, operands: Operands, straight: bool):
@@ -273,19 +391,25 @@ def fake_grads(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], need_hidd
 
 
 # ------------------------------------------------------------------ the sweeps over vocab blocks
-def _group_logits(tiles: RowTiles, tile_ids: range, x: Tensor, w: Tensor, b: Optional[Tensor],
-                  operand: Optional[Callable[[Tensor], Tensor]]) -> Tensor:
-    """x = the logits of a group's row tiles, each hidden tile as ``operand`` makes it (None: as it is); returns
-    the last tile's operand."""
+def _step_logits(tiles: RowTiles, tile_ids: range, x: Tensor, w: Tensor, b: Optional[Tensor],
+                 operand: Optional[Callable[[Tensor], Tensor]], piece: int) -> Optional[Tensor]:
+    """x = the logits of a step's row tiles, each hidden tile as ``operand`` makes it (None: as it is): one product
+    per tile (a widened block in pieces of ``piece`` columns), or for a batched plan one batched product over the
+    step's tiles. Returns the last hidden operand (one tile's: made once where the step has one tile)."""
+    if tiles.batched:
+        h = tiles.step(tile_ids)
+        h = h if operand is None else operand(h)
+        batched_logits_into(x.view(len(tile_ids), tiles.tile, -1), h, w, b)
+        return h
     for i, j in enumerate(tile_ids):
         h = tiles[j] if operand is None else operand(tiles[j])
-        logits_into(x[i * tiles.tile:(i + 1) * tiles.tile], h, w, b, VOCAB_BLOCK)  # a widened block: in pieces
+        logits_into(x[i * tiles.tile:i * tiles.tile + h.shape[0]], h, w, b, piece)
     return h
 
 
 def forward_sweep(tiles: RowTiles, weight: Tensor, bias: Optional[Tensor], plan: BlockPlan,
                   step: Callable[[int, int, slice, Tensor], None]) -> None:
-    """step(v0, v1, rows, x) for each vocab block [v0, v1) in order and, within it, each group of row tiles in
+    """step(v0, v1, rows, x) for each vocab block [v0, v1) in order and, within it, each step's row tiles in
     order: x [rows, v1 - v0], the logits of the padded rows ``rows`` (a slice) in plan.logits_dtype, is one
     reused buffer (consumed before the next step)."""
     operands = Operands(tiles.rows.dtype, tiles.rows.device, plan.logits_dtype)
@@ -294,29 +418,26 @@ def forward_sweep(tiles: RowTiles, weight: Tensor, bias: Optional[Tensor], plan:
     for v0, v1 in vocab_blocks(weight.shape[0], plan.width):
         w, b = _block_operands(weight, bias, v0, v1, operands, straight)
         for tile_ids, rows, x in _groups(tiles, plan, buf, v1 - v0):
-            _group_logits(tiles, tile_ids, x, w, b, None if straight else operands)
+            _step_logits(tiles, tile_ids, x, w, b, None if straight else operands, plan.device.vocab_block)
             step(v0, v1, rows, x)
 
 
 class BlockProducts:
     """out [rows, H] = d @ weight[v0:v1] for a block's d [rows, v1 - v0] (written over a forward_sweep step's
-    logits), one product per row tile in the accumulation dtype, as backward_sweep's grad_hidden: a frozen
-    head's forward (heads/frozen.py) turns a block into per-row vectors while its logits are at hand. The weight
-    block's operand (an fp32 copy for bf16/fp16 where the device cannot sum their products in fp32) is made once
-    per block. ``rounded`` (for bf16 d and weight, on a CPU that multiplies bf16 natively: matmul.
-    native_reduced_products): instead of fp32 copies, one bf16 product per row tile and block (summed in fp32
-    inside the BLAS and rounded to bf16 once per row tile and block, where the unfused backward rounds its one
-    product over the whole vocab once), added into out in fp32."""
+    logits), one product per row tile (a batched plan: one batched product over the step's tiles) in the
+    accumulation dtype, as backward_sweep's grad_hidden: a frozen head's forward (heads/frozen.py) turns a block
+    into per-row vectors while its logits are at hand. The weight block's operand (an fp32 copy for bf16/fp16 where
+    the device cannot sum their products in fp32) is made once per block. ``rounded`` (for bf16 d and weight, on a
+    CPU that multiplies bf16 natively: matmul.native_reduced_products): instead of fp32 copies, one bf16 product
+    per row tile and block (summed in fp32 inside the BLAS and rounded to bf16 once per row tile and block, where
+    the unfused backward rounds its one product over the whole vocab once), added into out in fp32."""
 
-    def __init__(self, weight: Tensor, logits_dtype: torch.dtype, tile: int, rounded: bool = False):
-        self.weight, self.tile = weight, tile
+    def __init__(self, weight: Tensor, logits_dtype: torch.dtype, tiles: RowTiles, rounded: bool = False):
+        self.weight, self.tile, self.batched = weight, tiles.tile, tiles.batched
         self.operands = Operands(weight.dtype, weight.device, logits_dtype)
-        self.rounded = (rounded and self.operands.copies and logits_dtype == weight.dtype
+        self.rounded = (rounded and self.operands.copies and logits_dtype == weight.dtype and not self.batched
                         and native_reduced_products(weight.dtype, weight.device))
-        # (the bf16 product and its fp32 copy: an add of the bf16 product into out would make that copy anew on
-        # every call, a fresh allocation per row tile and block)
-        self.scratch = weight.new_empty((tile, weight.shape[1])) if self.rounded else None
-        self.scratch_acc = weight.new_empty((tile, weight.shape[1]), dtype=self.operands.acc) if self.rounded else None
+        self.sums = RoundedSums(weight, self.tile, self.tile) if self.rounded else None
         self.block = (None, None)  # (v0, its operand)
 
     def __call__(self, out: Tensor, v0: int, v1: int, d: Tensor, accumulate: bool = False) -> Tensor:
@@ -324,11 +445,16 @@ class BlockProducts:
         if self.block[0] != v0:
             self.block = (None, None)  # the last block's copy freed first
             self.block = (v0, self.weight[v0:v1] if self.rounded else self.operands(self.weight[v0:v1]))
+        if self.batched:
+            steps = d.shape[0] // self.tile
+            o, t = out.view(steps, self.tile, -1), self.operands(d).view(steps, self.tile, -1)
+            w = self.block[1].unsqueeze(0).expand(steps, *self.block[1].shape)
+            (add_bmm if accumulate else bmm_into)(o, t, w)
+            return out
         for r0 in range(0, d.shape[0], self.tile):
             o, t = out[r0:r0 + self.tile], d[r0:r0 + self.tile]
             if self.rounded:
-                p = torch.mm(t, self.block[1], out=self.scratch[:t.shape[0]])
-                o.add_(self.scratch_acc[:t.shape[0]].copy_(p)) if accumulate else o.copy_(p)
+                self.sums.add(o, t, self.block[1], accumulate)
             else:
                 (add_matmul if accumulate else matmul_into)(o, self.operands(t), self.block[1])
         return out
@@ -338,46 +464,72 @@ def backward_sweep(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional[Te
                    block_grad: Callable[[int, int, slice, Tensor], Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden [N, H], grad_weight, grad_bias) from block_grad(v0, v1, rows, x) -> d: the gradient of the
     loss w.r.t. the logits x of a forward_sweep step ([rows, v1 - v0], any float dtype; it may be x itself,
-    overwritten). The padding rows' d is zeroed here; grad_weight[v0:v1] += d.T @ hidden_tile, grad_bias[v0:v1]
-    += d.sum(0), grad_hidden_tile += d @ weight[v0:v1], tile by tile in tile order and block by block in block
-    order, in the accumulation dtype, rounded once. A gradient that ``needs`` does not ask for is an empty [0]."""
+    overwritten). The padding rows' d is zeroed here; grad_weight[v0:v1] += d.T @ hidden_rows, grad_bias[v0:v1]
+    += d.sum(0), grad_hidden_rows += d @ weight[v0:v1], tile by tile in tile order (a batched plan: step by step,
+    its sums over rows in one product of the step's fixed rows) and block by block in block order, in the
+    accumulation dtype, rounded once (bf16 on a CPU that multiplies it natively: plan.sums "rounded", one bf16
+    product per row tile and block summed in fp32). A gradient that ``needs`` does not ask for is an empty [0]."""
     n, h_size = hidden.shape
     dtype = hidden.dtype
     operands = Operands(dtype, hidden.device, plan.logits_dtype)
+    rounded = plan.sums == "rounded" and plan.logits_dtype == dtype and rows.m > 0 and not rows.tiles.batched
     acc = operands.acc
     sum_apart = reduced(dtype) and rows.m > 0  # every block of grad_weight / grad_bias written whole from acc
     new_grad = (lambda t: t.new_empty(t.shape)) if sum_apart else (lambda t: t.new_zeros(t.shape))  # noqa: E731
     grad_weight = new_grad(weight) if needs.weight else hidden.new_empty(0)
     grad_bias = new_grad(bias) if needs.bias else hidden.new_empty(0)
-    if not needs.hidden:
-        grad_hidden = gh = None
-    elif rows.index is None and not reduced(dtype):
-        grad_hidden = gh = hidden.new_zeros((n, h_size))  # summed into the gradient itself
-    else:  # grad_hidden made from gh after the blocks, so that it is not alive beside them
-        grad_hidden, gh = None, hidden.new_zeros((rows.m, h_size), dtype=acc)
     if rows.m == 0:
         return (hidden.new_zeros((n, h_size)) if needs.hidden else hidden.new_empty(0)), grad_weight, grad_bias
-
     tiles = rows.tiles
-    gh_tiles = RowTiles(gh, tiles.tile) if needs.hidden else None
+    if not needs.hidden:
+        grad_hidden = gh = None
+    elif rows.index is None and not reduced(dtype) and not tiles.batched:
+        grad_hidden = gh = hidden.new_zeros((n, h_size))  # summed into the gradient itself
+    else:  # grad_hidden made from gh after the blocks, so that it is not alive beside them
+        grad_hidden, gh = None, hidden.new_zeros((tiles.padded if tiles.batched else rows.m, h_size), dtype=acc)
+
+    gh_tiles = rows.tiled(gh) if needs.hidden else None
     straight = plan.logits_dtype == dtype
     buf = logits_buffer(tiles, plan)
     gw_acc = weight.new_empty((plan.width, h_size), dtype=acc) if needs.weight and sum_apart else None
     gb_acc = weight.new_empty((plan.width,), dtype=acc) if needs.bias and sum_apart else None
+    gw_sums = RoundedSums(weight, plan.width, PIECE_ROWS) if rounded and needs.weight else None
+    gh_sums = RoundedSums(weight, tiles.tile, tiles.tile) if rounded and needs.hidden else None
     for v0, v1 in vocab_blocks(weight.shape[0], plan.width):
         c = v1 - v0
         w, b = _block_operands(weight, bias, v0, v1, operands, straight)  # the logits' operands
-        w_acc = (w if not straight else operands(w)) if needs.hidden else None
+        w_acc = (w if rounded or not straight else operands(w)) if needs.hidden else None
         gw = gw_acc[:c].zero_() if gw_acc is not None else grad_weight[v0:v1]
         gb = gb_acc[:c].zero_() if gb_acc is not None else grad_bias[v0:v1]
         for tile_ids, rs, x in _groups(tiles, plan, buf, c):
-            h_acc = _group_logits(tiles, tile_ids, x, w, b, None if straight else operands)
+            h_acc = _step_logits(tiles, tile_ids, x, w, b, None if straight else operands, plan.device.vocab_block)
             h_acc = h_acc if not straight and len(tile_ids) == 1 else None  # one fp32 hidden tile, cast once
             d = block_grad(v0, v1, rs, x)
-            if tile_ids[-1] == tiles.count - 1 and tiles.tail < tiles.tile:  # padding adds exactly 0 (even where NaN)
-                d[d.shape[0] - tiles.tile + tiles.tail:] = 0
+            if tile_ids[-1] == tiles.count - 1 and tiles.tail < tiles.last_rows:  # padding adds exactly 0 (NaN too)
+                d[d.shape[0] - tiles.last_rows + tiles.tail:] = 0
+            if tiles.batched:  # the step's sums over rows in one product (K: its fixed rows), grad_hidden batched
+                dj = operands(d)
+                if needs.weight:
+                    add_matmul(gw, dj.t(), operands(tiles.step(tile_ids)).flatten(0, 1))
+                if needs.bias:
+                    gb.add_(dj.sum(dim=0, dtype=acc))
+                if needs.hidden:
+                    steps = len(tile_ids)
+                    add_bmm(gh_tiles.step(tile_ids), dj.view(steps, tiles.tile, c),
+                            w_acc.unsqueeze(0).expand(steps, *w_acc.shape))
+                continue
             for i, j in enumerate(tile_ids):  # tile by tile, in tile order: the sums do not see the grouping
-                dj = operands(d[i * tiles.tile:(i + 1) * tiles.tile])
+                rows_j = tiles[j].shape[0]
+                dj = d[i * tiles.tile:i * tiles.tile + rows_j]
+                if rounded:
+                    if needs.weight:
+                        gw_sums.add(gw, dj.t(), tiles[j], True)
+                    if needs.bias:
+                        gb.add_(dj.sum(dim=0, dtype=acc))
+                    if needs.hidden:
+                        gh_sums.add(gh_tiles[j], dj, w_acc, True)
+                    continue
+                dj = operands(dj)
                 if needs.weight:
                     add_matmul(gw, dj.t(), operands(tiles[j]) if h_acc is None else h_acc)
                 if needs.bias:
@@ -392,5 +544,5 @@ def backward_sweep(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional[Te
     if needs.hidden:
         gh_tiles.write_back()
     if grad_hidden is None:
-        grad_hidden = rows.spread(gh.to(dtype)) if needs.hidden else hidden.new_empty(0)
+        grad_hidden = rows.spread(gh[:rows.m].to(dtype)) if needs.hidden else hidden.new_empty(0)
     return grad_hidden, grad_weight, grad_bias

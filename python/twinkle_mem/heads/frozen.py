@@ -54,19 +54,28 @@ from torch import Tensor
 
 from ..op import ops
 from ..op.contract import acc_dtype
-from .engine import BlockPlan, BlockProducts, Rows
+from .engine import BlockPlan, BlockProducts, Rows, device_plan
 from .matmul import native_reduced_products, reduced
 
 
 def recompute_is_cheaper(dtype: torch.dtype, device: torch.device, entropy_vector: bool) -> bool:
     """Whether a frozen head does better to recompute its logits in the backward, as a trainable one does, than to
     sum its vectors in the forward: with the entropy's vector in bf16 on a CPU that multiplies bf16 natively
-    (matmul.native_reduced_products). Both vectors then come from fp32 copies (E's terms cancel against H S: a
-    bf16 product's rounding would not hold its precision), two fp32 products at half the bf16 rate, where the
-    recompute costs one bf16 product and one fp32 product (N = 2048, H = 1024, V = 32768 on Zen 4: 2.02 s against
-    1.62 s, docs/cpu.md). With the log-probs' vector alone, in fp32, fp16, or elsewhere, the forward's sums cost
-    no more and save the recompute."""
-    return entropy_vector and dtype == torch.bfloat16 and native_reduced_products(dtype, device)
+    (matmul.native_reduced_products), or in bf16/fp16 on a device whose plan batches its steps (a GPU). Both vectors
+    then come from fp32 copies (E's terms cancel against H S: a bf16 product's rounding would not hold its
+    precision), fp32 products at half the bf16 rate on that CPU (N = 2048, H = 1024, V = 32768 on Zen 4: 2.02 s
+    against 1.62 s for the recompute, docs/cpu.md) and far below it on a GPU's tensor cores, with a GPU step's fp32
+    copies (gigabytes) besides. With the log-probs' vector alone, in fp32, fp16 on a CPU, or elsewhere, the
+    forward's sums cost no more and save the recompute."""
+    if not entropy_vector or not reduced(dtype):
+        return False
+    return bool(device_plan(device).step_rows) or (dtype == torch.bfloat16 and native_reduced_products(dtype, device))
+
+
+def vectors_at_most(dtype: torch.dtype, device: torch.device) -> int:
+    """The most vectors a frozen head's forward sums on ``device`` (the blocks' budget counts them): 1 where the
+    entropy's is recomputed instead (recompute_is_cheaper), else 2."""
+    return 1 if recompute_is_cheaper(dtype, device, True) else 2
 
 
 def reference_labels(labels: Tensor, ignore_index: int, outside: int) -> Tensor:
@@ -102,51 +111,76 @@ class FrozenGrads:
                  vocab_size: int, inv_temperature: float, entropy: bool, plan: BlockPlan):
         tiles = rows.tiles
         self.weight, self.ignore_index, self.vocab_start, self.inv_t = weight, ignore_index, vocab_start, inv_temperature
-        self.tile = tiles.tile
+        self.width = plan.width
         acc = acc_dtype(weight.dtype)
         self.a = weight.new_zeros((tiles.padded, weight.shape[1]), dtype=acc)
         self.r = torch.zeros_like(self.a) if entropy else None
         self.rho = weight.new_zeros(tiles.padded, dtype=torch.float64)
         self.w_y = torch.zeros_like(self.rho)  # the label's block's w (0 until that block, or no label here)
+        self.running = (torch.zeros_like(self.rho), torch.zeros_like(self.rho))  # (shift, log_sum) of the blocks so far
         self.y = reference_labels(labels, ignore_index, outside_id(vocab_size, ignore_index))
         self.outside = torch.full_like(self.y, outside_id(vocab_size, ignore_index))
         self.local = self.y[:, 0] - vocab_start  # in [0, V shard) where this shard holds it
+        self.label_block = torch.where((self.local >= 0) & (self.local < weight.shape[0]),
+                                       self.local.div(plan.width, rounding_mode="floor"), -1)
         # The blocks' terms from their logits in the input dtype: A's are a share of one entry each (the dtype's
         # rounding stays within the op's bound); with R (whose terms cancel against H A in the end) and in fp16
         # (w_b p underflows its range), from fp32 copies of a row tile at a time instead.
         self.exact = reduced(weight.dtype) and (entropy or weight.dtype == torch.float16)
         grad_dtype = acc if self.exact else plan.logits_dtype
-        self.products = BlockProducts(weight, grad_dtype, tiles.tile, rounded=not self.exact)
-        size = tiles.tile * plan.width
+        self.products = BlockProducts(weight, grad_dtype, tiles, rounded=not self.exact)
+        # the rows each product takes the blocks' terms of: a row tile where they are copies (a batched plan: its
+        # step, whose one product is batched over its tiles), else the whole step in place
+        self.piece = tiles.tile * (plan.group if tiles.batched else 1)
+        self.in_pieces = self.exact or entropy
+        size = min(self.piece, tiles.padded) * plan.width
         self.copies = [weight.new_empty(size, dtype=grad_dtype) for _ in range(entropy + self.exact)]
 
-    def block(self, v0: int, v1: int, rs: slice, x: Tensor, stats, before, after) -> None:
-        """Fold the block [v0, v1) of the rows ``rs`` (x: its logits, overwritten) into their vectors. ``stats``:
-        the op's (shift, log_sum, entropy or None) of the block as it returned them; ``before`` / ``after``: the
-        rows' running (shift, log_sum, H) in float64 without and with this block (before: None at the first)."""
-        shift, log_sum, h_block = stats
+    def _fold(self, rs: slice, shift: Tensor, log_sum: Tensor, first: bool):
+        """The rows' running normalizer with one more block of (shift, log_sum) (float64), in place: (delta, log_w),
+        the logs of the blocks so far's and this block's shares of the union (delta None at the first block; -inf
+        where a side has no mass, NaN where it holds a NaN). A side without mass is (-inf, -inf) as the op gives it
+        (csrc/common/online_softmax.h), or (0, -inf) once folded: its share is -inf without a mask."""
+        neg_inf = float("-inf")
+        run_shift, run_log = self.running[0][rs], self.running[1][rs]
+        if first:
+            run_shift.copy_(shift), run_log.copy_(log_sum)
+            return None, torch.where(log_sum == neg_inf, neg_inf, log_sum - log_sum)  # 0, or NaN for a NaN
+        big = torch.maximum(run_shift, shift)
+        big = torch.where(big == neg_inf, 0.0, big)  # (no mass on either side)
+        side_a = torch.add(run_log, run_shift - big, alpha=self.inv_t)  # (shift - big) / T + log_sum
+        side_b = torch.add(log_sum, shift - big, alpha=self.inv_t)
+        union = torch.logaddexp(side_a, side_b)
+        run_shift.copy_(big), run_log.copy_(union)
+        union = torch.where(union == neg_inf, 0.0, union)  # (no mass at all: both shares -inf)
+        return side_a - union, side_b - union
+
+    def block(self, v0: int, v1: int, rs: slice, x: Tensor, shift: Tensor, log_sum: Tensor,
+              h_block: Optional[Tensor]) -> None:
+        """Fold the block [v0, v1) of the rows ``rs`` (x: its logits, overwritten) into their vectors: ``shift``,
+        ``log_sum``, ``h_block`` (None without the entropy's vector) the op's statistics of the block as it
+        returned them."""
         a, r = self.a[rs], None if self.r is None else self.r[rs]
-        if before is not None:  # the blocks so far: their w scale by alpha = exp(delta)
-            delta = log_share(before, after, self.inv_t)
+        delta, log_w = self._fold(rs, shift.double(), log_sum.double(), v0 == 0)
+        if delta is not None:  # the blocks so far: their w scale by alpha = exp(delta)
             alpha = delta.exp()
-            delta = torch.where(alpha == 0, 0.0, delta)  # (nothing so far: A = R = 0)
             if r is not None:
+                delta = torch.where(alpha == 0, 0.0, delta)  # (nothing so far: R = 0)
                 self.rho[rs] = alpha * (self.rho[rs] - delta * self.w_y[rs] * self.inv_t)
                 r.add_(a * _column(delta, a.dtype)).mul_(_column(alpha, a.dtype))
+                self.w_y[rs].mul_(alpha)
             a.mul_(_column(alpha, a.dtype))
-            self.w_y[rs] *= alpha
-        log_w = log_share((shift.double(), log_sum.double()), after, self.inv_t)
         w = log_w.exp()
-        empty = (w == 0).unsqueeze(1)  # -inf logits only: the op skips the row (its p would be NaN), adds 0
-        local = self.local[rs]
-        self.w_y[rs] = torch.where((local >= v0) & (local < v1), w, self.w_y[rs])
+        if r is not None:  # (rho needs the label's share as it goes; S alone takes it at the end: label_share)
+            self.w_y[rs] = torch.where(self.label_block[rs] == v0 // self.width, w, self.w_y[rs])
         g_a = _column(w, a.dtype)
-        y_a = torch.where(empty, self.ignore_index, self.y[rs])
-        if r is not None:
+        y_a = torch.where(w.unsqueeze(1) == 0, self.ignore_index, self.y[rs])  # -inf logits only: the op skips the
+        if r is not None:  # row (its p would be NaN), adds 0
             g_r = _column(torch.where(w == 0, 0.0, w * (log_w - h_block.double())), a.dtype)
-            y_r = torch.where(empty, self.ignore_index, self.outside[rs])
-        for r0 in range(0, x.shape[0], self.tile if self.exact or r is not None else x.shape[0]):
-            t = slice(r0, r0 + (self.tile if self.exact or r is not None else x.shape[0]))
+            y_r = torch.where(w.unsqueeze(1) == 0, self.ignore_index, self.outside[rs])
+        piece = self.piece if self.in_pieces else x.shape[0]
+        for r0 in range(0, x.shape[0], piece):
+            t = slice(r0, r0 + piece)
             x_a, x_r = self._copies(x[t])
             if x_r is not None:
                 ops.bwd_inplace(g_r[t], g_a[t, 0], x_r, y_r[t], shift[t], log_sum[t], h_block[t], self.inv_t,
@@ -162,10 +196,21 @@ class FrozenGrads:
         x_r = self.copies[0][: x.numel()].view_as(x).copy_(x_a) if self.r is not None else None
         return x_a, x_r
 
+    def label_share(self, shift_b: Tensor, log_sum_b: Tensor) -> None:
+        """w_y, each row's label block's share of the running normalizer after the last block, from the blocks'
+        statistics [blocks, rows] (float64; S's rescaling block by block made the same shares): 0 where this
+        shard holds no label. (With the entropy's vector, rho needed it as it went: block.)"""
+        if self.r is not None:
+            return
+        at = self.label_block.clamp(min=0).unsqueeze(0)
+        log_w = torch.add(log_sum_b.gather(0, at)[0] - self.running[1], shift_b.gather(0, at)[0] - self.running[0],
+                          alpha=self.inv_t)
+        self.w_y = torch.where(self.label_block >= 0, log_w.exp(), 0.0)
+
     def vectors(self, rows: Rows, shard, whole):
         """(S [N, H], E [N, H] or an empty [0]) of every row, 0 on the rows not kept, from the rows' statistics
         (shift, log_sum, H) of this weight's vocab (``shard``) and of the whole vocab (the same without tensor
-        parallelism; with it, the vectors become this rank's share of the whole vocab's)."""
+        parallelism; with it, the vectors become this rank's share of the whole vocab's); after label_share."""
         lg = torch.zeros_like(self.rho) if shard is whole else log_share(shard, whole, self.inv_t)
         gamma = lg.exp()
         here = (self.local >= 0) & (self.local < self.weight.shape[0])

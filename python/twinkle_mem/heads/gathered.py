@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..op.contract import acc_dtype
-from .engine import Needs, Rows, RowTiles, block_width, pad_rows, vocab_blocks
+from .engine import Needs, Rows, RowTiles, block_width, device_plan, pad_rows, vocab_blocks
 
 
 def _gathered(weight: Tensor, ids: Tensor, tile: int, acc: torch.dtype) -> Tensor:
@@ -64,7 +64,7 @@ def gathered_backward(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional
         return grad_hidden, grad_weight, grad_bias
     k = ids.shape[1]
     chunk = max(1, budget // (4 * h_size))  # entries per index_add
-    for v0, v1 in vocab_blocks(weight.shape[0], block_width(weight.shape[0], h_size)):
+    for v0, v1 in vocab_blocks(weight.shape[0], block_width(weight.shape[0], h_size, device_plan(weight.device))):
         entries = (own & (ids >= v0) & (ids < v1)).flatten().nonzero().squeeze(1)
         if entries.numel() == 0:
             continue

@@ -32,11 +32,13 @@ from ..distill.arguments import GkdOptions, check_teacher_logits, checked_gkd, f
 from ..distill.divergence import gkd_grad, gkd_terms, log_add_exp
 from ..op.contract import stats_dtype
 from ..op.op_args import call, named_inputs, pick, register_autograd
-from .engine import (BlockPlan, BlockProducts, Needs, Rows, acc_dtype, backward_sweep, check_head_args, fake_grads,
-                     forward_sweep, frozen_head)
+from .engine import (BlockPlan, BlockProducts, Needs, Rows, acc_dtype, backward_sweep, check_head_args, device_plan,
+                     fake_grads, forward_sweep, frozen_head)
+from .matmul import product_sums
 from .frozen import row_scaled
 
 FULL_BLOCK = 2048  # vocab columns per block of the float64 math
+FULL_ROWS = 512  # rows per block, the last tile zero-padded
 # The rows' statistics, saved for backward: [N, STATS] float64.
 M_S, L_S, M_T, L_T, LOSS, K = range(6)
 STATS = 6
@@ -45,7 +47,16 @@ STATS = 6
 def _plan(hidden: Tensor, v: int) -> BlockPlan:
     """Blocks of FULL_BLOCK columns, one row tile at a time, logits in fp32 (fp64 for fp64): the float64 math
     takes them as they are."""
-    return BlockPlan(min(FULL_BLOCK, v), 1, acc_dtype(hidden.dtype))
+    acc = acc_dtype(hidden.dtype)
+    return BlockPlan(min(FULL_BLOCK, v), 1, acc, device_plan(hidden.device), product_sums(hidden.dtype,
+                                                                                          hidden.device, acc))
+
+
+def _rows(hidden: Tensor, labels: Optional[Tensor], ignore_index: int) -> Rows:
+    """The kept rows in whole row tiles of FULL_ROWS: the float64 math of a [FULL_ROWS, FULL_BLOCK] block is split
+    across the CPU's threads at offsets that depend on its size (row_stats.combine_shard_stats_in_tiles), so every
+    block keeps one shape."""
+    return Rows(hidden, labels, ignore_index, FULL_ROWS)
 
 
 def _fold(state, z: Tensor, temperature: float):
@@ -89,7 +100,7 @@ def gkd_full_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher
     loss = hidden.new_zeros((n,), dtype=stats_dtype(hidden))
     stats = hidden.new_zeros((n, STATS), dtype=torch.float64)
     vectors = hidden.new_zeros((n, hidden.shape[1]) if frozen else (0,), dtype=stats_dtype(hidden))
-    rows = Rows(hidden, labels, ignore_index)
+    rows = _rows(hidden, labels, ignore_index)
     if rows.m == 0:
         return loss, stats, vectors
     ids = rows.ids()
@@ -117,7 +128,7 @@ def gkd_full_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], teacher
     rows.put(loss, 0, st[:rows.m, LOSS].to(loss.dtype))
     if frozen:  # pass 3: dL/dx of each block, now that L and K are known, summed into dL/dhidden (no backward sweep)
         acc = hidden.new_zeros((rows.tiles.padded, hidden.shape[1]), dtype=stats_dtype(hidden))
-        products = BlockProducts(weight, plan.logits_dtype, rows.tiles.tile)
+        products = BlockProducts(weight, plan.logits_dtype, rows.tiles)
 
         def grad(v0, v1, rs, x):
             products(acc[rs], v0, v1, _block_grad(x, teacher, ids, st, None, gkd, v0, v1, rs), accumulate=True)
@@ -142,7 +153,7 @@ def gkd_full_bwd(grad_loss: Tensor, stats: Tensor, hidden: Tensor, weight: Tenso
                  need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden [N, H], grad_weight [V, H], grad_bias [V]); an empty [0] for a gradient not needed."""
     gkd = GkdOptions(beta, temperature, teacher_temperature, ignore_index)
-    rows = Rows(hidden, labels, ignore_index)
+    rows = _rows(hidden, labels, ignore_index)
     needs = Needs(need_hidden, need_weight, need_bias)
     plan = _plan(hidden, teacher.shape[-1])
     if rows.m == 0:
@@ -195,7 +206,7 @@ register_autograd(gkd_full_fwd, _backward, _setup_context)
 
 
 def linear_gkd_full(hidden, weight, teacher_logits, labels=None, *, bias=None, beta=0.5, temperature=1.0,
-                    ignore_index=-100, teacher_temperature=None):
+                    ignore_index=-100, teacher_temperature=None, loss_grad=None):
     """twinkle's GKDLoss per token over the whole vocab (``teacher_logits=``, ``topk=None``) from the LM
     head's input; the student's [N, V] logits never exist, one [ROW_TILE, FULL_BLOCK] block at a time.
 
@@ -203,12 +214,15 @@ def linear_gkd_full(hidden, weight, teacher_logits, labels=None, *, bias=None, b
     dtype, no gradient; a view such as twinkle's ``teacher_logits[:, :L]`` is read in place), labels [...] or
     None. ``teacher_temperature``: the teacher's, ``temperature`` when None (twinkle divides both sides by
     one). Returns the per-token loss [...] fp32 (fp64 for fp64 hidden), with gradients to hidden, weight and
-    bias. See the module docstring and docs/distillation.md.
+    bias. ``loss_grad=True`` says the loss will be trained: a frozen head (LoRA's) then sums dL/dhidden in a third
+    forward sweep; by default (None) a frozen head's backward recomputes it, as a trainable one's does (the same
+    sweeps, none spent on a loss that gets no gradient). See the module docstring and docs/distillation.md.
     """
     check_head_args(hidden, weight, bias)
     check_teacher_logits(teacher_logits, (*hidden.shape[:-1], weight.shape[0]), hidden, "hidden")
     gkd = checked_gkd(labels, hidden, "hidden", GkdOptions(beta, temperature, teacher_temperature, ignore_index))
     n = teacher_logits.numel() // weight.shape[0]
     loss, *_ = call(gkd_full_fwd, hidden.reshape(n, hidden.shape[-1]), weight, bias, flat_teacher(teacher_logits),
-                    None if labels is None else labels.reshape(n), gkd, {"frozen": frozen_head(hidden, weight, bias)})
+                    None if labels is None else labels.reshape(n), gkd,
+                    {"frozen": loss_grad is True and frozen_head(hidden, weight, bias)})
     return loss.view(hidden.shape[:-1])

@@ -169,7 +169,7 @@ register_autograd(gkd_fwd, _backward, _setup_context)
 
 # ------------------------------------------------------------------ public functions
 def linear_gkd_topk(hidden, weight, teacher_ids, teacher_logprobs, labels=None, *, bias=None, beta=0.5,
-                    temperature=1.0, ignore_index=-100, process_group=None, teacher_temperature=None):
+                    temperature=1.0, ignore_index=-100, process_group=None, teacher_temperature=None, loss_grad=None):
     """twinkle's GKDLoss per token over a top-k teacher, from the LM head's input; nothing [N, V].
 
     hidden: [..., H] bf16/fp16/fp32/fp64; weight: [V, H] of hidden's dtype (under ``process_group``, this
@@ -180,6 +180,9 @@ def linear_gkd_topk(hidden, weight, teacher_ids, teacher_logprobs, labels=None, 
     ``process_group`` (world size > 1) the loss is the same on every rank and the hidden gradient is this
     rank's partial sum (all-reduce it, as Megatron's copy_to_tensor_model_parallel_region does).
     ``teacher_temperature``: the teacher's, ``temperature`` when None (twinkle divides both sides by one).
+    ``loss_grad=True`` says the loss will be trained: a frozen head (LoRA's) in one process then sums dL/dhidden in
+    the forward from the k weight rows it gathers once; by default (None) its backward gathers them again, as a
+    trainable head's does (nothing spent on a loss that gets no gradient).
     Formulas, memory and semantics: the module docstring and docs/distillation.md.
     """
     check_head_args(hidden, weight, bias)
@@ -190,5 +193,6 @@ def linear_gkd_topk(hidden, weight, teacher_ids, teacher_logprobs, labels=None, 
     k = teacher_ids.shape[-1]
     loss, *_ = call(gkd_fwd, hidden.reshape(n, h_size), weight, bias, teacher_ids.reshape(n, k),
                     teacher_logprobs.reshape(n, k), None if labels is None else labels.reshape(n), gkd,
-                    VocabShard.of(process_group, weight.shape[0], "weight"), {"frozen": frozen_head(hidden, weight, bias)})
+                    VocabShard.of(process_group, weight.shape[0], "weight"),
+                    {"frozen": loss_grad is True and frozen_head(hidden, weight, bias)})
     return loss.view(hidden.shape[:-1])

@@ -41,43 +41,35 @@ from ..op.contract import check_index_and_options, check_op_label_range, ignore_
 from ..op.op_args import call, named_inputs, pick, register_autograd
 from ..op.row_stats import combine_shard_stats_in_tiles, output_shift
 from ..op.vocab_parallel import VocabShard, gather_shard_stats
-from .engine import (VOCAB_BLOCK, BlockPlan, Needs, Rows, backward_sweep, check_head_args, fake_grads, fit_width,
-                     forward_sweep, frozen_head, tile_budget, tiles_in_flight)
+from .engine import (BlockPlan, Needs, Rows, backward_sweep, check_head_args, fake_grads, forward_sweep, frozen_head,
+                     plan_blocks)
 from .frozen import FrozenGrads, frozen_grad, recompute_is_cheaper
 
-DEFAULT_CHUNK_BYTES = 256 << 20
-
-
-def default_chunk_bytes(shard: int, hidden_size: int, dtype: torch.dtype, vectors: int = 0) -> int:
-    """The chunk_bytes of a call that gives none: DEFAULT_CHUNK_BYTES, or one row tile of an unwidened vocab block
-    where that needs more (the bf16/fp16 backward's fp32 copies: H above about 3,600 at 8192 columns)."""
-    return max(DEFAULT_CHUNK_BYTES, tile_budget(min(VOCAB_BLOCK, shard), hidden_size, dtype, vectors))
-
-
-def vectors_summed(frozen: bool, with_entropy: bool, entropy_grad: bool) -> int:
-    """How many gradient vectors a frozen head's forward sums: S, and E where the entropy may receive a gradient."""
-    return (1 + (with_entropy and entropy_grad)) if frozen else 0
+def vectors_summed(frozen: bool, with_entropy: bool, entropy_grad: Optional[bool]) -> int:
+    """How many gradient vectors a frozen head's forward sums: S, and E where the caller said the entropy will
+    receive a gradient (entropy_grad True); otherwise a gradient reaching the entropy is recomputed in the
+    backward."""
+    return (1 + bool(with_entropy and entropy_grad)) if frozen else 0
 
 
 class LogprobOptions(NamedTuple):
     """The fused log-prob head's scalars, one value (its ops' schemas name them alike; the vocab shard is a
     vocab_parallel.VocabShard). inv_temperature: 1/T, a 0-dim CPU tensor across the op boundary
-    (ops.inv_temperature_tensor: no recompile when T changes under torch.compile), a float inside the ops."""
+    (ops.inv_temperature_tensor: no recompile when T changes under torch.compile), a float inside the ops.
+    chunk_bytes: 0 for the device plan's default."""
     inv_temperature: object
     ignore_index: int
     with_entropy: bool
     chunk_bytes: int
     frozen: bool  # the head needs no gradient: the forward sums grad_hidden's vectors (heads/frozen.py)
-    entropy_grad: bool  # the entropy may receive a gradient (False: a metric; a gradient reaching it raises)
+    entropy_grad: bool  # the entropy's vector summed in the forward too (the caller said it will be trained)
 
 
 def _plan(hidden: Tensor, shard: int, chunk_bytes: int, backward: bool, vectors: int = 0) -> BlockPlan:
-    """Vocab blocks of engine.fit_width columns (the same for a call's forward and backward), as many row tiles per
-    op call as chunk_bytes holds, logits in the input dtype (the op reads them as the model's layer would give
-    them)."""
-    h_size, dtype = hidden.shape[1], hidden.dtype
-    cols = fit_width(shard, h_size, dtype, chunk_bytes, vectors)
-    return BlockPlan(cols, tiles_in_flight(cols, h_size, dtype, chunk_bytes, backward, vectors), dtype)
+    """The call's blocks (engine.plan_blocks: the same in its forward and backward, with autograd on or off), as
+    many row tiles per step as this pass's budget holds, logits in the input dtype (the op reads them as the
+    model's layer would give them)."""
+    return plan_blocks(hidden, shard, chunk_bytes or None, backward, vectors)
 
 
 # ------------------------------------------------------------------ forward op
@@ -86,52 +78,43 @@ def _shard_stats(rows: Rows, weight: Tensor, bias: Optional[Tensor], labels: Ten
     """This weight's (shard's) statistics for the padded kept rows, in float64: (logp [M, k] against
     the shard's own normalizer, 0 for labels elsewhere; entropy [M] of the shard's softmax or None;
     shift [M]; log_sum [M]), M = rows.tiles.padded. labels: [M, k] int64, ignore_index on the padding.
-    With ``vectors`` (a frozen head), also the rows' FrozenGrads, folded block by block alike.
+    With ``vectors`` (a frozen head), also the rows' FrozenGrads, summed block by block.
 
-    Each block's fp32 statistics are folded into a float64 state in block order, one row tile at a
-    time (row_stats.combine_shard_stats_in_tiles), so the fold adds no rounding of its own and a
-    row's result depends on nothing but its row.
+    Each step keeps the op's fp32 statistics of its block; after the sweep the blocks are combined in block order,
+    in float64, as tensor-parallel shards are (row_stats.combine_shard_stats: on the CPU one row tile per call, so
+    that a row's result depends on nothing but its row): a few ops per step, whatever N. A frozen head also folds
+    each block's normalizer into a running one as it goes (FrozenGrads.block): its vectors are rescaled block by
+    block.
     """
     width = weight.shape[0]
     local = labels - shard.vocab_start
     ignored = labels == opts.ignore_index
-    state = [None] * 4  # logp, entropy, shift, log_sum of the rows: float64
     plan = _plan(rows.tiles.rows, width, opts.chunk_bytes, backward=False, vectors=vectors)
+    blocks = -(-width // plan.width)
+    kept = []  # each step's (logp, entropy, shift, log_sum), block by block, each block's steps in row order
     grads = None
     if vectors:
         grads = FrozenGrads(rows, weight, labels, opts.ignore_index, shard.vocab_start, shard.vocab_size,
                             opts.inv_temperature, vectors == 2, plan)
 
-    def running(rs):  # the rows' (shift, log_sum, entropy) in float64 (copies: the fold writes over the state)
-        return tuple(None if state[i] is None else state[i][rs].clone() for i in (2, 3, 1))
-
-    def step(v0, v1, rs, x):  # the op on a block's logits, folded into the rows' state
+    def step(v0, v1, rs, x):  # the op on a block's logits, its statistics kept
         raw = ops.fwd(x, labels[rs], opts.inv_temperature, opts.ignore_index, shard.vocab_start + v0,
                       shard.vocab_size, opts.with_entropy, False)
-        block = [t.double() for t in raw]
-        block[1] = block[1] if opts.with_entropy else None
-        before = None if v0 == 0 or grads is None else running(rs)
-        if v0 == 0:  # the first block: the op's own statistics
-            for i, t in enumerate(block):
-                if t is not None:
-                    state[i] = t.new_empty((rows.tiles.padded, *t.shape[1:])) if state[i] is None else state[i]
-                    state[i][rs] = t
-        else:
-            logp_b, entropy_b, shift_b, log_sum_b = block
-            in_block = (local[rs] >= v0) & (local[rs] < v1) & ~ignored[rs]  # owner 1: the label's logit is here
-            merged = combine_shard_stats_in_tiles(
-                rows.tiles.tile, torch.stack([state[2][rs], shift_b]), torch.stack([state[3][rs], log_sum_b]),
-                torch.stack([state[0][rs], logp_b]),
-                None if entropy_b is None else torch.stack([state[1][rs], entropy_b]), in_block.long(), ignored[rs],
-                opts.inv_temperature)
-            for i, t in enumerate(merged):
-                if t is not None:
-                    state[i][rs] = t
+        kept.append(raw)
         if grads is not None:  # the block's vectors, from the logits still at hand (x is overwritten)
-            grads.block(v0, v1, rs, x, (raw[2], raw[3], raw[1] if vectors == 2 else None), before, running(rs))
+            grads.block(v0, v1, rs, x, raw[2], raw[3], raw[1] if vectors == 2 else None)
 
     forward_sweep(rows.tiles, weight, bias, plan, step)
-    logp, entropy, shift, log_sum = state
+    m = rows.tiles.padded
+    logp_b, entropy_b, shift_b, log_sum_b = (
+        torch.cat(parts).double().view(blocks, m, *parts[0].shape[1:]) if i != 1 or opts.with_entropy else None
+        for i, parts in enumerate(zip(*kept)))
+    del kept
+    if grads is not None:
+        grads.label_share(shift_b, log_sum_b)
+    owner = torch.where(ignored, 0, local.div(plan.width, rounding_mode="floor")).clamp(0, blocks - 1)
+    logp, entropy, shift, log_sum = combine_shard_stats_in_tiles(
+        rows.tiles.fold_rows, shift_b, log_sum_b, logp_b, entropy_b, owner, ignored, opts.inv_temperature)
     # Labels on another rank's shard: 0 here, as the op gives (the ranks' merge takes the owner's).
     on_shard = (local >= 0) & (local < width) & ~ignored
     return (torch.where(on_shard, logp, 0), entropy, shift, log_sum), grads
@@ -169,14 +152,15 @@ def linear_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: T
         group = shard.group()
         gathered = gather_shard_stats(*stats, y, weight.shape[0], opts.inv_temperature, ignore_index, group,
                                       dist.get_world_size(group))
-        shard_stats, stats = stats, combine_shard_stats_in_tiles(rows.tiles.tile, *gathered, opts.inv_temperature)
+        shard_stats, stats = stats, combine_shard_stats_in_tiles(rows.tiles.fold_rows, *gathered,
+                                                                 opts.inv_temperature)
         if grads is not None:  # this rank's share of the whole vocab's vectors
             vecs = grads.vectors(rows, *((t[2], t[3], t[1]) for t in (shard_stats, stats)))
     elif grads is not None:
         final = (stats[2], stats[3], stats[1])
         vecs = grads.vectors(rows, final, final)
     outs = (logp, entropy, shift, log_sum) if with_entropy else (logp, None, shift, log_sum)
-    tile = rows.tiles.tile
+    tile = rows.tiles.fold_rows
     for r0 in range(0, rows.m, tile):  # the last step by row tiles too (row_stats.combine_shard_stats_in_tiles)
         s = slice(r0, r0 + tile)
         logp_k, entropy_k, shift_k, log_sum_k = (None if t is None else t[s] for t in stats)
@@ -236,40 +220,50 @@ def _linear_bwd_fake(grad_logp, grad_entropy, hidden, weight, bias, labels, shif
     return fake_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
-METRIC_GRADIENT = ("linear_selective_log_softmax: the entropy was declared a metric (entropy_grad=False), yet a "
-                   "gradient reached it; pass entropy_grad=True to differentiate it, or detach() it where it enters "
-                   "the loss")
+def _known_zeros(t: Tensor) -> bool:
+    """Whether ``t`` holds zeros only, where its values can be read (not while a graph is traced: it cannot branch
+    on them)."""
+    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode(t) is not None:
+        return False
+    return not bool(t.any())
 
 
 def _setup_context(ctx, inputs, output):
     args = named_inputs(linear_fwd, inputs)
     ctx.options, ctx.shard = pick(LogprobOptions, linear_fwd, inputs), pick(VocabShard, linear_fwd, inputs)
     _logp, entropy, shift, log_sum, vec_logp, vec_entropy = output
-    ctx.set_materialize_grads(False)  # an output no loss used gets None: the entropy's rule below
-    if ctx.options.frozen:  # the gradient vectors instead of the inputs: the backward recomputes nothing
-        ctx.save_for_backward(args["hidden"], args["weight"], None, args["labels"], vec_logp, vec_entropy, None)
-    else:
-        ctx.save_for_backward(args["hidden"], args["weight"], args["bias"], args["labels"], shift, log_sum,
-                              entropy if ctx.options.with_entropy else None)
+    ctx.set_materialize_grads(False)  # an output no loss used gets None: it costs nothing
+    opts = ctx.options
+    # A frozen head saves its vectors; where the entropy's was not summed (a metric, as far as the caller said),
+    # also the statistics a recompute of the entropy's gradient needs, should one reach it after all: O(N).
+    recompute = opts.frozen and opts.with_entropy and vec_entropy.numel() == 0
+    keep_stats = not opts.frozen or recompute
+    ctx.save_for_backward(args["hidden"], args["weight"], args["bias"], args["labels"],
+                          shift if keep_stats else None, log_sum if keep_stats else None,
+                          entropy if keep_stats and opts.with_entropy else None,
+                          vec_logp if opts.frozen else None, vec_entropy if opts.frozen else None)
     ctx.mark_non_differentiable(shift, log_sum, vec_logp, vec_entropy)
 
 
 def _backward(ctx, grad_logp, grad_entropy, _grad_shift, _grad_log_sum, _grad_vec_logp, _grad_vec_entropy):
     opts = ctx.options
     grad_entropy = grad_entropy if opts.with_entropy else None
-    if grad_entropy is not None and not opts.entropy_grad:  # a metric: a nonzero gradient raises, zeros are nothing
-        if torch.compiler.is_compiling():  # (traced: every output has a gradient; the values decide at run time)
-            torch._assert_async(grad_entropy.eq(0).all(), METRIC_GRADIENT)
-        elif grad_entropy.any():
-            raise RuntimeError(METRIC_GRADIENT)
-        grad_entropy = None
-    hidden, weight, bias, labels, *saved = ctx.saved_tensors
+    hidden, weight, bias, labels, shift, log_sum, entropy, vec_logp, vec_entropy = ctx.saved_tensors
     needs = Needs.of(ctx, linear_fwd, bias)
-    if opts.frozen:
-        vec_logp, vec_entropy, _ = saved
+    if opts.frozen and not needs.hidden:
+        return {"hidden": None}
+    if opts.frozen and grad_entropy is not None and not vec_entropy.numel() and _known_zeros(grad_entropy):
+        grad_entropy = None  # zeros (the entropy times 0 in a loss) add exactly nothing: no recompute for them
+    if opts.frozen and (grad_entropy is None or vec_entropy.numel()):  # g S (+ g_H E) from the forward's vectors
         return {"hidden": call(frozen_grad, grad_logp, grad_entropy, vec_logp, vec_entropy, hidden, weight, labels,
-                               opts, ctx.shard) if needs.hidden else None}
-    shift, log_sum, entropy = saved
+                               opts, ctx.shard)}
+    if opts.frozen:
+        # The entropy was not declared trained, yet a gradient reached it: the backward of a trainable head,
+        # grad_hidden alone, recomputes the logits (S unused: the whole gradient from one product per block, rounded
+        # once, as a peaked row's cancellations between the two outputs' terms need). Under torch.compile every
+        # output gets a gradient, zeros where unused, which a compiled graph cannot tell from others without a
+        # branch on the values: there a frozen head's undeclared entropy always takes it.
+        needs = Needs(True, False, False)
     if grad_logp is None:
         grad_logp = shift.new_zeros(labels.shape)
     return needs.grads(*call(linear_bwd, grad_logp, grad_entropy, hidden, weight, bias, labels, shift, log_sum,
@@ -284,13 +278,14 @@ def _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_by
     """Raises ValueError naming the bad argument; returns whether ``index`` is ``[..., k]``."""
     check_head_args(hidden, weight, bias)
     multi = check_index_and_options(index, hidden, "hidden", temperature, ignore_index)
-    if not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+    if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool)
+                                    or chunk_bytes < 1):
         raise ValueError(f"chunk_bytes must be a positive int or None, got {chunk_bytes!r}")
     return multi
 
 
 def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *, bias=None, temperature=1.0,
-                                 ignore_index=None, chunk_bytes=None, process_group=None, entropy_grad=True):
+                                 ignore_index=None, chunk_bytes=None, process_group=None, entropy_grad=None):
     """``selective_log_softmax(hidden @ weight.T + bias, index, ...)`` without the [N, V] logits.
 
     hidden: [..., H] bf16/fp16/fp32 (fp64 for gradcheck); weight: [V, H] of hidden's dtype (under
@@ -299,35 +294,32 @@ def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *,
     fp64 hidden), or ``(logp, entropy)`` with entropy [...] when ``return_entropy``; ``temperature``
     divides the logits. An index equal to ``ignore_index`` gives logp 0 and no gradient; a row
     whose indices are all ignored gives entropy 0 and costs no matmul. Gradients flow to hidden,
-    weight and bias from logp and entropy. ``chunk_bytes`` (default 256 MiB, or one row tile of a
-    vocab block where that is more) bounds the block working memory of both passes. Under
-    ``process_group`` (world size > 1) the outputs are the full-vocab ones on every rank and the hidden
-    gradient is this rank's partial sum (all-reduce it, as Megatron's copy_to_tensor_model_parallel_region
+    weight and bias from logp and entropy. ``chunk_bytes`` (default: the device's plan, 256 MiB on the
+    CPU and 1 GiB on a GPU, or one step of a vocab block where that is more) bounds the block working memory of
+    both passes. Under ``process_group`` (world size > 1) the outputs are the full-vocab ones on every rank and the
+    hidden gradient is this rank's partial sum (all-reduce it, as Megatron's copy_to_tensor_model_parallel_region
     does). Labels outside [0, V) (other than ignore_index) raise RuntimeError.
 
     A frozen head (``weight`` and ``bias`` need no gradient while ``hidden`` does: LoRA) is differentiated in the
-    forward: it sums each row's d logp / d hidden (and d entropy / d hidden) as it goes, saves those [N, H]
-    vectors and recomputes no logits in the backward (heads/frozen.py; except bf16 with the entropy's gradient on
-    a CPU that multiplies bf16 natively, where the recompute is cheaper: frozen.recompute_is_cheaper).
-    ``entropy_grad=False`` declares the entropy a metric: its vector is not summed, and a gradient reaching it
-    raises RuntimeError (never a silently wrong gradient). Details: module docstring, docs/linear.md.
+    forward: it sums each row's d logp / d hidden as it goes, saves those [N, H] vectors and recomputes no logits in
+    the backward (heads/frozen.py). The entropy's vector is summed too only where ``entropy_grad=True`` says the
+    entropy will be trained (an entropy bonus in the loss; except bf16 on a CPU that multiplies bf16 natively,
+    where the recompute is cheaper: frozen.recompute_is_cheaper). By default (None, or False: a metric) it is not:
+    the entropy costs nothing beyond its value, and a gradient that reaches it all the same is honoured by
+    recomputing what it needs in the backward. Details: module docstring, docs/linear.md.
     """
-    multi = _check_args(hidden, weight, bias, index, temperature, ignore_index,
-                        DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
+    multi = _check_args(hidden, weight, bias, index, temperature, ignore_index, chunk_bytes)
     h_size = hidden.shape[-1]
     n = math.prod(hidden.shape[:-1])
-    frozen = frozen_head(hidden, weight, bias) and not recompute_is_cheaper(
-        hidden.dtype, hidden.device, bool(return_entropy and entropy_grad))
-    vectors = vectors_summed(frozen, bool(return_entropy), bool(entropy_grad))
-    if chunk_bytes is None:
-        chunk_bytes = default_chunk_bytes(weight.shape[0], h_size, hidden.dtype, vectors)
-    # Refuse, before any work, a chunk_bytes below one row tile of an unwidened vocab block (the larger pass's
-    # need): it depends on V, H and the dtype only.
-    fit_width(weight.shape[0], h_size, hidden.dtype, chunk_bytes, vectors)
+    trained_entropy = bool(return_entropy) and entropy_grad is True
+    frozen = frozen_head(hidden, weight, bias) and not recompute_is_cheaper(hidden.dtype, hidden.device,
+                                                                             trained_entropy)
+    # Refuse, before any work, a chunk_bytes below one step of the narrowest vocab block: V, H, dtype, device.
+    plan_blocks(hidden, weight.shape[0], chunk_bytes, backward=True)
     rows = hidden.reshape(n, h_size)  # a view unless the leading dims cannot be merged
     labels = index.reshape(n, index.shape[-1] if multi else 1)
     opts = LogprobOptions(ops.inv_temperature_tensor(temperature), ignore_value(ignore_index), bool(return_entropy),
-                          int(chunk_bytes), frozen, bool(entropy_grad))
+                          0 if chunk_bytes is None else int(chunk_bytes), frozen, trained_entropy)
     shard = VocabShard.of(process_group, weight.shape[0], "weight")
     logp, entropy, *_ = call(linear_fwd, rows, weight, bias, labels, opts, shard)
     logp = logp.view(index.shape)

@@ -44,7 +44,8 @@ def mixed_addmm(device: torch.device) -> bool:
         try:
             a = torch.zeros((2, 2), dtype=torch.bfloat16, device=device)
             acc = a.float()
-            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)  # the very call add_matmul makes
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)  # the very calls add_matmul and add_bmm make
+            torch.baddbmm(acc[None], a[None], a[None], out_dtype=torch.float32, out=acc[None])
             _mixed_addmm_ok[device.type] = True
         except torch.OutOfMemoryError:
             raise
@@ -70,6 +71,20 @@ def _cpu_path_multiplies_bf16() -> bool:
         return False
 
 
+def product_sums(dtype: torch.dtype, device: torch.device, logits_dtype: Optional[torch.dtype] = None) -> str:
+    """How a head sums products of ``dtype`` operands on ``device`` (logits in ``logits_dtype``): "straight" (fp32,
+    fp64: in their dtype), "mixed" (bf16/fp16 products summed into fp32 by the device's BLAS: mixed_addmm),
+    "rounded" (bf16 on a CPU that multiplies it natively: one bf16 product per row tile and block, summed in fp32:
+    RoundedSums), else "copies" (from fp32 copies of a weight block and a product's rows: Operands)."""
+    if not reduced(dtype):
+        return "straight"
+    if logits_dtype is not None and logits_dtype != dtype:
+        return "copies"
+    if mixed_addmm(device):
+        return "mixed"
+    return "rounded" if native_reduced_products(dtype, device) else "copies"
+
+
 def matmul_into(out: Tensor, a: Tensor, b: Tensor) -> None:
     """out = a @ b, the products summed in out's dtype (add_matmul's rule)."""
     if out.dtype == a.dtype:
@@ -85,6 +100,55 @@ def add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc.addmm_(a, b)
     else:
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+
+
+def bmm_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """out = a @ b batched, the products summed in out's dtype (add_bmm's rule)."""
+    if out.dtype == a.dtype:
+        torch.bmm(a, b, out=out)
+    else:
+        add_bmm(out.zero_(), a, b)
+
+
+def add_bmm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b batched, the products summed in acc's dtype (add_matmul's rule)."""
+    if acc.dtype == a.dtype:
+        acc.baddbmm_(a, b)
+    else:
+        torch.baddbmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+
+
+def batched_logits_into(out: Tensor, hidden: Tensor, w: Tensor, b: Optional[Tensor]) -> None:
+    """out [tiles, rows, cols] = hidden [tiles, rows, H] @ w.T (+ b), w [cols, H] a weight block, all of one dtype:
+    one batched product whose every matrix has one shape (the bias, where given, added inside it, as addmm
+    does)."""
+    wt = w.t().unsqueeze(0).expand(hidden.shape[0], *w.t().shape)
+    if b is None:
+        torch.bmm(hidden, wt, out=out)
+    else:
+        torch.baddbmm(b.view(1, 1, -1).expand(out.shape), hidden, wt, out=out)
+
+
+class RoundedSums:
+    """acc (fp32) += a @ b for bf16 a and b on a CPU that multiplies bf16 natively (native_reduced_products): one
+    bf16 product (summed in fp32 inside the BLAS, rounded to bf16 once), added into acc in fp32 through a scratch
+    of ``piece`` rows (an add of the bf16 product itself would make its fp32 copy anew on every call). The
+    rounding stays within the op's bound on a bf16 gradient (2 ulp): each product's error is at most half an ulp
+    of the sum of its terms' magnitudes (docs/linear.md)."""
+
+    def __init__(self, like: Tensor, rows: int, piece: int):
+        self.product = like.new_empty((rows, like.shape[1]))
+        self.piece = like.new_empty((min(rows, piece), like.shape[1]), dtype=torch.float32)
+
+    def add(self, acc: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+        p = torch.mm(a, b, out=self.product[:a.shape[0]])
+        if not accumulate:
+            acc.copy_(p)
+            return
+        step = self.piece.shape[0]
+        for r0 in range(0, p.shape[0], step):
+            part = p[r0:r0 + step]
+            acc[r0:r0 + step].add_(self.piece[:part.shape[0]].copy_(part))
 
 
 class Operands:

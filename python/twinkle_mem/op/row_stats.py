@@ -51,9 +51,11 @@ def combine_shard_stats(shift, log_sum, logp, entropy, owner, ignored, inv_tempe
     total = torch.logsumexp(a, dim=0)
     a_owner = a.unsqueeze(-1).expand(-1, -1, owner.shape[-1]).gather(0, owner.unsqueeze(0)).squeeze(0)  # [N, k]
     logp_owner = logp.gather(0, owner.unsqueeze(0)).squeeze(0)
-    # An owner shard of only -inf has a = -inf: the label's logit is -inf.
-    logp_full = torch.where(a_owner == neg_inf, torch.full_like(a_owner, neg_inf),
-                            logp_owner + (a_owner - total.unsqueeze(-1)))
+    # An owner shard of only -inf has a = -inf: the label's logit is -inf (NaN where another shard's NaN makes the
+    # normalizer NaN: -inf - NaN).
+    total_k = total.unsqueeze(-1)
+    logp_full = torch.where((a_owner == neg_inf) & ~total_k.isnan(), torch.full_like(a_owner, neg_inf),
+                            logp_owner + (a_owner - total_k))
     zero = torch.zeros((), dtype=shift.dtype, device=shift.device)
     logp_full = torch.where(ignored, zero, logp_full)
     skipped = ignored.all(dim=-1) if ignored.shape[-1] > 0 else ignored.new_zeros(ignored.shape[:-1])
@@ -71,21 +73,40 @@ def combine_shard_stats(shift, log_sum, logp, entropy, owner, ignored, inv_tempe
     return logp_full.to(out_dtype), torch.where(skipped, zero, h).to(out_dtype), shift_out, log_sum_out
 
 
+def fold_normalizer(state, shift, log_sum, inv_temperature):
+    """A row's running (shift, log_sum) after one more part (a vocab block): combine_shard_stats' normalizer of the
+    two, in float64. state: the parts so far, or None (then the part's own)."""
+    if state is None:
+        return shift, log_sum
+    neg_inf = float("-inf")
+    (shift_a, log_sum_a), (shift_b, log_sum_b) = state, (shift, log_sum)
+    present_a, present_b = log_sum_a != neg_inf, log_sum_b != neg_inf  # (NaN counts: it must propagate)
+    big = torch.maximum(torch.where(present_a, shift_a, neg_inf), torch.where(present_b, shift_b, neg_inf))
+    big = torch.where(big == neg_inf, 0.0, big)
+    a = torch.where(present_a, (shift_a - big) * inv_temperature + log_sum_a, neg_inf)
+    b = torch.where(present_b, (shift_b - big) * inv_temperature + log_sum_b, neg_inf)
+    return big, torch.logaddexp(a, b)
+
+
 def combine_shard_stats_in_tiles(tile, shift, log_sum, logp, entropy, owner, ignored, inv_temperature):
-    """``combine_shard_stats`` over fixed tiles of ``tile`` rows (N a multiple of it), one call per tile.
+    """``combine_shard_stats`` over tiles of ``tile`` rows, one call per tile (the last may hold fewer: a call's
+    last row tile, rounded to the plan's row quantum, heads/engine.py).
 
     Why: torch's CPU loops give an element a result that can depend on where it sits in the tensor
     (a vector body or a scalar tail, the split across threads), and exp / logsumexp differ there
-    in the last bit. Every call here sees tensors of the same shapes, so a row's merged statistics
-    depend on its own values only, not on N (the fused heads' batch invariance relies on it: heads/engine.py).
+    in the last bit. Every call here sees tensors of a few fixed shapes, each a whole number of the loops'
+    vectors (16 rows), so a row's merged statistics depend on its own values only, not on N (the fused heads'
+    batch invariance relies on it: heads/engine.py). A GPU's elementwise kernels give an element the same bits
+    wherever it sits: there ``tile`` is all the rows.
     """
     n = shift.shape[-1]
-    assert n % tile == 0, (n, tile)
     parts = []
     for r0 in range(0, n, tile):
         s = slice(r0, r0 + tile)
         parts.append(combine_shard_stats(shift[:, s], log_sum[:, s], logp[:, s], None if entropy is None else
                                          entropy[:, s], owner[s], ignored[s], inv_temperature))
+    if len(parts) == 1:
+        return parts[0]
     logp_out, entropy_out, shift_out, log_sum_out = zip(*parts)
     return (torch.cat(logp_out), None if entropy is None else torch.cat(entropy_out), torch.cat(shift_out),
             torch.cat(log_sum_out))

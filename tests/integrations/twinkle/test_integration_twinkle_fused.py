@@ -588,12 +588,15 @@ def test_install_argument_errors():
 
 
 def test_smallest_chunk_bytes_is_one_row_tile_of_the_narrowest_block():
-    # The number install() and the variable's check hold fused_chunk_bytes to (no torch at import twinkle), and
-    # the op: the smallest chunk_bytes its narrowest block (one column, bf16 and fp16, forward) runs with.
-    from twinkle_mem.heads.engine import block_width, tile_bytes, tiles_in_flight
+    # The number install() and the variable's check hold fused_chunk_bytes to (no torch at import twinkle): one
+    # row tile of bf16 logits of a one-column block on the CPU's plan, below what any call of any plan needs (a
+    # value above it may still not fit a model: judged at its first fused step).
+    from twinkle_mem.heads import engine
     smallest = integration.SMALLEST_CHUNK_BYTES
-    assert smallest == min(sum(tile_bytes(block_width(1, 1), 1, dtype, backward=False))
-                           for dtype in (torch.bfloat16, torch.float16, torch.float32))
-    assert tiles_in_flight(block_width(1, 1), 1, torch.bfloat16, smallest, backward=False) == 1
-    with pytest.raises(ValueError, match="below one row tile"):
-        tiles_in_flight(block_width(1, 1), 1, torch.bfloat16, smallest - 1, backward=False)
+    assert smallest == engine.PLANS["cpu"].row_tile * 1 * torch.bfloat16.itemsize
+    for plan in engine.PLANS.values():
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for sums in ("straight", "copies", "mixed", "rounded"):
+                assert engine.block_need(1, 1, dtype, plan, sums, 1) >= smallest, (plan, dtype, sums)
+    with pytest.raises(ValueError, match="below one step"):
+        engine.fit_width(1, 1, torch.bfloat16, smallest - 1, engine.PLANS["cpu"], "copies")

@@ -41,9 +41,8 @@ def _pp_step(fused, failing, *, entropy, forward_only=False, micro_batch_size=1,
     try:
         # the fused op's small test blocks (helpers.FUSED_BLOCKS; undone with monkeypatch)
         from twinkle_mem.heads import engine
-        monkeypatch.setattr(engine, "VOCAB_BLOCK", FUSED_BLOCKS[0])
-        monkeypatch.setattr(engine, "MAX_WIDEN", 1)
-        monkeypatch.setattr(engine, "ROW_TILE", FUSED_BLOCKS[1])
+        monkeypatch.setitem(engine.PLANS, "cpu", engine.PLANS["cpu"]._replace(
+            vocab_block=FUSED_BLOCKS[0], max_widen=1, row_tile=FUSED_BLOCKS[1]))
         # only the last stage unpacks in its forward steps (the other stages' calls come after the schedule)
         th.fail_unpacking(monkeypatch, InputProcessor, failing=failing if mpu.is_pipeline_last_stage() else set())
         chunk = th.gpt_model(VOCAB, layers=2)

@@ -117,9 +117,9 @@ class Settings:
 
 # --- settings every integration shares -----------------------------------------------------------------------
 
-# The fused head's smallest block working memory: one row tile (512 rows) of a one-column vocab block, bf16,
-# forward (twinkle_mem.heads.engine.tile_bytes; a test holds the two equal). A number here, not computed: the
-# variables' checks run where the process must not import torch for them.
+# The fused head's smallest block working memory: one row tile (512 rows) of a one-column vocab block, bf16, on the
+# CPU's plan, below what any call of any plan needs (twinkle_mem.heads.engine.block_need; a test holds it so). A
+# number here, not computed: the variables' checks run where the process must not import torch for them.
 SMALLEST_CHUNK_BYTES = 1024
 
 
@@ -131,10 +131,11 @@ def _chunk_bytes_refused(name: str, value: Any) -> Optional[str]:
     if value < SMALLEST_CHUNK_BYTES:
         return (f"{name}={value} is below one row tile of the narrowest vocab block the fused LM head ever uses "
                 f"({SMALLEST_CHUNK_BYTES} bytes: no model fits); whether a value fits a model is judged at its first "
-                "fused step; None is the default (256 MiB)")
+                "fused step; None is the default (the device's plan: 256 MiB on the CPU, 2 GiB on a GPU)")
     return None
 
 
 FUSED_CHUNK_BYTES = Setting("fused_chunk_bytes", None, SIZE,
-                            "the fused LM head's block working memory (its chunk_bytes; None: 256 MiB)",
+                            "the fused LM head's block working memory (its chunk_bytes; None: the device's plan, "
+                            "256 MiB on the CPU, 2 GiB on a GPU)",
                             _chunk_bytes_refused)

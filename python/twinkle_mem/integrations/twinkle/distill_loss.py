@@ -317,8 +317,9 @@ def _fused_gkd(loss, labels, head: DeferredHead, teacher_kwargs):
                            "unchanged.")
     # twinkle's forward step divides the student's logits by the call's temperature Tc before the loss, which
     # divides student and teacher by its own Tl: x / (Tc Tl) and t / Tl; nothing is done to the hidden states.
+    # (the loss GKDLoss returns is trained: a frozen head sums dL/dhidden in the forward)
     options = dict(beta=loss.beta, temperature=loss.temperature * head.temperature,
-                   teacher_temperature=loss.temperature, ignore_index=loss.ignore_index)
+                   teacher_temperature=loss.temperature, ignore_index=loss.ignore_index, loss_grad=True)
     if whole_vocab:
         per_token = linear_gkd_full(hidden, head.weight, teacher.logits, labels, **options)
     else:

@@ -108,9 +108,11 @@ class FusedCall:
 
     def compute(self, hidden, weight, labels, process_group=None):
         from twinkle_mem import linear_selective_log_softmax
+        # (twinkle asks for the entropy where its loss trains it: require_entropy = entropy_coef > 0; a frozen head
+        # then sums its vector in the forward)
         out = linear_selective_log_softmax(hidden, weight, labels, self.with_entropy, temperature=self.temperature,
                                            ignore_index=IGNORE_INDEX, chunk_bytes=self.chunk_bytes,
-                                           process_group=process_group)
+                                           process_group=process_group, entropy_grad=self.with_entropy or None)
         return out if self.with_entropy else (out, None)
 
     def defer(self, logp, entropy, hidden) -> torch.Tensor:

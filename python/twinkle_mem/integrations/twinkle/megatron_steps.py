@@ -88,19 +88,11 @@ def _check_chunk_bytes(model, layers, chunk_bytes: int) -> None:
     and value (one small collective)."""
     if getattr(model, "_twinkle_mem_chunk_bytes_fit", None) == chunk_bytes:
         return
-    from twinkle_mem.heads.engine import fit_width
-    from twinkle_mem.heads.frozen import recompute_is_cheaper
+    from twinkle_mem.heads.engine import plan_blocks
     error = None
     for weight in fused_eligibility.megatron_output_weights(model.model) if layers else []:
-        # A frozen layer's forward (LoRA's) may sum two vectors (heads/frozen.py), or, where that is dearer, a call
-        # with the entropy's gradient recomputes as a trainable layer's backward does.
-        frozen = not weight.requires_grad
-        needs = [2] if frozen else [0]
-        if frozen and recompute_is_cheaper(weight.dtype, weight.device, True):
-            needs.append(0)
-        try:
-            for vectors in needs:
-                fit_width(*weight.shape, weight.dtype, chunk_bytes, vectors)
+        try:  # (the blocks' need is the largest of every pass a call may run: trainable, frozen, either entropy)
+            plan_blocks(weight, weight.shape[0], chunk_bytes, backward=True)
         except ValueError as e:
             error = str(e)
     group = _pipeline_group()
