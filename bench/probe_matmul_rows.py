@@ -1,13 +1,16 @@
 """What torch's matmul guarantees for one row, measured on this machine (docs/linear.md, "Batch invariance").
 
-    python bench/probe_matmul_rows.py [--device cpu] [--h 1024] [--cols 4096] [--tile 256]
+    python bench/probe_matmul_rows.py [--device cpu] [--h 1024] [--cols 8192] [--tile 512] [--quantum 16]
 
 Five fixed rows go through the three matmul forms of the fused LM head (logits = rows @ W.T,
 logits with a bias = addmm, grad_hidden = d @ W) inside calls of M rows, for bf16, fp16 and
 fp32, with 1 and 2 threads (CPU). Reported: the largest difference of those rows' results from
-the same rows in a call of M = 5 (does a row's result depend on M?), and inside calls of the
-fixed M = --tile, at other positions and among other rows of other content (does it depend on
-position and neighbours, for one shape?), and between 1 and 2 threads at M = --tile.
+the same rows in a call of M = 5 (does a row's result depend on M?); then, for the CPU plan's
+shapes (heads/engine.py: row tiles of --tile rows, a call's last tile its rows rounded up to
+--quantum), every M that is a multiple of the quantum up to the tile against M = --tile (do the
+plan's shapes agree?); and inside calls of the fixed M = --tile, at other positions and among
+other rows of other content (does it depend on position and neighbours, for one shape?), and
+between 1 and 2 threads at M = --tile.
 """
 import argparse
 
@@ -35,8 +38,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--h", type=int, default=1024)
-    p.add_argument("--cols", type=int, default=4096)
-    p.add_argument("--tile", type=int, default=256)
+    p.add_argument("--cols", type=int, default=8192)
+    p.add_argument("--tile", type=int, default=512)
+    p.add_argument("--quantum", type=int, default=16)
     args = p.parse_args(argv)
     dev = torch.device(args.device)
     threads = (1, 2) if dev.type == "cpu" else (None,)
@@ -56,12 +60,15 @@ def main(argv=None):
                 by_m = {m: (_rows_in_call(fn, rows, m, 0, "random", gen) - ref).abs().max().item()
                         for m in (7, 16, 64, 256, 333, 1024)}
                 at_tile[th] = _rows_in_call(fn, rows, t, 0, "random", gen)
+                plan = [m for m in range(args.quantum, t, args.quantum)
+                        if (_rows_in_call(fn, rows, m, 0, "random", gen) - at_tile[th]).abs().max().item()]
                 by_pos = max((_rows_in_call(fn, rows, t, pos, fill, gen) - at_tile[th]).abs().max().item()
                              for pos, fill in ((0, "zeros"), (1, "random"), (100, "random"), (t - 5, "random"),
                                                (t - 6, "zeros")))
                 m_txt = " ".join(f"{m}:{d:.1e}" for m, d in by_m.items())
                 print(f"{str(dtype):15s} {name:24s} threads={th}: vs M=5 at M= {m_txt} | "
-                      f"M={t}, other positions and rows: {by_pos:.1e}")
+                      f"M={t}, other positions and rows: {by_pos:.1e} | M = {args.quantum}, {2 * args.quantum}, ..., "
+                      f"{t} against {t}: {'bitwise' if not plan else 'DIFFERS at M = ' + str(plan)}")
             if len(threads) == 2:
                 d = (at_tile[1].double() - at_tile[2].double()).abs().max().item()
                 print(f"{str(dtype):15s} {name:24s} M={t}: 1 vs 2 threads {d:.1e}")
