@@ -3,20 +3,24 @@
 When a process imports twinkle-kit (``import twinkle``, or any twinkle module first: Python runs
 twinkle's package before its modules) and ``TWINKLE_MEM_INSTALL`` is set and not ``0``, twinkle-mem's
 ``install(...)`` runs right after twinkle's package has run, before any twinkle model can exist
-(``twinkle_mem.integrations.twinkle.startup``). That reaches the processes a script's own
+(``twinkle_mem.integrations.twinkle.startup``); likewise ms-swift (``import swift``) with ``TWINKLE_MEM_SWIFT``
+(``twinkle_mem.integrations.swift.startup``): :data:`VARIABLES`. That reaches the processes a script's own
 ``install()`` cannot: ``torchrun`` children and twinkle's Ray workers. ``install()`` patches each
 twinkle module when the process first imports it (:func:`after_import`), so a process pays only for
 the twinkle it uses.
 
 At start-up this module only puts a finder on ``sys.meta_path``: it imports nothing (neither torch
 nor twinkle_mem), reads no variable and never raises. The finder answers ``None`` for every import
-but ``twinkle`` (and that one too while the variable is unset or ``0``) and the modules
+but the packages of :data:`VARIABLES` (those too while their variable is unset or ``0``) and the modules
 :func:`after_import` was given.
 """
 import os
 import sys
 
 ENV_VAR = "TWINKLE_MEM_INSTALL"
+# The packages the hook acts on at their import: package -> (its variable, the module that installs from it)
+VARIABLES = {"twinkle": (ENV_VAR, "twinkle_mem.integrations.twinkle.startup"),
+             "swift": ("TWINKLE_MEM_SWIFT", "twinkle_mem.integrations.swift.startup")}
 
 # Set while the hook imports twinkle_mem.integrations.twinkle, so that twinkle_mem's package leaves torch alone.
 importing_without_torch = False
@@ -43,15 +47,17 @@ def _off(value: str) -> bool:
     return value.strip() in ("", "0")
 
 
-def _install_from_variable():
+def _install_from_variable(package):
     global importing_without_torch
+    variable, module = VARIABLES[package]
     importing_without_torch = True
     try:
-        from twinkle_mem.integrations.twinkle.startup import install_from_environment
+        import importlib
+        install_from_environment = importlib.import_module(module).install_from_environment
     except Exception as error:
-        raise ImportError(f"{ENV_VAR}={os.environ.get(ENV_VAR)!r} asks to install twinkle-mem, which does not "
+        raise ImportError(f"{variable}={os.environ.get(variable)!r} asks to install twinkle-mem, which does not "
                           f"import here ({type(error).__name__}: {error}); reinstall twinkle-mem or unset "
-                          f"{ENV_VAR}") from error
+                          f"{variable}") from error
     finally:
         importing_without_torch = False
     install_from_environment()  # an error here fails `import twinkle`, and so the job, at its start
@@ -71,7 +77,7 @@ class _RunAfter:
         # twinkle's packages replace themselves by a lazy module sharing this spec: give both the real loader back.
         module.__spec__.loader = module.__loader__ = self.loader
         if self.install_from_variable:
-            _install_from_variable()
+            _install_from_variable(self.name)
         for callback in _after.pop(self.name, []):
             callback(sys.modules.get(self.name, module))
 
@@ -84,7 +90,7 @@ class TwinkleImportHook:
     executed, as importlib.util.find_spec returns, runs nothing)."""
 
     def find_spec(self, name, path=None, target=None):
-        by_variable = name == "twinkle" and not _off(os.environ.get(ENV_VAR, ""))
+        by_variable = name in VARIABLES and not _off(os.environ.get(VARIABLES[name][0], ""))
         if not (by_variable or name in _after):
             return None
         for finder in sys.meta_path:

@@ -1,7 +1,8 @@
 """`python -m twinkle_mem`: version, torch, which backends are built and loaded, whether a GPU is visible; for
-twinkle-kit and for verl: the one found and what install() would patch there, whether install() ran in this
-process, whether the start-up hook (twinkle's .pth, verl's entry point) is in place, and what the variable
-(TWINKLE_MEM_INSTALL, TWINKLE_MEM_VERL), as set now, would do. Exit status 2 when a variable is invalid."""
+twinkle-kit, verl and ms-swift: the one found and what install() would patch there, whether install() ran in this
+process, whether the start-up hook (twinkle's .pth, verl's entry point, ms-swift's plugin file) is in place, and what
+the variable (TWINKLE_MEM_INSTALL, TWINKLE_MEM_VERL, TWINKLE_MEM_SWIFT), as set now, would do. Exit status 2 when a
+variable is invalid."""
 import os
 import platform
 import sys
@@ -53,8 +54,15 @@ def main() -> int:
     _framework("verl", verl_integration, verl_startup.VARIABLE, verl_value, {"logits_path": True})
     print(f"verl.plugins entry point: {verl_startup.entry_point_status()}")
     print(f"  {verl_startup.VARIABLE.describe(verl_value)}")
+    from twinkle_mem.integrations import swift as swift_integration
+    from twinkle_mem.integrations.swift import startup as swift_startup
+    swift_value = os.environ.get(swift_startup.ENV_VAR)
+    _framework("ms-swift", swift_integration, swift_startup.PLUGIN_VARIABLE, swift_value, {})
+    print(f"ms-swift plugin: --external_plugins {swift_integration.PLUGIN}")
+    print(f"  {swift_startup.describe(swift_value)}")
     bad = False
-    for variable, text in ((startup.VARIABLE, value), (verl_startup.VARIABLE, verl_value)):
+    for variable, text in ((startup.VARIABLE, value), (verl_startup.VARIABLE, verl_value),
+                           (swift_startup.VARIABLE, swift_value)):
         try:
             variable.parse(text)
         except ValueError:

@@ -1,0 +1,123 @@
+"""What the ms-swift tests share: a tiny Qwen2 saved locally with a word-level tokenizer, small data sets, and
+ms-swift's own trainers run in process for a few steps (``run_rlhf``), recording what they logged (losses and
+metrics at every step) and the trained parameters. ms-swift runs on the CPU offline with the flags and variables of
+``shared/notes/ms-swift.md``: no hub, no vLLM (its rollout is HF generation), fp32 unless asked."""
+import json
+import os
+
+import torch
+
+VOCAB = 400
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+OFFLINE = dict(CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               MODELSCOPE_OFFLINE="1")
+
+
+def save_tiny_qwen2(path, *, vocab=VOCAB, hidden=32, layers=2, heads=4, kv_heads=2, tied=False, seed=0, **config):
+    """A Qwen2 causal LM with random weights and a word-level tokenizer (``w0`` .. and the Qwen chat specials)."""
+    import transformers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                   max_position_embeddings=512, tie_word_embeddings=tied, rms_norm_eps=1e-6,
+                                   bos_token_id=None, eos_token_id=2, pad_token_id=0, **config)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # transformers initialises the norms to 1 and the weights small: make the logits spread
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(path)
+    words = SPECIALS + [f"w{i}" for i in range(vocab - len(SPECIALS))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                                                unk_token="w0")
+    fast.save_pretrained(path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": 2, "pad_token_id": 0, "do_sample": True}, f)
+    return model
+
+
+def write_prompts(path, n=8, seed=0):
+    """A GRPO data set: ``n`` user prompts of a few words."""
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            words = " ".join(f"w{int(i)}" for i in torch.randint(3, 200, (4, ), generator=g))
+            f.write(json.dumps({"messages": [{"role": "user", "content": words}]}) + "\n")
+    return path
+
+
+REWARD_PLUGIN = '''
+import re
+from swift.rewards import orms
+from swift.rewards.orm import ORM
+
+
+class EvenWords(ORM):
+    """A reward that varies between completions: the share of even-numbered words."""
+
+    def __call__(self, completions, **kwargs):
+        rewards = []
+        for completion in completions:
+            numbers = [int(x) for x in re.findall(r"w(\\d+)", completion)]
+            rewards.append(sum(x % 2 == 0 for x in numbers) / max(len(numbers), 1))
+        return rewards
+
+
+orms["even_words"] = EvenWords
+'''
+
+
+def common_arguments(folder, model, **arguments):
+    """ms-swift's arguments for a few optimizer steps on the CPU (shared/notes/ms-swift.md), with SGD and a constant
+    learning rate: AdamW's first steps divide each gradient element by its own magnitude, so rounding-level
+    differences of near-zero gradients would become full-size steps."""
+    return {**dict(model=model, model_type="qwen2", template="qwen", use_vllm=False, torch_dtype="float32",
+                   split_dataset_ratio=0, save_strategy="no", report_to=["none"], check_model=False,
+                   gradient_accumulation_steps=1, max_steps=3, logging_steps=1, output_dir=os.path.join(folder, "out"),
+                   optim="sgd", learning_rate=0.05, lr_scheduler_type="constant", warmup_ratio=0.0, seed=0,
+                   dataloader_num_workers=0, tuner_type="full"), **arguments}
+
+
+def grpo_arguments(folder, model, **arguments):
+    """GRPO with a reward that varies (``even_words``), 4 completions of 8 tokens per prompt, beta > 0 (the reference
+    model's log-probs too)."""
+    plugin = os.path.join(folder, "even_words.py")
+    with open(plugin, "w") as f:
+        f.write(REWARD_PLUGIN)
+    arguments = {**dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=8, beta=0.04,
+                        external_plugins=[plugin], reward_funcs=["even_words"],
+                        dataset=[write_prompts(os.path.join(folder, "prompts.jsonl"))]), **arguments}
+    return common_arguments(folder, model, rlhf_type="grpo", **arguments)
+
+
+def run_rlhf(folder, arguments, *, twinkle_mem=None, env=None, timeout=600):
+    """ms-swift's training in a fresh interpreter (``swift_run.py``), as shipped or with twinkle-mem's plugin
+    (``twinkle_mem=True``: its file added to ``--external_plugins``). Returns (result, parameters)."""
+    import subprocess
+    import sys
+    out = os.path.join(folder, "as_shipped" if not twinkle_mem else "twinkle_mem")
+    os.makedirs(out, exist_ok=True)
+    if twinkle_mem:
+        from twinkle_mem.integrations.swift import PLUGIN
+        arguments = {**arguments, "external_plugins": [*arguments.get("external_plugins", []), PLUGIN]}
+    arguments = {**arguments, "output_dir": os.path.join(out, "train")}
+    runner = os.path.join(os.path.dirname(os.path.abspath(__file__)), "swift_run.py")
+    environment = {**os.environ, **OFFLINE, **(env or {})}
+    done = subprocess.run([sys.executable, runner, json.dumps(arguments), out], env=environment, capture_output=True,
+                          text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"ms-swift's run failed ({done.returncode}):\n{done.stderr[-6000:]}")
+    with open(os.path.join(out, "result.json")) as f:
+        result = json.load(f)
+    result["stderr"] = done.stderr
+    return result, torch.load(os.path.join(out, "params.pt"))
+
+
+def step_logs(result):
+    """The logged entries of each optimizer step (ms-swift's keys), the run's summary left out."""
+    return [entry for entry in result["log_history"] if "train_runtime" not in entry]
