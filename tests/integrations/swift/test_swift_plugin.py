@@ -21,6 +21,7 @@ import pytest
 
 from twinkle_mem.integrations import swift as integration
 from twinkle_mem.integrations.swift import patches, startup, swift_names
+from twinkle_mem.integrations.swift.settings import LOGITS_PATH
 
 ROOT = Path(__file__).resolve().parents[3]
 STATE = """
@@ -168,7 +169,7 @@ def test_python_m_twinkle_mem_names_the_ms_swift_its_parts_and_the_plugin():
     assert (f"ms-swift at {swift_names.swift_folder()} (swift/version.py says 4.6.0); install(logits_path=False) "
             "patches there") in out
     for part in swift_names.PARTS:
-        state = "not asked for" if part.key == "logits_path" else "patched"
+        state = "not asked for" if part.asked is LOGITS_PATH else "patched"
         assert f"{part.key:28s} {part.what}: {state}" in out
     assert f"ms-swift plugin: --external_plugins {integration.PLUGIN}" in out
     bad = subprocess.run([sys.executable, "-m", "twinkle_mem"], capture_output=True, text=True, timeout=300,

@@ -1,6 +1,7 @@
 """What install() replaces in ms-swift, point by point (:data:`POINTS`), on the integrations' shared machinery
 (``core/patching.py``): each ms-swift module is patched when the process first imports it (at once where it already
 has), every original saved and put back by uninstall()."""
+import importlib
 from typing import List, Tuple
 
 from ..core.install_plan import InstallPlan
@@ -20,40 +21,26 @@ class SwiftInstallPlan(InstallPlan):
                 "logits_path is patched"]
 
 
-# The makers: each imports the module that owns its concern (which imports torch and twinkle-mem's ops).
-
-def _local_forward(original, plan):
-    from .grpo_head import local_forward
-    return local_forward(original, plan)
-
-
-def _gkd_compute_loss(original, plan):
-    from .gkd_head import compute_loss
-    return compute_loss(original, plan)
-
-
-def _gkd_jsd_loss(original, plan):
-    from .gkd_head import jsd_loss
-    return jsd_loss(original, plan)
-
-
-def _selective_log_softmax(original, plan):
-    from .logits_path import selective_log_softmax
-    return selective_log_softmax(original, plan)
-
-
-def _entropy_from_logits(original, plan):
-    from .logits_path import entropy_from_logits
-    return entropy_from_logits(original, plan)
+def _maker(module: str, function: str):
+    """The maker of a point: ``function`` of this folder's ``module``, imported when the point is patched (the
+    modules that build the replacements import torch and twinkle-mem's ops)."""
+    def make(original, plan):
+        return getattr(importlib.import_module(f"{__package__}.{module}"), function)(original, plan)
+    return make
 
 
 POINTS: Tuple[Point, ...] = (
-    Point(names.GRPO_LOCAL_FORWARD, names.GRPO_FUSED_HEAD, _local_forward),
-    Point(names.GKD_COMPUTE_LOSS, names.GKD_FUSED_HEAD, _gkd_compute_loss),
-    Point(names.GKD_JSD_LOSS, names.GKD_FUSED_HEAD, _gkd_jsd_loss),
-    Point(names.DPO_SELECTIVE_LOG_SOFTMAX, names.LOGITS_PATH_PART, _selective_log_softmax, rebound_by_name=True),
-    Point(names.GRPO_SELECTIVE_LOG_SOFTMAX, names.LOGITS_PATH_PART, _selective_log_softmax, rebound_by_name=True),
-    Point(names.GRPO_ENTROPY_FROM_LOGITS, names.LOGITS_PATH_PART, _entropy_from_logits, rebound_by_name=True),
+    Point(names.GRPO_LOCAL_FORWARD, names.GRPO_FUSED_HEAD, _maker("grpo_head", "local_forward")),
+    Point(names.GKD_COMPUTE_LOSS, names.GKD_FUSED_HEAD, _maker("gkd_head", "compute_loss")),
+    Point(names.GKD_JSD_LOSS, names.GKD_FUSED_HEAD, _maker("gkd_head", "jsd_loss")),
+    Point(names.DPO_SELECTIVE_LOG_SOFTMAX, names.LOGITS_PATH_PART, _maker("logits_path", "selective_log_softmax"),
+          rebound_by_name=True),
+    Point(names.GRPO_SELECTIVE_LOG_SOFTMAX, names.LOGITS_PATH_PART, _maker("logits_path", "selective_log_softmax"),
+          rebound_by_name=True),
+    Point(names.GRPO_ENTROPY_FROM_LOGITS, names.LOGITS_PATH_PART, _maker("logits_path", "entropy_from_logits"),
+          rebound_by_name=True),
+    Point(names.MEGATRON_LOGPS, names.MEGATRON_LOGITS_PATH, _maker("logits_path", "megatron_logps_and_entropy"),
+          rebound_by_name=True),
 )
 
 PATCHER = Patcher("swift", POINTS)

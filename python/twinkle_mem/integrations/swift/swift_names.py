@@ -24,6 +24,8 @@ GRPO = "swift.rlhf_trainers.grpo_trainer"
 GKD = "swift.rlhf_trainers.gkd_trainer"
 GKD_LOSS = "swift.rlhf_trainers.gkd_loss"
 RLHF_MIXIN = "swift.rlhf_trainers.rlhf_mixin"
+MEGATRON_VOCAB_PARALLEL = "swift.megatron.trainers.vocab_parallel_utils"
+MEGATRON_GRPO = "swift.megatron.trainers.grpo_trainer"
 
 GRPO_LOCAL_FORWARD = Name(GRPO, "GRPOTrainer._get_logps_via_local_forward", "function",
                           "(self, model, model_inputs, logits_to_keep, input_ids, compute_entropy=)",
@@ -41,8 +43,12 @@ GRPO_SELECTIVE_LOG_SOFTMAX = Name(GRPO, "selective_log_softmax", "bound",
 GRPO_ENTROPY_FROM_LOGITS = Name(GRPO, "entropy_from_logits", "bound", optional=True,
                                 why="replaced (with its copies bound by name): twinkle-mem's op")
 
+MEGATRON_LOGPS = Name(MEGATRON_VOCAB_PARALLEL, "compute_logps_and_entropy_from_logits", "function",
+                      "(logits, labels, compute_entropy=, entropy_chunk_size=)",
+                      why="replaced (with its copies bound by name): twinkle-mem's op over the TP group")
+
 NAMES = names_table(GRPO_LOCAL_FORWARD, GKD_COMPUTE_LOSS, GKD_JSD_LOSS, DPO_SELECTIVE_LOG_SOFTMAX,
-                    GRPO_SELECTIVE_LOG_SOFTMAX, GRPO_ENTROPY_FROM_LOGITS)
+                    GRPO_SELECTIVE_LOG_SOFTMAX, GRPO_ENTROPY_FROM_LOGITS, MEGATRON_LOGPS)
 
 
 # --- features: what ms-swift's code does where install() depends on it, read from it -----------------------------
@@ -111,6 +117,19 @@ def _gkd_loss_math(source: src.PackageSource) -> bool:
             and bool(src.calls(jsd, "logsumexp")) and bool(src.calls(jsd, "kl_div_fn")))
 
 
+def _megatron_logps(source: src.PackageSource) -> bool:
+    """Megatron-SWIFT's log-probs: the labels' log-softmax from the vocab-parallel logits (``-100`` masked to 0, by
+    Megatron's ``vocab_parallel_cross_entropy``), the entropy from the shard's ``vocab_parallel_log_softmax``; GRPO's
+    ``forward_step`` hands it the model's output divided by the temperature in place."""
+    compute = source.function(MEGATRON_VOCAB_PARALLEL, "compute_logps_and_entropy_from_logits")
+    gather = source.function(MEGATRON_VOCAB_PARALLEL, "vocab_parallel_gather_logps")
+    step = source.function(MEGATRON_GRPO, "MegatronGRPOTrainer.forward_step")
+    return (None not in (compute, gather, step) and bool(src.calls(compute, "vocab_parallel_gather_logps"))
+            and bool(src.calls(compute, "vocab_parallel_entropy"))
+            and bool(src.calls(gather, "vocab_parallel_cross_entropy")) and bool(src.calls(gather, "masked_fill"))
+            and bool(src.calls(step, "div_")) and bool(src.calls(step, "compute_logps_and_entropy_from_logits")))
+
+
 IMPORTS_PLUGINS = Feature("imports_plugins", "BaseArguments._import_external_plugins imports each --external_plugins "
                           "file", src.feature(_imports_plugins, BASE_ARGS, "BaseArguments._import_external_plugins"))
 LOCAL_FORWARD_COMPUTES = Feature("local_forward_computes", "GRPOTrainer._get_logps_via_local_forward takes the "
@@ -125,8 +144,12 @@ JSD_FROM_GKD_LOSS = Feature("jsd_from_gkd_loss", "GKDTrainer._compute_jsd_loss r
 GKD_LOSS_MATH = Feature("gkd_loss_math", "gkd_loss / jsd_loss: the generalized JSD over the active tokens",
                         _gkd_loss_math)
 
+MEGATRON_LOGPS_FROM_SHARD = Feature("megatron_logps_from_shard", "compute_logps_and_entropy_from_logits: the "
+                                    "labels' log-probs (-100 masked) and the entropy from the vocab-parallel logits",
+                                    _megatron_logps)
+
 FEATURES: Tuple[Feature, ...] = (IMPORTS_PLUGINS, LOCAL_FORWARD_COMPUTES, STUDENT_LOGITS_TO_LOSS, JSD_FROM_GKD_LOSS,
-                                 GKD_LOSS_MATH)
+                                 GKD_LOSS_MATH, MEGATRON_LOGPS_FROM_SHARD)
 
 
 # --- parts: what install() patches, and what each needs ------------------------------------------------------------
@@ -147,7 +170,11 @@ LOGITS_PATH_PART = Part("logits_path", "TRL's selective_log_softmax, entropy_fro
                         (DPO_SELECTIVE_LOG_SOFTMAX, GRPO_SELECTIVE_LOG_SOFTMAX, GRPO_ENTROPY_FROM_LOGITS),
                         _EVERY_PROCESS)
 
-PARTS: Tuple[Part, ...] = (GRPO_FUSED_HEAD, GKD_FUSED_HEAD, LOGITS_PATH_PART)
+MEGATRON_LOGITS_PATH = Part("megatron_logits_path", "Megatron-SWIFT's compute_logps_and_entropy_from_logits (GRPO's "
+                            "log-probs, old and reference too) -> twinkle-mem's op over the TP group", LOGITS_PATH,
+                            (MEGATRON_LOGPS, ), _EVERY_PROCESS + ((MEGATRON_LOGPS_FROM_SHARD, (True, )), ))
+
+PARTS: Tuple[Part, ...] = (GRPO_FUSED_HEAD, GKD_FUSED_HEAD, LOGITS_PATH_PART, MEGATRON_LOGITS_PATH)
 
 
 @functools.lru_cache(maxsize=None)
