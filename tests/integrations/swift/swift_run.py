@@ -5,10 +5,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import swift_helpers  # noqa: E402
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))  # (standins/)
+from standins.swift_cpu import OFFLINE  # noqa: E402
 
-os.environ.update(swift_helpers.OFFLINE)
+os.environ.update(OFFLINE)
 
 
 def main(arguments: dict, out: str) -> None:

@@ -6,20 +6,21 @@ count asserted (GKD with small data and its default accumulation trains 0 steps)
 import pytest
 
 import swift_helpers as h
+from standins import swift_cpu
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen2")
     student, teacher = str(folder / "student"), str(folder / "teacher")
-    h.save_tiny_qwen2(student)
-    h.save_tiny_qwen2(teacher, seed=1)  # (teacher = student gives 0)
+    swift_cpu.save_tiny_qwen2(student)
+    swift_cpu.save_tiny_qwen2(teacher, seed=1)  # (teacher = student gives 0)
     return student, teacher
 
 
 @pytest.mark.parametrize("teacher_kind", [dict(), dict(gkd_logits_topk=8, temperature=0.7)], ids=["full", "top8-T0.7"])
 def test_gkd_trains_as_ms_swift_ships_it_without_the_students_logits(tmp_path, models, teacher_kind):
-    arguments = h.gkd_arguments(str(tmp_path), *models, **teacher_kind)
+    arguments = swift_cpu.gkd_arguments(str(tmp_path), *models, **teacher_kind)
     shipped, shipped_params = h.run_rlhf(str(tmp_path), arguments)
     fused, fused_params = h.run_rlhf(str(tmp_path), arguments, twinkle_mem=True)
     h.assert_same_training(shipped, shipped_params, fused, fused_params)
@@ -29,7 +30,7 @@ def test_gkd_trains_as_ms_swift_ships_it_without_the_students_logits(tmp_path, m
 
 
 def test_dpo_trains_as_ms_swift_ships_it_on_the_op(tmp_path, models):
-    arguments = h.dpo_arguments(str(tmp_path), models[0])
+    arguments = swift_cpu.dpo_arguments(str(tmp_path), models[0])
     shipped, shipped_params = h.run_rlhf(str(tmp_path), arguments)
     fused, fused_params = h.run_rlhf(str(tmp_path), arguments, twinkle_mem=True)
     h.assert_same_training(shipped, shipped_params, fused, fused_params)

@@ -5,19 +5,20 @@ reward that varies (its standard deviation is logged above 0); the log-probs of 
 import pytest
 
 import swift_helpers as h
+from standins import swift_cpu
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen2")
-    h.save_tiny_qwen2(str(folder))
+    swift_cpu.save_tiny_qwen2(str(folder))
     return str(folder)
 
 
 @pytest.mark.parametrize("tuning", [dict(tuner_type="full"), dict(tuner_type="lora", temperature=0.7)],
                          ids=["full", "lora-T0.7"])
 def test_grpo_trains_as_ms_swift_ships_it_without_the_logits(tmp_path, model, tuning):
-    arguments = h.grpo_arguments(str(tmp_path), model, **tuning)
+    arguments = swift_cpu.grpo_arguments(str(tmp_path), model, **tuning)
     shipped, shipped_params = h.run_rlhf(str(tmp_path), arguments)
     fused, fused_params = h.run_rlhf(str(tmp_path), arguments, twinkle_mem=True)
     h.assert_same_training(shipped, shipped_params, fused, fused_params)
