@@ -3,24 +3,25 @@
 When a process imports twinkle-kit (``import twinkle``, or any twinkle module first: Python runs
 twinkle's package before its modules) and ``TWINKLE_MEM_INSTALL`` is set and not ``0``, twinkle-mem's
 ``install(...)`` runs right after twinkle's package has run, before any twinkle model can exist
-(``twinkle_mem.integrations.twinkle.startup``); likewise ms-swift (``import swift``) with ``TWINKLE_MEM_SWIFT``
-(``twinkle_mem.integrations.swift.startup``): :data:`VARIABLES`. That reaches the processes a script's own
+(``twinkle_mem.integrations.twinkle.startup``). That reaches the processes a script's own
 ``install()`` cannot: ``torchrun`` children and twinkle's Ray workers. ``install()`` patches each
 twinkle module when the process first imports it (:func:`after_import`), so a process pays only for
-the twinkle it uses.
+the twinkle it uses. The same holds for every framework of :data:`BY_VARIABLE`, each with its variable.
 
 At start-up this module only puts a finder on ``sys.meta_path``: it imports nothing (neither torch
 nor twinkle_mem), reads no variable and never raises. The finder answers ``None`` for every import
-but the packages of :data:`VARIABLES` (those too while their variable is unset or ``0``) and the modules
+but ``twinkle`` (and that one too while its variable is unset or ``0``), the other packages of
+:data:`BY_VARIABLE` alike, and the modules
 :func:`after_import` was given.
 """
 import os
 import sys
 
-ENV_VAR = "TWINKLE_MEM_INSTALL"
-# The packages the hook acts on at their import: package -> (its variable, the module that installs from it)
-VARIABLES = {"twinkle": (ENV_VAR, "twinkle_mem.integrations.twinkle.startup"),
-             "swift": ("TWINKLE_MEM_SWIFT", "twinkle_mem.integrations.swift.startup")}
+# The frameworks whose variable installs twinkle-mem right after their package has run: package -> (variable,
+# the integration whose FRAMEWORK installs). A framework with a hook of this kind adds its line here (a test holds
+# the table to the frameworks' declarations).
+BY_VARIABLE = {"twinkle": ("TWINKLE_MEM_INSTALL", "twinkle_mem.integrations.twinkle"),
+               "swift": ("TWINKLE_MEM_SWIFT", "twinkle_mem.integrations.swift")}
 
 # Set while the hook imports twinkle_mem.integrations.twinkle, so that twinkle_mem's package leaves torch alone.
 importing_without_torch = False
@@ -47,20 +48,25 @@ def _off(value: str) -> bool:
     return value.strip() in ("", "0")
 
 
-def _install_from_variable(package):
+def _asked(package):
+    """Whether the variable of ``package`` (a key of BY_VARIABLE) asks for an install now."""
+    return package in BY_VARIABLE and not _off(os.environ.get(BY_VARIABLE[package][0], ""))
+
+
+def _install_from_variable(package="twinkle"):
     global importing_without_torch
-    variable, module = VARIABLES[package]
+    variable, integration = BY_VARIABLE[package]
     importing_without_torch = True
     try:
         import importlib
-        install_from_environment = importlib.import_module(module).install_from_environment
+        framework = importlib.import_module(integration).FRAMEWORK
     except Exception as error:
         raise ImportError(f"{variable}={os.environ.get(variable)!r} asks to install twinkle-mem, which does not "
                           f"import here ({type(error).__name__}: {error}); reinstall twinkle-mem or unset "
                           f"{variable}") from error
     finally:
         importing_without_torch = False
-    install_from_environment()  # an error here fails `import twinkle`, and so the job, at its start
+    framework.install_from_environment()  # an error here fails `import <package>`, and so the job, at its start
 
 
 class _RunAfter:
@@ -90,7 +96,7 @@ class TwinkleImportHook:
     executed, as importlib.util.find_spec returns, runs nothing)."""
 
     def find_spec(self, name, path=None, target=None):
-        by_variable = name in VARIABLES and not _off(os.environ.get(VARIABLES[name][0], ""))
+        by_variable = _asked(name)
         if not (by_variable or name in _after):
             return None
         for finder in sys.meta_path:

@@ -210,8 +210,8 @@ def twinkle_wrapped(loss):
 
 def twinkle_has(feature: str):
     """Whether this process's twinkle-kit has a feature install() reads from its code (twinkle_names.FEATURES)."""
-    from twinkle_mem.integrations.twinkle import twinkle_names
-    return twinkle_names.found().features[feature]
+    from twinkle_mem.integrations.twinkle import FRAMEWORK
+    return FRAMEWORK.found().features[feature]
 
 
 def assert_close(got, want, dtype, what):

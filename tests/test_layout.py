@@ -26,7 +26,7 @@ PACKAGE_LAYOUT = {
     "distill": "__init__ divergence arguments topk_teacher local_teacher reference",
     "heads": "__init__ engine matmul gathered frozen logprobs gkd_topk gkd_full argmax reference",
     "integrations": "__init__",
-    "integrations/core": "__init__ settings source recognition install_plan patching startup integration",
+    "integrations/core": "__init__ settings source recognition install_plan patching startup framework",
     "integrations/twinkle": "__init__ settings twinkle_names twinkle_source patches startup causal_mask mask_skip "
                             "logits_guard megatron_steps failed_micro_batches transformers_path fused_call_plan "
                             "fused_eligibility fused_call loss_heads distill_loss",
@@ -39,7 +39,8 @@ MOVED = {"integrations/twinkle/fused_head.py": "integrations/twinkle/fused_call.
          "integrations/twinkle/fused_plan.py": "integrations/twinkle/fused_call_plan.py",
          "integrations/twinkle/_model.py": "integrations/twinkle/twinkle_names.py (tensor_parallel_group)",
          "integrations/twinkle_lm_head.py": "(removed: the fused head's former import path)",
-         "integrations/core/plan.py": "integrations/core/install_plan.py"}
+         "integrations/core/plan.py": "integrations/core/install_plan.py",
+         "integrations/core/integration.py": "integrations/core/framework.py"}
 
 
 def _imported_modules(path):

@@ -18,6 +18,7 @@ import transformers
 
 from swift.rlhf_trainers import grpo_trainer
 from twinkle_mem.heads.reference import linear_selective_log_softmax_ref
+from twinkle_mem.integrations import swift as integration
 from twinkle_mem.integrations.swift import grpo_head, patches, swift_names
 
 VOCAB, HIDDEN = 300, 32
@@ -32,7 +33,7 @@ def shipped_method():
 
 def patched_method():
     plan = patches.SwiftInstallPlan.for_settings(
-        swift_names.PARTS, {"fused_lm_head": True, "logits_path": False, "fused_chunk_bytes": None}, swift_names.found())
+        swift_names.PARTS, {"fused_lm_head": True, "logits_path": False, "fused_chunk_bytes": None}, integration.FRAMEWORK.found())
     return grpo_head.local_forward(shipped_method(), plan)
 
 

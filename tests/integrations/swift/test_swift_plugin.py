@@ -10,6 +10,7 @@
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,52 +88,54 @@ def previous_release(tmp_path_factory):
 
 
 def _plan(folder):
-    return patches.SwiftInstallPlan.for_settings(swift_names.PARTS, DEFAULTS, swift_names.recognize(folder))
+    return patches.SwiftInstallPlan.for_settings(swift_names.PARTS, DEFAULTS, integration.FRAMEWORK.recognize(folder))
 
 
 def test_this_ms_swift_and_the_release_before_are_recognized_whole(previous_release):
-    for folder, version in ((swift_names.swift_folder(), "4.6.0"), (previous_release, "4.5.3")):
+    for folder, version in ((integration.FRAMEWORK.folder(), "4.6.0"), (previous_release, "4.5.3")):
         plan = _plan(folder)
-        assert swift_names.recognize(folder).version == version
+        assert integration.FRAMEWORK.recognize(folder).version == version
         assert plan.refused == {} and plan.accepted == {p.key for p in swift_names.PARTS}, folder
         assert all(plan.features.values()), plan.features
 
 
+GRPO_CHANGE = ("rlhf_trainers/grpo_trainer.py", "logits.div_(self.temperature)", "logits = logits / self.temperature")
+GRPO_REFUSED = ("GRPOTrainer._get_logps_via_local_forward takes the logits at [-(logits_to_keep + 1):-1], divides them "
+                "in place and calls selective_log_softmax and entropy_from_logits: not recognized")
+
+
+def changed_copy(folder: Path, file: str, old: str, new: str) -> str:
+    """A copy of this ms-swift with one edit (``old`` -> ``new`` in ``file``)."""
+    copy = folder / "swift"
+    shutil.copytree(integration.FRAMEWORK.folder(), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    text = (copy / file).read_text()
+    assert old in text
+    (copy / file).write_text(text.replace(old, new))
+    return str(copy)
+
+
 @pytest.mark.parametrize("change, part, why", [
-    (("rlhf_trainers/grpo_trainer.py", "logits.div_(self.temperature)", "logits = logits / self.temperature"),
-     "grpo_fused_head", "GRPOTrainer._get_logps_via_local_forward takes the logits at [-(logits_to_keep + 1):-1], "
-                        "divides them in place and calls selective_log_softmax and entropy_from_logits: not recognized"),
+    (GRPO_CHANGE, "grpo_fused_head", GRPO_REFUSED),
     (("rlhf_trainers/gkd_loss.py", "m_log = torch.logsumexp(", "m_log = torch.log_mix("),
      "gkd_fused_head", "gkd_loss / jsd_loss: the generalized JSD over the active tokens: not recognized"),
 ])
 def test_a_changed_part_alone_is_refused_by_name(tmp_path, change, part, why):
-    copy = tmp_path / "swift"
-    shutil.copytree(swift_names.swift_folder(), copy, ignore=shutil.ignore_patterns("__pycache__"))
-    file, old, new = change
-    text = (copy / file).read_text()
-    assert old in text
-    (copy / file).write_text(text.replace(old, new))
-    plan = _plan(str(copy))
+    plan = _plan(changed_copy(tmp_path, *change))
     assert plan.refused == {part: (why, )}
     assert plan.accepted == {p.key for p in swift_names.PARTS} - {part}
 
 
-def test_install_leaves_a_refused_part_as_shipped_and_warns(monkeypatch):
+def test_install_leaves_a_refused_part_as_shipped_and_warns(tmp_path, monkeypatch):
+    """install() in a script: the part ms-swift's code no longer supports is left as shipped, named in a warning;
+    the others are patched."""
     import swift.rlhf_trainers.grpo_trainer as grpo_trainer
-    real = swift_names.recognize
-    key = swift_names.GRPO_LOCAL_FORWARD.key
-
-    def changed(folder):
-        found = real(folder)
-        return found._replace(names={**found.names, key: "unexpected signature (self, model)"})
-
-    monkeypatch.setattr(swift_names, "recognize", changed)
+    copy = changed_copy(tmp_path, *GRPO_CHANGE)
+    monkeypatch.setattr(integration.FRAMEWORK, "folder", lambda: copy)
     try:
-        with pytest.warns(integration.SwiftPartsNotRecognized, match=r"grpo_fused_head \(swift\.rlhf_trainers\."
-                          r"grpo_trainer\.GRPOTrainer\._get_logps_via_local_forward: unexpected signature"):
+        with pytest.warns(integration.SwiftPartsNotRecognized, match=re.escape(f"grpo_fused_head ({GRPO_REFUSED})")):
             integration.install()
         assert list(integration.refused()) == ["grpo_fused_head"]
-        assert not hasattr(grpo_trainer.GRPOTrainer._get_logps_via_local_forward, "__wrapped__")
+        assert not hasattr(vars(grpo_trainer.GRPOTrainer)["_get_logps_via_local_forward"], "__wrapped__")
         assert hasattr(grpo_trainer.selective_log_softmax, "__wrapped__")
     finally:
         integration.uninstall()
@@ -166,12 +169,15 @@ def test_python_m_twinkle_mem_names_the_ms_swift_its_parts_and_the_plugin():
                           env={**os.environ, startup.ENV_VAR: "logits_path=0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert (f"ms-swift at {swift_names.swift_folder()} (swift/version.py says 4.6.0); install(logits_path=False) "
-            "patches there") in out
+    found = f"ms-swift at {integration.FRAMEWORK.folder()} (swift/version.py says 4.6.0)"
+    assert f"{found}\n" in out and "  install() in this process: no, nothing patched here" in out
+    assert "  what install(logits_path=False) (as TWINKLE_MEM_SWIFT asks) would patch" in out
     for part in swift_names.PARTS:
-        state = "not asked for" if part.asked is LOGITS_PATH else "patched"
-        assert f"{part.key:28s} {part.what}: {state}" in out
-    assert f"ms-swift plugin: --external_plugins {integration.PLUGIN}" in out
+        would = ("not asked for (logits_path=False), recognized" if part.asked is LOGITS_PATH else
+                 "would be patched (recognized)")
+        assert f"{part.key:28s} {part.what}: {would}; not patched in this process" in out
+    assert (f"the plugin file: --external_plugins {integration.PLUGIN} (where it is listed, "
+            f"{startup.ENV_VAR}='logits_path=0': install(logits_path=False))") in out
     bad = subprocess.run([sys.executable, "-m", "twinkle_mem"], capture_output=True, text=True, timeout=300,
                          env={**os.environ, startup.ENV_VAR: "logit_path"})
     assert bad.returncode == 2 and "invalid, `import swift` raises" in bad.stdout

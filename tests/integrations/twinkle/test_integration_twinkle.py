@@ -62,14 +62,14 @@ def test_a_part_not_recognized_is_refused_by_name_and_runs_as_shipped(twinkle_mo
     import twinkle.version
     from twinkle_mem.integrations.twinkle import twinkle_names
     monkeypatch.setattr(twinkle.version, "__version__", "0.0.1")
-    real = twinkle_names.recognize
+    real = integration.FRAMEWORK.recognize
     reduce_loss = f"{twinkle_names.STRATEGY}:MegatronStrategy.reduce_loss"
 
     def changed_reduce_loss(folder):
         found = real(folder)
         return found._replace(names={**found.names, reduce_loss: "unexpected signature (self, x)"})
 
-    monkeypatch.setattr(twinkle_names, "recognize", changed_reduce_loss)
+    monkeypatch.setattr(integration.FRAMEWORK, "recognize", changed_reduce_loss)
     before = patch_points(twinkle_modules)
     with pytest.warns(integration.TwinklePartsNotRecognized, match=r"megatron_logits_guard \(twinkle\.model\.megatron"
                       r"\.strategy\.megatron\.MegatronStrategy\.reduce_loss: unexpected signature \(self, x\)\)"):
@@ -79,6 +79,31 @@ def test_a_part_not_recognized_is_refused_by_name_and_runs_as_shipped(twinkle_mo
     shipped = {("MegatronStrategy", "reduce_loss"), ("MegatronModel", "forward_backward")}  # the guard's points
     for key in before:  # those as shipped, everything else replaced
         assert (after[key] is before[key]) == (key in shipped), key
+
+
+def test_report_says_what_install_would_patch_and_what_is_patched_here(monkeypatch):
+    """`python -m twinkle_mem`'s lines (issue 52): each part says what install() would do (patch it, recognized; or
+    refuse it, and why) apart from what is patched in this process, which says "patched" only once install() ran."""
+    from twinkle_mem.integrations.twinkle import twinkle_names
+    framework = integration.FRAMEWORK
+    guard, log_softmax = twinkle_names.MEGATRON_LOGITS_GUARD, twinkle_names.LOG_SOFTMAX_PART
+
+    def line(part):
+        return next(x for x in framework.report(None) if x.split()[:1] == [part.key])
+
+    assert line(log_softmax).endswith(": would be patched (recognized); not patched in this process")
+    integration.install()
+    assert line(log_softmax).endswith(": would be patched (recognized); patched in this process")
+    assert "install() in this process: yes" in framework.report(None)[1]
+    real, reduce_loss = framework.recognize, f"{twinkle_names.STRATEGY}:MegatronStrategy.reduce_loss"
+    monkeypatch.setattr(framework, "recognize", lambda folder: real(folder)._replace(
+        names={**real(folder).names, reduce_loss: "unexpected signature (self, x)"}))
+    with pytest.warns(integration.TwinklePartsNotRecognized):
+        integration.install(logits_guard=True, mask_skip="always")  # (other settings: a reinstall)
+    assert line(guard).endswith(": refused, would run as twinkle-kit ships it (twinkle.model.megatron.strategy."
+                                "megatron.MegatronStrategy.reduce_loss: unexpected signature (self, x)); left as "
+                                "shipped in this process (refused)"), line(guard)
+    assert line(log_softmax).endswith("; patched in this process")
 
 
 def test_this_twinkle_kit_is_recognized_whole():
@@ -111,7 +136,7 @@ def test_what_the_source_says_is_what_python_has(twinkle_modules):
     the parameters Python gives the imported objects (undecorated), also when read up to their parameters only,
     and its bound names are there."""
     from twinkle_mem.integrations.twinkle import twinkle_names, twinkle_source
-    found, source = twinkle_names.found(), twinkle_source.TwinkleSource(twinkle_names.twinkle_folder())
+    found, source = integration.FRAMEWORK.found(), twinkle_source.TwinkleSource(integration.FRAMEWORK.folder())
     checked = 0
     for key, name in twinkle_names.NAMES.items():
         if found.names[key] is not None:

@@ -297,7 +297,7 @@ INELIGIBLE = {
 def test_ineligible_calls_run_unchanged_with_logits(path, name, fused_calls):
     if name == "loss needs values" and not twinkle_source.feature(
             twinkle_source.reads, twinkle_names.TRANSFORMERS, "TransformersModel.forward",
-            word="require_values")(twinkle_source.TwinkleSource(twinkle_names.twinkle_folder())):
+            word="require_values")(twinkle_source.TwinkleSource(integration.FRAMEWORK.folder())):
         pytest.skip("this twinkle-kit's TransformersModel.forward computes no values (0.5.1 on): a loss's "
                     "require_values changes nothing its forward does, fused or not")
     case = dict(INELIGIBLE[name])

@@ -9,7 +9,8 @@
   missing plugin group; a verl whose patch_forward_with_backends no longer sets the torch backend's forward loses
   that part alone, by name.
 - install() / uninstall(): idempotent, every original put back, the shared settings' checks;
-  `python -m twinkle_mem` names the verl and what it patches.
+  `python -m twinkle_mem` names the verl, what install() would patch there part by part apart from what is patched
+  in the process, and verl's engines, each served or refused part by part, recognized by their code.
 """
 import json
 import os
@@ -55,7 +56,7 @@ def state(**env):
 
 
 DEFAULTS = {"logits_path": False, "fused_chunk_bytes": None}
-VERSION = verl_names.found().version  # (0.9.1 from the test extras; .ci/run also runs this file against 0.9.0)
+VERSION = integration.FRAMEWORK.found().version  # (0.9.1 from the test extras; .ci/run also runs this file against 0.9.0)
 
 
 def test_import_verl_installs_the_defaults_and_changes_nothing_unless_asked():
@@ -144,21 +145,21 @@ def released(tmp_path_factory):
 def _plan(folder, logits_path=True):
     return patches.VerlInstallPlan.for_settings(verl_names.PARTS,
                                                 {"logits_path": logits_path, "fused_chunk_bytes": None},
-                                                verl_names.recognize(folder))
+                                                integration.FRAMEWORK.recognize(folder))
 
 
 def test_this_verl_and_0_9_0_are_recognized_whole(released):
     assert VERSION in ("0.9.1", "0.9.0")
-    for folder in (verl_names.verl_folder(), released["0.9.0"]):
+    for folder in (integration.FRAMEWORK.folder(), released["0.9.0"]):
         plan = _plan(folder)
         assert plan.refused == {} and plan.accepted == {p.key for p in verl_names.PARTS}, folder
         assert all(plan.features.values()), plan.features
-    assert verl_names.recognize(released["0.9.0"]).version == "0.9.0"
+    assert integration.FRAMEWORK.recognize(released["0.9.0"]).version == "0.9.0"
 
 
 def test_0_8_0_is_refused_part_by_part_for_its_missing_plugin_group(released):
     plan = _plan(released["0.8.0"])
-    assert verl_names.recognize(released["0.8.0"]).version == "0.8.0"
+    assert integration.FRAMEWORK.recognize(released["0.8.0"]).version == "0.8.0"
     assert set(plan.refused) == {p.key for p in verl_names.PARTS} and plan.accepted == frozenset()
     for why in plan.refused.values():
         assert "verl/__init__.py loads the verl.plugins entry points at `import verl`: not recognized" in why
@@ -166,7 +167,7 @@ def test_0_8_0_is_refused_part_by_part_for_its_missing_plugin_group(released):
 
 def test_a_changed_part_alone_is_refused_by_name(tmp_path):
     copy = tmp_path / "verl"
-    shutil.copytree(verl_names.verl_folder(), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(integration.FRAMEWORK.folder(), copy, ignore=shutil.ignore_patterns("__pycache__"))
     monkey_patch = copy / "models" / "transformers" / "monkey_patch.py"
     monkey_patch.write_text(monkey_patch.read_text().replace("model.__class__.forward =", "model.forward ="))
     plan = _plan(str(copy))
@@ -177,14 +178,14 @@ def test_a_changed_part_alone_is_refused_by_name(tmp_path):
 
 def test_install_leaves_a_refused_part_as_shipped_and_warns(monkeypatch):
     import verl.models.transformers.monkey_patch as monkey_patch
-    real = verl_names.recognize
+    real = integration.FRAMEWORK.recognize
     key = verl_names.PATCH_FORWARD_WITH_BACKENDS.key
 
     def changed(folder):
         found = real(folder)
         return found._replace(names={**found.names, key: "unexpected signature (model)"})
 
-    monkeypatch.setattr(verl_names, "recognize", changed)
+    monkeypatch.setattr(integration.FRAMEWORK, "recognize", changed)
     try:
         integration.uninstall()
         with pytest.warns(integration.VerlPartsNotRecognized, match=r"fsdp_fused_head \(verl\.models\.transformers"
@@ -233,16 +234,57 @@ def test_settings_are_checked_as_twinkle_checks_them():
     assert startup.VARIABLE.parse(None) == {} and startup.VARIABLE.parse("0") is None
 
 
-def test_python_m_twinkle_mem_names_the_verl_and_its_parts():
+ENGINE_WOULD = "{} would be patched (recognized)"
+ENGINE_REFUSED = ("fsdp_fused_head refused for it, it runs as verl ships it ({} builds its model {}through verl's "
+                  "apply_monkey_patch{}: not recognized)")
+
+
+def engines_said(lines):
+    """{engine: what `python -m twinkle_mem` says of it} from the report's engine lines."""
+    start = next(i for i, line in enumerate(lines) if line.startswith("  verl's engines, each read from its code"))
+    return dict(line.strip().split(maxsplit=1) for line in lines[start + 1:])
+
+
+def test_python_m_twinkle_mem_names_the_verl_its_parts_and_its_engines():
+    """Issue 52: each part says what install() would do, apart from what is patched in this process (nothing: the
+    command imports no verl); each of verl's engines (fsdp, megatron, mindspeed, automodel, torchtitan, veomni: all
+    in 0.9.0 and 0.9.1) is served or refused part by part, by name."""
     proc = subprocess.run([sys.executable, "-m", "twinkle_mem"], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "TWINKLE_MEM_VERL": "logits_path"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    found = f"verl at {verl_names.verl_folder()} (version/version says {VERSION}); install(logits_path=True) patches"
-    assert found in out
+    found = f"verl at {integration.FRAMEWORK.folder()} (version/version says {VERSION})"
+    assert f"{found}\n" in out and "  install() in this process: no, nothing patched here" in out
+    assert "  what install(logits_path=True) (as TWINKLE_MEM_VERL asks) would patch" in out
     for part in verl_names.PARTS:
-        assert f"{part.key:28s} {part.what}: patched" in out
+        assert f"{part.key:28s} {part.what}: would be patched (recognized); not patched in this process" in out
     assert "verl.plugins entry point: declared (twinkle_mem.integrations.verl.plugin)" in out
+    fsdp_like = ENGINE_WOULD.format("logits_path")
+    megatron = "; ".join(ENGINE_WOULD.format(p) for p in ("megatron_fused_head", "megatron_logits_path"))
+    assert engines_said(out[out.index(found):].splitlines()) == {
+        "fsdp": ENGINE_WOULD.format("fsdp_fused_head") + "; " + fsdp_like, "megatron": megatron,
+        "mindspeed": megatron,
+        "automodel": ENGINE_REFUSED.format("AutomodelEngine", "", ", where impl_backend picks verl's fused forward")
+        + "; " + fsdp_like,
+        "torchtitan": ENGINE_REFUSED.format("TorchTitanEngine", "", ", where impl_backend picks verl's fused forward")
+        + "; " + fsdp_like,
+        "veomni": ENGINE_REFUSED.format("VeOmniEngine", "as FSDPEngine does, ", "") + "; " + fsdp_like}
     bad = subprocess.run([sys.executable, "-m", "twinkle_mem"], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "TWINKLE_MEM_VERL": "logit_path"})
     assert bad.returncode == 2 and "invalid, `import verl` logs it as an error" in bad.stdout
+
+
+def test_engines_are_recognized_by_their_code(tmp_path, monkeypatch):
+    """An engine is judged by its code, not its name: an automodel engine that built its model through verl's
+    apply_monkey_patch would get the FSDP fused head; a verl without the veomni engine says so."""
+    copy = tmp_path / "verl"
+    shutil.copytree(integration.FRAMEWORK.folder(), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    automodel = copy / "workers" / "engine" / "automodel" / "transformer_impl.py"
+    automodel.write_text(automodel.read_text() + "\n\ndef _built(model):\n    apply_monkey_patch(model=model)\n")
+    shutil.rmtree(copy / "workers" / "engine" / "veomni")
+    monkeypatch.setattr(integration.FRAMEWORK, "folder", lambda: str(copy))
+    said = engines_said(integration.FRAMEWORK.report(None))
+    assert said["automodel"].startswith(ENGINE_WOULD.format("fsdp_fused_head") + "; logits_path not asked for")
+    assert said["veomni"] == "not in this verl (no verl.workers.engine.veomni.transformer_impl)"
+    assert said["torchtitan"].startswith(ENGINE_REFUSED.format("TorchTitanEngine", "", ", where impl_backend "
+                                                               "picks verl's fused forward"))

@@ -7,7 +7,9 @@
 - ``install_plan.py``: install()'s plan: its settings and the parts patched, refused, described.
 - ``patching.py``: patch points, each declared once with real references; each module patched on import.
 - ``startup.py``: an integration's environment variable (grammar, checks, install at start-up, log line).
-- ``integration.py``: install / uninstall / describe / the refusal message, alike for every framework.
+- ``framework.py``: ``Framework``, a framework declared once (its package, distribution, names table, settings,
+  patches, variable and start-up hook), and what every integration does with it: find and recognize the framework,
+  install / uninstall, the install at start-up, what ``python -m twinkle_mem`` says.
 
 Nothing here imports torch or a framework: the start-up hooks run at ``import twinkle`` / ``import verl``.
 """

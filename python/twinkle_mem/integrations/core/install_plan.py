@@ -34,17 +34,18 @@ class InstallPlan(NamedTuple):
         return self.features[feature.key]
 
     def status(self, part: Part) -> str:
-        """What install() does to ``part`` with these settings (describe()'s words)."""
+        """What install() with these settings would do to ``part`` (describe()'s words): patch it (recognized),
+        refuse it (not recognized: why), or leave it (not asked for)."""
         if not part.is_asked(self.settings):
-            return "not asked for"
+            return f"not asked for ({part.asked.name}={part.asked.of(self.settings)!r})"
         if part.key in self.refused:
-            return f"refused, runs as {self.framework} ships it: " + "; ".join(self.refused[part.key])
-        return "patched"
+            return f"refused, would run as {self.framework} ships it ({'; '.join(self.refused[part.key])})"
+        return "would be patched (recognized)"
 
     def notes(self) -> List[str]:
         """describe()'s lines after the parts' (an integration's own)."""
         return []
 
     def describe(self, parts: Tuple[Part, ...]) -> List[str]:
-        """What install() patches with these settings, part by part (``python -m twinkle_mem``, the README)."""
+        """What install() would patch with these settings, part by part (``describe()``)."""
         return [f"{part.key:28s} {part.what}: {self.status(part)}" for part in parts] + self.notes()

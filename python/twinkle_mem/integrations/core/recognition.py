@@ -7,9 +7,11 @@ Each integration declares, in its names module (twinkle's ``twinkle_names.py``, 
   each recognized form, or None (unrecognized);
 - :class:`Part`: what install() patches, each with the names and features it needs and the setting that asks
   for it. A part whose names or features are not what is expected is refused by name: the framework runs that
-  part as it ships it.
+  part as it ships it;
+- :class:`Engine` (where a framework has several): the parts that serve each engine, and why.
 
-:func:`recognize` reads a package's source (``source.py``) against those, importing nothing.
+:func:`recognize` reads a package's source (``source.py``) against those, importing nothing (each framework's
+declaration, ``framework.py``, caches it per folder).
 """
 import importlib.util
 import os
@@ -55,6 +57,16 @@ class Part(NamedTuple):
 
     def is_asked(self, settings: Dict) -> bool:
         return self.asked is None or bool(self.asked.of(settings))
+
+
+class Engine(NamedTuple):
+    """One of a framework's engines (verl's fsdp, megatron, ...): the module that defines it and the parts that would
+    serve it, each with the feature of the engine's code that sends it through that part's patched names (read for
+    ``python -m twinkle_mem`` only: install() patches parts, whichever engine runs). An engine whose module is
+    absent is not in that release."""
+    key: str
+    module: str
+    served: Tuple[Tuple[Part, Feature], ...]
 
 
 class Found(NamedTuple):

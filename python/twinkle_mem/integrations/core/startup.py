@@ -6,13 +6,16 @@ keyword arguments, a bare name meaning ``True`` (``fused_lm_head,mask_skip=alway
 Each argument's parser and check are its setting's (``settings.py``): a bad value raises ``ValueError`` naming
 the variable, the bad part and the accepted values. :class:`Variable` also says what a value would do
 (``python -m twinkle_mem``) and runs the install a framework's start-up hook asks for, with one log line per
-process. No torch here.
+process; :func:`import_hook_status` says whether the hook that installs at a framework's import (the .pth of
+``twinkle_mem_startup.py``) is in place. No torch here.
 """
 import logging
 import os
 from typing import Any, Callable, Dict, Optional
 
 from .settings import Settings
+
+HOOK_PTH = "twinkle_mem_startup.pth"  # imports twinkle_mem_startup, the hook of every variable read at import
 
 # Words meaning on or off, written where the variable wants '1' or '0'.
 _HINTS = {**{word: " ('0' alone is off)" for word in ("false", "off", "no", "none")},
@@ -128,3 +131,23 @@ class Variable:
             where += f", local rank {os.environ['LOCAL_RANK']}"
         logger.info("twinkle-mem installed into %s %s by %s=%r: %s (%s)", self.framework, version(), self.name, value,
                     self.install_call(options), where)
+
+
+def import_hook_status(variable: str) -> str:
+    """Whether the start-up hook that installs at a framework's import (``twinkle_mem_startup.py``, its .pth in a
+    site-packages folder) is installed and active here: without it ``variable`` does nothing."""
+    import importlib.util
+    import site
+    import sys
+    folders = [*site.getsitepackages(), site.getusersitepackages()]
+    found = [os.path.join(f, HOOK_PTH) for f in folders if os.path.exists(os.path.join(f, HOOK_PTH))]
+    active = any(type(finder).__name__ == "TwinkleImportHook" for finder in sys.meta_path)
+    if not found:
+        return (f"not installed (no {HOOK_PTH} in {', '.join(folders)}): {variable} does nothing; "
+                f"reinstall with pip" + ("; a hook is active in this process all the same" if active else ""))
+    if active:
+        return f"installed ({found[0]}), active in this process"
+    if importlib.util.find_spec("twinkle_mem_startup") is None:
+        return (f"broken: {found[0]} is there but its module twinkle_mem_startup is not: {variable} does nothing; "
+                "reinstall twinkle-mem with pip")
+    return f"installed ({found[0]}), not active in this process (Python started with -S?)"

@@ -11,25 +11,19 @@ where it is not what twinkle-mem expects:
 - ``grpo_fused_head``: GRPO's log-probs and entropy from the LM head's input (``grpo_head.py``);
 - ``gkd_fused_head``: GKD's loss from the student's LM head input, full and top-k teacher (``gkd_head.py``);
 - ``logits_path``: TRL's ``selective_log_softmax`` / ``entropy_from_logits`` where ms-swift binds them (DPO, GRPO under
-  sequence parallelism) on twinkle-mem's op (``logits_path.py``).
+  sequence parallelism) on twinkle-mem's op; ``megatron_logits_path``: Megatron-SWIFT's log-probs on the op over
+  the TP group (``logits_path.py``).
 
-This module, ``swift_names``, ``patches``, ``settings``, ``startup`` and ``plugin`` import no torch at module level.
+This module declares ms-swift (``FRAMEWORK``, ``core/framework.py``); it, ``swift_names``, ``patches``, ``settings``,
+``startup`` and ``plugin`` import no torch at module level.
 """
-import os
-import warnings
-from typing import Any, Dict, List
-
-from ..core.integration import Integration, PartsNotRecognized
-from . import patches, swift_names
+from ..core.framework import Framework, PartsNotRecognized
+from . import patches, startup, swift_names
 from .settings import SETTINGS
+from .startup import PLUGIN
 
 __all__ = ["install", "uninstall", "is_installed", "installed_settings", "refused", "describe", "PLUGIN",
            "SwiftPartsNotRecognized"]
-
-PLUGIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plugin.py")  # the --external_plugins file
-
-INTEGRATION = Integration("ms-swift", SETTINGS, swift_names.PARTS, patches.PATCHER, patches.SwiftInstallPlan,
-                          swift_names.found, "swift/version.py")
 
 
 class SwiftPartsNotRecognized(PartsNotRecognized):
@@ -37,40 +31,19 @@ class SwiftPartsNotRecognized(PartsNotRecognized):
     ``refused``: {part: (why, ...)}."""
 
 
-def is_installed() -> bool:
-    """Whether :func:`install` is in effect in this process (by a call, the plugin file or the variable)."""
-    return INTEGRATION.is_installed()
+FRAMEWORK = Framework(
+    "ms-swift", package="swift", distribution="ms-swift", version_file="swift/version.py", names=swift_names.NAMES,
+    features=swift_names.FEATURES, parts=swift_names.PARTS, settings=SETTINGS, patcher=patches.PATCHER,
+    plan=patches.SwiftInstallPlan, variable=startup.VARIABLE, hook=startup.HOOK,
+    refused_warning=SwiftPartsNotRecognized)
 
-
-installed_settings = INTEGRATION.installed_settings  # install()'s arguments in effect here (None: not installed)
-refused = INTEGRATION.refused  # the parts asked for and left as ms-swift ships them: {part: (why, ...)}
-refusal_message = INTEGRATION.refusal_message
-uninstall = INTEGRATION.uninstall  # restore everything install() replaced; a no-op when not installed
-
-
-def install(**settings) -> None:
+install, uninstall, is_installed, installed_settings, refused, describe = FRAMEWORK.public_functions(
     """Put twinkle-mem into the ms-swift this process imports; idempotent, undone by :func:`uninstall`.
 
-    Its keyword arguments are the settings of ``settings.py`` (the signature below is built from them):
-    ``fused_lm_head``: GRPO's log-probs and GKD's loss from the LM head's input; ``logits_path``: TRL's
-    log-prob functions where ms-swift binds them on twinkle-mem's op; ``fused_chunk_bytes``: the fused heads' block
-    working memory (256 MiB by default). A part of ms-swift not recognized is left as shipped, with a
-    :class:`SwiftPartsNotRecognized` warning."""
-    plan = INTEGRATION.install_settings(SETTINGS.bind("install", settings))
-    if plan.refused:
-        warnings.warn(SwiftPartsNotRecognized(f"twinkle-mem: {refusal_message(plan.refused)}", plan.refused),
-                      stacklevel=2)
-
-
-install.__signature__ = SETTINGS.signature()
-
-
-def describe(**settings) -> List[str]:
-    """The ms-swift this process would import (found, not imported) and what install(**settings) patches there, part
-    by part; raises ImportError without ms-swift."""
-    return INTEGRATION.describe(settings)
-
-
-def install_settings(settings: Dict[str, Any], strict: bool = False):
-    """install() itself, every setting given (the plugin's and the variable's)."""
-    return INTEGRATION.install_settings(settings, strict=strict)
+    Its keyword arguments are the settings of ``settings.py`` (the signature is built from them): ``fused_lm_head``:
+    GRPO's log-probs and GKD's loss from the LM head's input; ``logits_path``: the log-prob functions ms-swift calls
+    on the logits (DPO, GRPO under sequence parallelism, Megatron-SWIFT) on twinkle-mem's op; ``fused_chunk_bytes``:
+    the fused heads' block working memory (256 MiB by default). A part of ms-swift not recognized is left as shipped,
+    with a :class:`SwiftPartsNotRecognized` warning.""")
+install_settings = FRAMEWORK.install_settings  # install() itself, every setting given
+refusal_message = FRAMEWORK.refusal_message

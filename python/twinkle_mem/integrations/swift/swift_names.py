@@ -12,11 +12,10 @@ release is this module and its table.
 - :data:`PARTS`: what install() patches; a part whose names or features are not recognized is refused by name.
 """
 import ast
-import functools
 from typing import Tuple
 
 from ..core import source as src
-from ..core.recognition import Feature, Found, Name, Part, names_table, package_folder, recognize as recognize_in
+from ..core.recognition import Feature, Name, Part, names_table
 from .settings import FUSED_LM_HEAD, LOGITS_PATH
 
 BASE_ARGS = "swift.arguments.base_args.base_args"
@@ -176,22 +175,3 @@ MEGATRON_LOGITS_PATH = Part("megatron_logits_path", "Megatron-SWIFT's compute_lo
 
 PARTS: Tuple[Part, ...] = (GRPO_FUSED_HEAD, GKD_FUSED_HEAD, LOGITS_PATH_PART, MEGATRON_LOGITS_PATH)
 
-
-@functools.lru_cache(maxsize=None)
-def recognize(folder: str) -> Found:
-    """Read the ms-swift package at ``folder`` (nothing imported) against NAMES and FEATURES."""
-    return recognize_in(folder, NAMES, FEATURES)
-
-
-def swift_folder() -> str:
-    """The folder of the ms-swift package (``swift``) this process imports (found, not imported)."""
-    return package_folder("swift", "ms-swift")
-
-
-def found() -> Found:
-    """The ms-swift of this process, as install() sees it."""
-    return recognize(swift_folder())
-
-
-def version() -> str:
-    return found().version or "(no version)"

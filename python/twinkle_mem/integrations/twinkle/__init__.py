@@ -1,6 +1,8 @@
 """Plug twinkle-mem into an installed twinkle-kit (``import twinkle``).
 
-This module owns install() / uninstall() and their settings. What twinkle-kit is expected to be, how a
+This module declares twinkle-kit (``FRAMEWORK``, ``core/framework.py``: its package, distribution, names table,
+settings, patches, variable and start-up hook); install() / uninstall() and the rest are the declaration's, written
+once in the core for every framework. What twinkle-kit is expected to be, how a
 twinkle-kit is recognized (by its code, not its version string) and every twinkle name the integration
 touches: ``twinkle_names.py``. What is replaced, and when (each twinkle module when the process imports it):
 ``patches.py``. Each patched concern lives in a module of its own: ``mask_skip`` (the causal-mask skip in
@@ -37,20 +39,19 @@ A part whose twinkle names or features are not what twinkle_names expects is ref
 it ships it, install() warns (:class:`TwinklePartsNotRecognized`) and :func:`refused` lists why; under
 ``TWINKLE_MEM_INSTALL`` the refusal makes ``import twinkle`` raise. ``uninstall()`` puts every original back.
 """
-import logging
-import warnings
-from typing import Any, Dict, List
-
-from ..core.integration import Integration, PartsNotRecognized
+from ..core.framework import Framework, PartsNotRecognized
 from ..core.settings import SMALLEST_CHUNK_BYTES
-from . import patches, twinkle_names
+from . import patches, startup, twinkle_names
 from .failed_micro_batches import FailedMicroBatchWarning
 from .settings import MASK_SKIP_MODES, SETTINGS
 
 __all__ = ["install", "uninstall", "is_installed", "installed_settings", "refused", "describe", "check_settings",
            "FailedMicroBatchWarning", "TwinklePartsNotRecognized", "MASK_SKIP_MODES", "SMALLEST_CHUNK_BYTES"]
 
-logger = logging.getLogger("twinkle_mem")
+
+class TwinklePartsNotRecognized(PartsNotRecognized):
+    """install() left parts of twinkle-kit as shipped: their names or features are not what it expects.
+    ``refused``: {part: (why, ...)}."""
 
 
 def _import_twinkle() -> None:
@@ -59,52 +60,22 @@ def _import_twinkle() -> None:
     import twinkle  # noqa: F401
 
 
-INTEGRATION = Integration("twinkle-kit", SETTINGS, twinkle_names.PARTS, patches.PATCHER, patches.TwinkleInstallPlan,
-                          twinkle_names.found, "version.py", before_install=_import_twinkle)
+FRAMEWORK = Framework(
+    "twinkle-kit", package="twinkle", distribution="twinkle-kit", version_file="version.py",
+    names=twinkle_names.NAMES, features=twinkle_names.FEATURES, parts=twinkle_names.PARTS, settings=SETTINGS,
+    patcher=patches.PATCHER, plan=patches.TwinkleInstallPlan, variable=startup.VARIABLE, hook=startup.HOOK,
+    refused_warning=TwinklePartsNotRecognized, before_install=_import_twinkle)
 
-
-class TwinklePartsNotRecognized(PartsNotRecognized):
-    """install() left parts of twinkle-kit as shipped: their names or features are not what it expects.
-    ``refused``: {part: (why, ...)}."""
-
-
-def is_installed() -> bool:
-    """Whether :func:`install` is in effect in this process (by a call, or by ``TWINKLE_MEM_INSTALL``)."""
-    return INTEGRATION.is_installed()
-
-
-installed_settings = INTEGRATION.installed_settings  # install()'s arguments in effect here (None: not installed)
-refused = INTEGRATION.refused  # the parts asked for and left as twinkle ships them: {part: (why, ...)}
-check_settings = SETTINGS.check  # ValueError for install() arguments that do not go together (the variable's too)
-refusal_message = INTEGRATION.refusal_message
-uninstall = INTEGRATION.uninstall  # restore everything install() replaced; a no-op when not installed
-
-
-def install(**settings) -> None:
+install, uninstall, is_installed, installed_settings, refused, describe = FRAMEWORK.public_functions(
     """Register twinkle-mem into twinkle-kit; idempotent, undone by :func:`uninstall`.
 
-    Its keyword arguments are the settings of ``settings.py`` (the signature below is built from them):
-    ``mask_skip`` is one of :data:`MASK_SKIP_MODES` (``"npu"`` by default). ``fused_lm_head``: compute log-probs
-    and entropy from the output layer's input where that is the same computation (see ``fused_call.py`` and
-    docs/twinkle_integration.md); needs ``log_softmax``. ``fused_chunk_bytes``: the fused op's ``chunk_bytes``
-    (its block working memory, 256 MiB by default); needs ``fused_lm_head``. Calling again with other settings
-    reinstalls.
-    """
-    plan = install_settings(SETTINGS.bind("install", settings))
-    if plan.refused:
-        warnings.warn(TwinklePartsNotRecognized(f"twinkle-mem: {refusal_message(plan.refused)}", plan.refused),
-                      stacklevel=2)
-
-
-install.__signature__ = SETTINGS.signature()
-
-
-def install_settings(settings: Dict[str, Any], strict: bool = False) -> patches.TwinkleInstallPlan:
-    """install() itself; ``strict`` (TWINKLE_MEM_INSTALL): a part not recognized raises, nothing patched."""
-    return INTEGRATION.install_settings(settings, strict)
-
-
-def describe(**settings) -> List[str]:
-    """The twinkle-kit this process would import (found, not imported) and what install(**settings) patches
-    there, part by part; raises ImportError without twinkle-kit."""
-    return INTEGRATION.describe(settings)
+    Its keyword arguments are the settings of ``settings.py`` (the signature is built from them): ``mask_skip`` is
+    one of :data:`MASK_SKIP_MODES` (``"npu"`` by default). ``fused_lm_head``: compute log-probs and entropy from the
+    output layer's input where that is the same computation (see ``fused_call.py`` and
+    docs/twinkle_integration.md); needs ``log_softmax``. ``fused_chunk_bytes``: the fused op's ``chunk_bytes`` (its
+    block working memory, 256 MiB by default); needs ``fused_lm_head``. Calling again with other settings
+    reinstalls. A part of twinkle-kit not recognized is left as shipped, with a :class:`TwinklePartsNotRecognized`
+    warning.""")
+install_settings = FRAMEWORK.install_settings  # install() itself; strict (the variable's): a refused part raises
+check_settings = SETTINGS.check  # ValueError for install() arguments that do not go together (the variable's too)
+refusal_message = FRAMEWORK.refusal_message

@@ -38,11 +38,12 @@ class TwinkleInstallPlan(InstallPlan):
 
     def status(self, part) -> str:
         if part is names.MEGATRON_LOGITS_GUARD and self.patches(part) and not self.megatron_guard:
-            return "twinkle-kit's own (its forward step reports logits only when asked); failed micro-batches"
+            return ("would be patched (recognized) for failed micro-batches only: the logits guard is twinkle-kit's own "
+                    "(its forward step reports logits only when asked)")
         return super().status(part)
 
     def notes(self) -> List[str]:
-        return [f"{'':28s} {path} fused distillation (GKD): " + ("yes" if why is None else f"no: {why}")
+        return [f"{'':28s} {path} fused distillation (GKD): " + ("would run" if why is None else f"would not: {why}")
                 for path, (part, _) in names.FUSED_PATHS.items() if self.patches(part)
                 for why in [self.fused_distillation(path)]]
 

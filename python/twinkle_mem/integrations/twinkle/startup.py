@@ -3,7 +3,7 @@
 This module owns the variable: its grammar (:func:`parse`), what it would do (:func:`describe`, for
 ``python -m twinkle_mem``), and the install run by the start-up hook (``twinkle_mem_startup.py``, put
 in site-packages by ``pip install``) right after twinkle's package has been imported
-(:func:`install_from_environment`), with its one log line.
+(``FRAMEWORK.install_from_environment``, ``core/framework.py``), with its one log line.
 
 Values: unset, empty or ``0``: off. ``1``: ``install()`` with its defaults. Otherwise a comma-separated
 list of ``install()``'s keyword arguments, a bare name meaning ``True``:
@@ -13,14 +13,13 @@ job fails at its start instead of training with twinkle-kit as shipped. ``import
 more than it did: install() patches each twinkle module when the process imports it (patches.py), and this
 module and those it imports need no torch.
 """
-import os
-from typing import Any, Dict, Optional
+import functools
 
-from ..core.startup import Variable
+from ..core.framework import StartupHook
+from ..core.startup import Variable, import_hook_status
 from .settings import SETTINGS
 
 ENV_VAR = "TWINKLE_MEM_INSTALL"
-HOOK_PTH = "twinkle_mem_startup.pth"  # imports twinkle_mem_startup, the hook itself
 
 VARIABLE = Variable(ENV_VAR, SETTINGS, framework="twinkle-kit", package="twinkle", logger="twinkle_mem.startup",
                     example="fused_lm_head,mask_skip=always,fused_chunk_bytes=128M")
@@ -29,34 +28,8 @@ ACCEPTED = VARIABLE.accepted
 OPTIONS = {setting.name: setting.parser.parse for setting in SETTINGS.settings}
 parse, install_call, describe = VARIABLE.parse, VARIABLE.install_call, VARIABLE.describe
 
-
-def hook_status() -> str:
-    """Whether the start-up hook is installed (its .pth in a site-packages folder) and active here."""
-    import importlib.util
-    import site
-    import sys
-    folders = [*site.getsitepackages(), site.getusersitepackages()]
-    found = [os.path.join(f, HOOK_PTH) for f in folders if os.path.exists(os.path.join(f, HOOK_PTH))]
-    active = any(type(finder).__name__ == "TwinkleImportHook" for finder in sys.meta_path)
-    if not found:
-        return (f"not installed (no {HOOK_PTH} in {', '.join(folders)}): {ENV_VAR} does nothing; "
-                f"reinstall with pip" + ("; a hook is active in this process all the same" if active else ""))
-    if active:
-        return f"installed ({found[0]}), active in this process"
-    if importlib.util.find_spec("twinkle_mem_startup") is None:
-        return (f"broken: {found[0]} is there but its module twinkle_mem_startup is not: {ENV_VAR} does nothing; "
-                "reinstall twinkle-mem with pip")
-    return f"installed ({found[0]}), not active in this process (Python started with -S?)"
-
-
-def install_from_environment() -> Optional[Dict[str, Any]]:
-    """Run by the start-up hook right after twinkle's package is imported: install() as the variable asks.
-
-    Returns the options installed (``None`` when off). Any failure raises, naming the variable; so does a part
-    of twinkle-kit install() does not recognize (an explicit install() would leave it as shipped)."""
-    from . import install_settings
-    from .twinkle_names import version
-    return VARIABLE.install_from_environment(
-        lambda settings: install_settings(settings, strict=True), version,
-        advice=f"To run twinkle-kit as shipped, unset {ENV_VAR} (or set it to 0); install() called in the script "
-               "patches the parts it recognizes and leaves the others as shipped.")
+# A part of twinkle-kit not recognized makes the variable's install raise (an explicit install() would leave it as
+# shipped): the job fails at its start instead of training with twinkle-kit as shipped.
+HOOK = StartupHook("start-up hook", functools.partial(import_hook_status, ENV_VAR), strict=True,
+                   advice=f"To run twinkle-kit as shipped, unset {ENV_VAR} (or set it to 0); install() called in the "
+                          "script patches the parts it recognizes and leaves the others as shipped.")

@@ -18,13 +18,12 @@ All of this reads twinkle's source (``core/source.py``) and imports nothing: ins
 ``import twinkle`` time, before the process has imported twinkle's model modules, torch or megatron-core. The
 types (Name, Feature, Part, Found) and the reading are the integrations' shared core (``core/recognition.py``).
 """
-import functools
 import importlib
 import sys
 from typing import Dict, Optional, Tuple
 
 from ..core import source as src
-from ..core.recognition import Feature, Found, Name, Part, names_table, package_folder, recognize as recognize_in
+from ..core.recognition import Feature, Name, Part, names_table
 from .settings import FUSED_LM_HEAD, LOG_SOFTMAX, LOGITS_GUARD
 
 MEGATRON = "twinkle.model.megatron.megatron"
@@ -212,22 +211,6 @@ FUSED_PATHS: Dict[str, Tuple[Part, Feature]] = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def recognize(folder: str) -> Found:
-    """Read the twinkle package at ``folder`` (nothing imported) against NAMES and FEATURES."""
-    return recognize_in(folder, NAMES, FEATURES)
-
-
-def twinkle_folder() -> str:
-    """The folder of the twinkle package this process imports (found, not imported)."""
-    return package_folder("twinkle", "twinkle-kit")
-
-
-def found() -> Found:
-    """The twinkle-kit of this process, as install() sees it."""
-    return recognize(twinkle_folder())
-
-
 # --- accessors: twinkle's objects and attributes, reached only here ---------------------------------------------
 
 def twinkle_attribute(module: str, qualname: str):
@@ -240,10 +223,6 @@ def twinkle_attribute(module: str, qualname: str):
 
 def platform():
     return twinkle_attribute("twinkle", "Platform")
-
-
-def version() -> str:
-    return twinkle_attribute("twinkle.version", "__version__")
 
 
 def optimizer_group(model, kwargs):

@@ -17,24 +17,16 @@ where it is not what twinkle-mem expects:
 - with ``logits_path=True``: verl's logits-path functions on ``twinkle_mem.selective_log_softmax``
   (``logits_path.py``).
 
-This module, ``verl_names``, ``patches``, ``settings`` and ``plugin`` import no torch at module level; the
-integrations' shared core (``integrations/core/``) does the recognizing, planning, patching and describing.
+This module declares verl (``FRAMEWORK``, ``core/framework.py``); it, ``verl_names``, ``patches``, ``settings``,
+``startup`` and ``plugin`` import no torch at module level; the integrations' shared core (``integrations/core/``)
+does the finding, recognizing, planning, patching, installing at start-up and describing.
 """
-import logging
-import warnings
-from typing import Any, Dict, List
-
-from ..core.integration import Integration, PartsNotRecognized
-from . import patches, verl_names
+from ..core.framework import Framework, PartsNotRecognized
+from . import patches, startup, verl_names
 from .settings import IMPL_BACKEND, SETTINGS
 
 __all__ = ["install", "uninstall", "is_installed", "installed_settings", "refused", "describe", "IMPL_BACKEND",
            "VerlPartsNotRecognized"]
-
-logger = logging.getLogger("twinkle_mem.verl")
-
-INTEGRATION = Integration("verl", SETTINGS, verl_names.PARTS, patches.PATCHER, patches.VerlInstallPlan,
-                          verl_names.found, "version/version")
 
 
 class VerlPartsNotRecognized(PartsNotRecognized):
@@ -42,40 +34,18 @@ class VerlPartsNotRecognized(PartsNotRecognized):
     ``refused``: {part: (why, ...)}."""
 
 
-def is_installed() -> bool:
-    """Whether :func:`install` is in effect in this process (by a call, or by the ``verl.plugins`` entry point)."""
-    return INTEGRATION.is_installed()
+FRAMEWORK = Framework(
+    "verl", package="verl", distribution="verl", version_file="version/version", names=verl_names.NAMES,
+    features=verl_names.FEATURES, parts=verl_names.PARTS, settings=SETTINGS, patcher=patches.PATCHER,
+    plan=patches.VerlInstallPlan, variable=startup.VARIABLE, hook=startup.HOOK, refused_warning=VerlPartsNotRecognized,
+    engines=verl_names.ENGINES)
 
-
-installed_settings = INTEGRATION.installed_settings  # install()'s arguments in effect here (None: not installed)
-refused = INTEGRATION.refused  # the parts asked for and left as verl ships them: {part: (why, ...)}
-refusal_message = INTEGRATION.refusal_message
-uninstall = INTEGRATION.uninstall  # restore everything install() replaced; a no-op when not installed
-
-
-def install(**settings) -> None:
+install, uninstall, is_installed, installed_settings, refused, describe = FRAMEWORK.public_functions(
     """Make twinkle-mem a backend of the verl this process imports; idempotent, undone by :func:`uninstall`.
 
-    Its keyword arguments are the settings of ``settings.py`` (the signature below is built from them):
-    ``logits_path``: verl's logits path on twinkle-mem's op too; ``fused_chunk_bytes``: the fused head's block
-    working memory (256 MiB by default). The fused heads themselves act only for a model whose config says
-    ``impl_backend=twinkle``. A part of verl not recognized is left as shipped, with a
-    :class:`VerlPartsNotRecognized` warning."""
-    plan = INTEGRATION.install_settings(SETTINGS.bind("install", settings))
-    if plan.refused:
-        warnings.warn(VerlPartsNotRecognized(f"twinkle-mem: {refusal_message(plan.refused)}", plan.refused),
-                      stacklevel=2)
-
-
-install.__signature__ = SETTINGS.signature()
-
-
-def describe(**settings) -> List[str]:
-    """The verl this process would import (found, not imported) and what install(**settings) patches there, part
-    by part; raises ImportError without verl."""
-    return INTEGRATION.describe(settings)
-
-
-def install_settings(settings: Dict[str, Any]):
-    """install() itself, every setting given (the entry point's)."""
-    return INTEGRATION.install_settings(settings)
+    Its keyword arguments are the settings of ``settings.py`` (the signature is built from them): ``logits_path``:
+    verl's logits path on twinkle-mem's op too; ``fused_chunk_bytes``: the fused head's block working memory (256 MiB
+    by default). The fused heads themselves act only for a model whose config says ``impl_backend=twinkle``. A part
+    of verl not recognized is left as shipped, with a :class:`VerlPartsNotRecognized` warning.""")
+install_settings = FRAMEWORK.install_settings  # install() itself, every setting given
+refusal_message = FRAMEWORK.refusal_message

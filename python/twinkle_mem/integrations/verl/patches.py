@@ -9,7 +9,7 @@ has), every original saved and put back by uninstall().
   verl's engines bound them by name. The FSDP engine binds (and compiles) its entropy function when it is built:
   install() runs at ``import verl``, before any engine exists.
 """
-from typing import List, Tuple
+from typing import Tuple
 
 from ..core.install_plan import InstallPlan
 from ..core.patching import Patcher, Point
@@ -20,13 +20,6 @@ class VerlInstallPlan(InstallPlan):
     """install()'s settings and what it patches on the verl it found."""
     __slots__ = ()
     framework = "verl"
-
-    def notes(self) -> List[str]:
-        if not self.patches(names.MEGATRON_FUSED_HEAD):
-            return []
-        inherits = self.feature(names.MINDSPEED_INHERITS)
-        return [f"{'':28s} mindspeed (NPU) engine: " + ("the Megatron fused head" if inherits else
-                                                         "not recognized: its own _maybe_enable_fused_kernels")]
 
 
 # The makers: each imports the module that owns its concern (which imports torch and twinkle-mem's ops).

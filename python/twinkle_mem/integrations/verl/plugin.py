@@ -1,6 +1,6 @@
 """twinkle-mem's ``verl.plugins`` entry point: ``import verl`` imports this module in every process (the driver and
 each Ray worker, verl 0.9.0 on), which installs twinkle-mem there before any engine is built, as
 ``TWINKLE_MEM_VERL`` asks (``startup.py``)."""
-from .startup import install_from_environment
+from . import FRAMEWORK
 
-install_from_environment()
+FRAMEWORK.install_from_environment()

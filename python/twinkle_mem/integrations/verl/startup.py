@@ -1,16 +1,15 @@
 """``TWINKLE_MEM_VERL`` and the ``verl.plugins`` entry point: install() in every process that imports verl.
 
 verl 0.9.0 on loads the entry points of its ``verl.plugins`` group at ``import verl``, in the driver and in each
-Ray worker; twinkle-mem's (``plugin.py``) calls :func:`install_from_environment`. The variable adjusts what it
-installs, with the grammar every twinkle-mem variable has (``core/startup.py``): unset or ``1``: install() with
+Ray worker; twinkle-mem's (``plugin.py``) runs ``FRAMEWORK.install_from_environment`` (``core/framework.py``).
+The variable adjusts what it installs, with the grammar every twinkle-mem variable has (``core/startup.py``): unset or ``1``: install() with
 its defaults (the fused heads, for models with ``impl_backend=twinkle``); ``0``: nothing; else install()'s
 arguments, e.g. ``logits_path,fused_chunk_bytes=128M``. ``VERL_USE_EXTERNAL_PLUGINS=none`` (verl's own switch)
 keeps verl from loading any plugin. This module imports no torch and does not install anything itself.
 """
-import logging
 import os
-from typing import Any, Dict, Optional
 
+from ..core.framework import StartupHook
 from ..core.startup import Variable
 from .settings import SETTINGS
 
@@ -20,29 +19,6 @@ ENTRY_POINT = "twinkle_mem"  # its name in the verl.plugins group (VERL_USE_EXTE
 VARIABLE = Variable(ENV_VAR, SETTINGS, framework="verl", package="verl", logger="twinkle_mem.verl",
                     example="logits_path,fused_chunk_bytes=128M", unset_means_defaults=True,
                     invalid="`import verl` logs it as an error and runs verl without twinkle-mem")
-
-logger = logging.getLogger("twinkle_mem.verl")
-
-
-def install_from_environment() -> Optional[Dict[str, Any]]:
-    """install() as the variable asks (the entry point's call); returns the options installed (None: off). A part
-    of verl not recognized is left as shipped, with a warning in the log; a failure is logged as an error and
-    raised (verl would log it at debug level only)."""
-    from . import install_settings, refusal_message, verl_names
-
-    def install(settings):
-        plan = install_settings(settings)
-        if plan.refused:
-            logger.warning("twinkle-mem: %s", refusal_message(plan.refused))
-        return plan
-
-    try:
-        return VARIABLE.install_from_environment(
-            install, verl_names.version,
-            advice=f"To run verl without twinkle-mem, set {ENV_VAR}=0 or VERL_USE_EXTERNAL_PLUGINS=none.")
-    except Exception:
-        logger.exception("twinkle-mem's verl plugin failed; verl runs without it")
-        raise
 
 
 def entry_point_status() -> str:
@@ -55,3 +31,10 @@ def entry_point_status() -> str:
     loaded = policy == "auto" or (policy != "none" and ENTRY_POINT in {n.strip() for n in policy.split(",")})
     return (f"declared ({declared[0].value}); VERL_USE_EXTERNAL_PLUGINS={policy}: "
             + ("loaded at `import verl`" if loaded else "not loaded"))
+
+
+# A part of verl not recognized is left as shipped, with a warning in the log; a failure is logged as an error and
+# raised (verl would log it at debug level only).
+HOOK = StartupHook("verl.plugins entry point", entry_point_status, failure_logged="twinkle-mem's verl plugin failed; "
+                   "verl runs without it", advice=f"To run verl without twinkle-mem, set {ENV_VAR}=0 or "
+                                                  "VERL_USE_EXTERNAL_PLUGINS=none.")

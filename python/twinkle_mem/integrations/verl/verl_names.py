@@ -12,11 +12,10 @@ module and its table.
 - :data:`PARTS`: what install() patches: a part whose names or features are not recognized is refused by name.
 """
 import ast
-import functools
 from typing import Dict, Tuple
 
 from ..core import source as src
-from ..core.recognition import Feature, Found, Name, Part, names_table, package_folder, recognize as recognize_in
+from ..core.recognition import Engine, Feature, Name, Part, names_table
 from .settings import LOGITS_PATH
 
 MONKEY_PATCH = "verl.models.transformers.monkey_patch"
@@ -165,24 +164,63 @@ MEGATRON_LOGITS_PATH = Part("megatron_logits_path", "vocab_parallel_log_probs_fr
 PARTS: Tuple[Part, ...] = (FSDP_FUSED_HEAD, MEGATRON_FUSED_HEAD, LOGITS_PATH_PART, MEGATRON_LOGITS_PATH)
 
 
-@functools.lru_cache(maxsize=None)
-def recognize(folder: str) -> Found:
-    """Read the verl package at ``folder`` (nothing imported) against NAMES and FEATURES."""
-    return recognize_in(folder, NAMES, FEATURES)
+# --- engines: which parts serve each of verl's engines (verl/workers/engine/), read from its code -------------------
+# (for `python -m twinkle_mem`: install() patches parts; an engine goes through a part's code or it does not)
+
+def _engine(name: str) -> str:
+    return f"verl.workers.engine.{name}.transformer_impl"
 
 
-def verl_folder() -> str:
-    """The folder of the verl package this process imports (found, not imported)."""
-    return package_folder("verl", "verl")
+def _module_calls(module: str, function: str, doc: str) -> Feature:
+    """``module`` calls ``function`` (the module read whole: only ``python -m twinkle_mem`` reads it)."""
+    def holds(source: src.PackageSource) -> bool:
+        tree = source.module_node(module)
+        return tree is not None and bool(src.calls(tree, function))
+    return Feature(f"{module}:{function}", doc, holds)
 
 
-def found() -> Found:
-    """The verl of this process, as install() sees it."""
-    return recognize(verl_folder())
+def _keeps(module: str, cls: str, method: str, doc: str) -> Feature:
+    """``cls`` of ``module`` keeps its base engine's ``method``: it defines none, or one that calls the base's."""
+    def holds(source: src.PackageSource) -> bool:
+        tree = source.module_node(module)
+        if tree is None or not any(isinstance(n, ast.ClassDef) and n.name == cls for n in tree.body):
+            return False
+        node = source.function(module, f"{cls}.{method}")
+        return node is None or src.calls_function(node, method)
+    return Feature(f"{module}:{cls}.{method}", doc, holds)
 
 
-def version() -> str:
-    return found().version or "(no version)"
+def _fsdp_like(name: str, cls: str) -> Engine:
+    """An engine built on transformers models: the FSDP fused head serves it where it builds its model through
+    verl's apply_monkey_patch (where impl_backend picks verl's fused forward), the logits path where it computes
+    log-probs with verl's logprobs_from_logits."""
+    module = _engine(name)
+    return Engine(name, module, (
+        (FSDP_FUSED_HEAD, _module_calls(module, "apply_monkey_patch", f"{cls} builds its model through verl's "
+                                        "apply_monkey_patch, where impl_backend picks verl's fused forward")),
+        (LOGITS_PATH_PART, _module_calls(module, "logprobs_from_logits", f"the {name} engine computes log-probs "
+                                         "with verl's logprobs_from_logits"))))
+
+
+ENGINES: Tuple[Engine, ...] = (
+    _fsdp_like("fsdp", "FSDPEngine"),
+    Engine("megatron", MEGATRON_ENGINE, (
+        (MEGATRON_FUSED_HEAD, ENGINE_ENABLES_FUSED_FORWARD),
+        (MEGATRON_LOGITS_PATH, _module_calls(MEGATRON_ENGINE, "vocab_parallel_log_probs_from_logits", "the megatron "
+                                             "engine computes log-probs with verl's vocab_parallel_log_probs_from_"
+                                             "logits")))),
+    Engine("mindspeed", MINDSPEED_ENGINE, (
+        (MEGATRON_FUSED_HEAD, MINDSPEED_INHERITS),
+        (MEGATRON_LOGITS_PATH, _keeps(MINDSPEED_ENGINE, "MindspeedEngineWithLMHead", "forward_step",
+                                      "MindspeedEngineWithLMHead keeps MegatronEngineWithLMHead's forward step")))),
+    _fsdp_like("automodel", "AutomodelEngine"),
+    _fsdp_like("torchtitan", "TorchTitanEngine"),
+    Engine("veomni", _engine("veomni"), (  # (a subclass of the FSDP engine, with a model build of its own)
+        (FSDP_FUSED_HEAD, _keeps(_engine("veomni"), "VeOmniEngine", "_build_model_optimizer", "VeOmniEngine builds "
+                                 "its model as FSDPEngine does, through verl's apply_monkey_patch")),
+        (LOGITS_PATH_PART, _keeps(_engine("veomni"), "VeOmniEngineWithLMHead", "prepare_model_outputs",
+                                  "VeOmniEngineWithLMHead keeps FSDPEngineWithLMHead's log-probs")))),
+)
 
 
 def impl_backend(model_config) -> object:
