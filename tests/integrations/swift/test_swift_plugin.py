@@ -164,20 +164,23 @@ def test_install_is_idempotent_and_uninstall_restores_everything():
     assert now() == shipped and not integration.is_installed() and patches.PATCHER.patched() == []
 
 
+def python_m_twinkle_mem(value):
+    """``python -m twinkle_mem``'s exit status and its lines about ms-swift, with TWINKLE_MEM_SWIFT=``value``."""
+    proc = run_python("import runpy; runpy.run_module('twinkle_mem', run_name='__main__')", **{startup.ENV_VAR: value})
+    found = f"ms-swift at {integration.FRAMEWORK.folder()} (swift/version.py says 4.6.0)\n"
+    return proc.returncode, proc.stdout[proc.stdout.index(found):] if found in proc.stdout else proc.stdout
+
+
 def test_python_m_twinkle_mem_names_the_ms_swift_its_parts_and_the_plugin():
-    proc = subprocess.run([sys.executable, "-m", "twinkle_mem"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, startup.ENV_VAR: "logits_path=0"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
-    found = f"ms-swift at {integration.FRAMEWORK.folder()} (swift/version.py says 4.6.0)"
-    assert f"{found}\n" in out and "  install() in this process: no, nothing patched here" in out
-    assert "  what install(logits_path=False) (as TWINKLE_MEM_SWIFT asks) would patch" in out
+    status, said = python_m_twinkle_mem("logits_path=0")
+    assert status == 0 and said.startswith("ms-swift at "), said
+    assert "  install() in this process: no, nothing patched here" in said
+    assert "  what install(logits_path=False) (as TWINKLE_MEM_SWIFT asks) would patch" in said
     for part in swift_names.PARTS:
         would = ("not asked for (logits_path=False), recognized" if part.asked is LOGITS_PATH else
                  "would be patched (recognized)")
-        assert f"{part.key:28s} {part.what}: {would}; not patched in this process" in out
+        assert f"{part.key:28s} {part.what}: {would}; not patched in this process" in said
     assert (f"the plugin file: --external_plugins {integration.PLUGIN} (where it is listed, "
-            f"{startup.ENV_VAR}='logits_path=0': install(logits_path=False))") in out
-    bad = subprocess.run([sys.executable, "-m", "twinkle_mem"], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, startup.ENV_VAR: "logit_path"})
-    assert bad.returncode == 2 and "invalid, `import swift` raises" in bad.stdout
+            f"{startup.ENV_VAR}='logits_path=0': install(logits_path=False))") in said
+    status, said = python_m_twinkle_mem("logit_path")
+    assert status == 2 and "invalid, `import swift` raises" in said
