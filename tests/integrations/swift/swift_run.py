@@ -1,5 +1,5 @@
 """One ms-swift RLHF training run in this process, as ``swift rlhf`` runs it (``rlhf_main(RLHFArguments(...))``):
-``python swift_run.py <arguments as JSON> <output folder>``. Writes ``<output folder>/result.json`` (the logged
+``python swift_run.py <arguments as JSON> <output folder>`` (or each rank under torchrun; rank 0 writes). Writes ``<output folder>/result.json`` (the logged
 history, the step count, what twinkle-mem installed) and ``params.pt`` (every trained parameter after the run)."""
 import json
 import os
@@ -31,6 +31,8 @@ def main(arguments: dict, out: str) -> None:
     calls = count_calls()
     result = rlhf_main(RLHFArguments(**arguments))
     import twinkle_mem.integrations.swift as integration
+    if os.environ.get("RANK", "0") != "0":  # (torchrun: rank 0 writes the record)
+        return
     params = {name: p.detach().clone() for name, p in trained["model"].named_parameters() if p.requires_grad}
     torch.save(params, os.path.join(out, "params.pt"))
     with open(os.path.join(out, "result.json"), "w") as f:

@@ -1,7 +1,8 @@
 """ms-swift's own GRPO, 3 steps on the CPU with a tiny Qwen2, as shipped and with twinkle-mem's plugin in
 ``--external_plugins``: equal losses, logged metrics and parameters within 1e-5 (fp32), the step count asserted, a
 reward that varies (its standard deviation is logged above 0); the log-probs of the plugin's run came from
-``linear_selective_log_softmax`` (old, reference and the loss's), TRL's functions never called there."""
+``linear_selective_log_softmax`` (old, reference and the loss's), TRL's functions never called there. Full and LoRA
+in one process; sequence parallelism 2 in two (torchrun, gloo: ms-swift's Ulysses split runs on the CPU)."""
 import pytest
 
 import swift_helpers as h
@@ -15,12 +16,13 @@ def model(tmp_path_factory):
     return str(folder)
 
 
-@pytest.mark.parametrize("tuning", [dict(tuner_type="full"), dict(tuner_type="lora", temperature=0.7)],
-                         ids=["full", "lora-T0.7"])
-def test_grpo_trains_as_ms_swift_ships_it_without_the_logits(tmp_path, model, tuning):
+@pytest.mark.parametrize("tuning, processes", [
+    (dict(tuner_type="full"), 1), (dict(tuner_type="lora", temperature=0.7), 1),
+    (dict(tuner_type="full", sequence_parallel_size=2, temperature=0.7), 2)], ids=["full", "lora-T0.7", "sp2-T0.7"])
+def test_grpo_trains_as_ms_swift_ships_it_without_the_logits(tmp_path, model, tuning, processes):
     arguments = swift_cpu.grpo_arguments(str(tmp_path), model, **tuning)
-    shipped, shipped_params = h.run_rlhf(str(tmp_path), arguments)
-    fused, fused_params = h.run_rlhf(str(tmp_path), arguments, twinkle_mem=True)
+    shipped, shipped_params = h.run_rlhf(str(tmp_path), arguments, processes=processes)
+    fused, fused_params = h.run_rlhf(str(tmp_path), arguments, twinkle_mem=True, processes=processes)
     h.assert_same_training(shipped, shipped_params, fused, fused_params)
     assert any(entry["reward_std"] > 0 for entry in h.step_logs(shipped))  # the advantages are not all 0
     assert any(entry["grad_norm"] > 0 for entry in h.step_logs(shipped))

@@ -28,11 +28,15 @@ ROOT = Path(__file__).resolve().parents[3]
 STATE = """
     import json, sys
     {before}
+    import torch
     import swift.rlhf_trainers.grpo_trainer as grpo_trainer
+    import swift.rlhf_trainers.rlhf_mixin as rlhf_mixin
     from twinkle_mem.integrations import swift as integration
+    # DPO's log-probs on the op: fp32 from bf16 logits (TRL's are bf16)
+    dpo = rlhf_mixin.selective_log_softmax(torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.long))
     print(json.dumps(dict(installed=integration.installed_settings(),
                           fused=hasattr(grpo_trainer.GRPOTrainer._get_logps_via_local_forward, "__wrapped__"),
-                          op=hasattr(grpo_trainer.selective_log_softmax, "__wrapped__"))))
+                          op=dpo.dtype == torch.float32)))
 """
 PLUGIN_IMPORT = f"from swift.utils import import_external_file; import_external_file({integration.PLUGIN!r})"
 DEFAULTS = {"fused_lm_head": True, "logits_path": True, "fused_chunk_bytes": None}

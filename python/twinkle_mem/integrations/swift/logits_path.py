@@ -1,6 +1,7 @@
 """ms-swift's log-probs from the logits, on twinkle-mem's op (``logits_path``).
 
-- TRL's ``selective_log_softmax`` and ``entropy_from_logits`` where ms-swift binds them: DPO's
+- TRL's ``selective_log_softmax`` and ``entropy_from_logits`` where ms-swift binds them (GRPO's sequence-parallel
+  call with its head deferred takes them from the head's input whatever ``logits_path`` says: ``grpo_head.py``): DPO's
   ``RLHFTrainerMixin.get_per_token_logps`` (with and without sequence parallelism) and GRPO under sequence
   parallelism (``_get_logps_via_sp``). The op returns fp32 whatever the logits' dtype (TRL's returns the logits'
   dtype), streams each row once and saves nothing full-vocab for backward beyond a reference to the logits (TRL's
@@ -16,19 +17,33 @@ import functools
 
 import twinkle_mem
 
+from . import grpo_head, swift_names
+
 
 def selective_log_softmax(original, plan):
+    """Where GRPO's sequence-parallel call deferred its head (``grpo_head.py``), the log-probs from its input; else
+    the op with ``logits_path``, TRL's function without."""
+    on_op = plan.patches(swift_names.LOGITS_PATH_PART)
+
     @functools.wraps(original)
     def selective_log_softmax(logits, index):
-        return twinkle_mem.selective_log_softmax(logits, index)
+        call = grpo_head.sequence_parallel_call(logits)
+        if call is not None:
+            return call.log_probs(index)
+        return twinkle_mem.selective_log_softmax(logits, index) if on_op else original(logits, index)
 
     return selective_log_softmax
 
 
 def entropy_from_logits(original, plan):
+    on_op = plan.patches(swift_names.LOGITS_PATH_PART)
+
     @functools.wraps(original)
     def entropy_from_logits(logits, chunk_size=128):
-        return twinkle_mem.entropy_from_logits(logits)
+        call = grpo_head.sequence_parallel_call(logits)
+        if call is not None:
+            return call.take_entropy()
+        return twinkle_mem.entropy_from_logits(logits) if on_op else original(logits, chunk_size)
 
     return entropy_from_logits
 

@@ -15,10 +15,10 @@ class SwiftInstallPlan(InstallPlan):
     framework = "ms-swift"
 
     def notes(self) -> List[str]:
-        if not self.patches(names.GRPO_FUSED_HEAD):
+        if self.patches(names.LOGITS_PATH_PART) or not self.patches(names.GRPO_SP_FUSED_HEAD):
             return []
-        return [f"{'':28s} GRPO under sequence parallelism (_get_logps_via_sp) builds the logits: on the op where "
-                "logits_path is patched"]
+        return [f"{'':28s} with logits_path off, DPO keeps TRL's selective_log_softmax (grpo_sp_fused_head's "
+                "replacement of it, bound by name, hands every other call to TRL's)"]
 
 
 def _maker(module: str, function: str):
@@ -31,14 +31,15 @@ def _maker(module: str, function: str):
 
 POINTS: Tuple[Point, ...] = (
     Point(names.GRPO_LOCAL_FORWARD, names.GRPO_FUSED_HEAD, _maker("grpo_head", "local_forward")),
+    Point(names.GRPO_SP_FORWARD, names.GRPO_SP_FUSED_HEAD, _maker("grpo_head", "sequence_parallel_forward")),
     Point(names.GKD_COMPUTE_LOSS, names.GKD_FUSED_HEAD, _maker("gkd_head", "compute_loss")),
     Point(names.GKD_JSD_LOSS, names.GKD_FUSED_HEAD, _maker("gkd_head", "jsd_loss")),
     Point(names.DPO_SELECTIVE_LOG_SOFTMAX, names.LOGITS_PATH_PART, _maker("logits_path", "selective_log_softmax"),
           rebound_by_name=True),
-    Point(names.GRPO_SELECTIVE_LOG_SOFTMAX, names.LOGITS_PATH_PART, _maker("logits_path", "selective_log_softmax"),
-          rebound_by_name=True),
-    Point(names.GRPO_ENTROPY_FROM_LOGITS, names.LOGITS_PATH_PART, _maker("logits_path", "entropy_from_logits"),
-          rebound_by_name=True),
+    Point(names.GRPO_SELECTIVE_LOG_SOFTMAX, (names.LOGITS_PATH_PART, names.GRPO_SP_FUSED_HEAD),
+          _maker("logits_path", "selective_log_softmax"), rebound_by_name=True),
+    Point(names.GRPO_ENTROPY_FROM_LOGITS, (names.LOGITS_PATH_PART, names.GRPO_SP_FUSED_HEAD),
+          _maker("logits_path", "entropy_from_logits"), rebound_by_name=True),
     Point(names.MEGATRON_LOGPS, names.MEGATRON_LOGITS_PATH, _maker("logits_path", "megatron_logps_and_entropy"),
           rebound_by_name=True),
 )

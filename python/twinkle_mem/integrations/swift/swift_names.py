@@ -29,6 +29,10 @@ MEGATRON_GRPO = "swift.megatron.trainers.grpo_trainer"
 GRPO_LOCAL_FORWARD = Name(GRPO, "GRPOTrainer._get_logps_via_local_forward", "function",
                           "(self, model, model_inputs, logits_to_keep, input_ids, compute_entropy=)",
                           why="wrapped: the log-probs and entropy from the LM head's input, the logits never built")
+GRPO_SP_FORWARD = Name(GRPO, "GRPOTrainer._get_logps_via_sp", "function",
+                       "(self, model, model_inputs, grpo_batch, logits_to_keep, input_ids, compute_entropy=)",
+                       why="wrapped: under sequence parallelism the head deferred, its input taken where ms-swift calls "
+                           "selective_log_softmax and entropy_from_logits")
 GKD_COMPUTE_LOSS = Name(GKD, "GKDTrainer.compute_loss", "function",
                         "(self, model, inputs, return_outputs=, num_items_in_batch=)",
                         why="wrapped: the student's LM head deferred for its forward")
@@ -46,7 +50,7 @@ MEGATRON_LOGPS = Name(MEGATRON_VOCAB_PARALLEL, "compute_logps_and_entropy_from_l
                       "(logits, labels, compute_entropy=, entropy_chunk_size=)",
                       why="replaced (with its copies bound by name): twinkle-mem's op over the TP group")
 
-NAMES = names_table(GRPO_LOCAL_FORWARD, GKD_COMPUTE_LOSS, GKD_JSD_LOSS, DPO_SELECTIVE_LOG_SOFTMAX,
+NAMES = names_table(GRPO_LOCAL_FORWARD, GRPO_SP_FORWARD, GKD_COMPUTE_LOSS, GKD_JSD_LOSS, DPO_SELECTIVE_LOG_SOFTMAX,
                     GRPO_SELECTIVE_LOG_SOFTMAX, GRPO_ENTROPY_FROM_LOGITS, MEGATRON_LOGPS)
 
 
@@ -79,6 +83,18 @@ def _local_forward_computes(node) -> bool:
     return (bool(handed) and all(c.args and isinstance(c.args[0], ast.Name) and c.args[0].id in divided
                                  for c in handed)
             and _slices(node, "-(logits_to_keep + 1)", "-1") and _slices(node, "-logits_to_keep", None))
+
+
+def _sp_computes(node) -> bool:
+    """GRPO's sequence-parallel forward: the model's logits divided by the temperature (``logits / self.temperature``)
+    and that very tensor handed to ``selective_log_softmax`` and ``entropy_from_logits``, the log-probs gathered by
+    ``GatherLoss``."""
+    divided = {t.id for n in ast.walk(node) if isinstance(n, ast.Assign) and isinstance(n.value, ast.BinOp)
+               and isinstance(n.value.op, ast.Div) and ast.unparse(n.value.right) == "self.temperature"
+               for t in n.targets if isinstance(t, ast.Name)}
+    handed = [c for f in ("selective_log_softmax", "entropy_from_logits") for c in src.calls(node, f)]
+    return (bool(divided) and len(handed) == 2 and bool(src.calls(node, "apply"))
+            and all(c.args and isinstance(c.args[0], ast.Name) and c.args[0].id in divided for c in handed))
 
 
 def _imports_plugins(node) -> bool:
@@ -135,6 +151,9 @@ LOCAL_FORWARD_COMPUTES = Feature("local_forward_computes", "GRPOTrainer._get_log
                                  "logits at [-(logits_to_keep + 1):-1], divides them in place and calls "
                                  "selective_log_softmax and entropy_from_logits",
                                  src.feature(_local_forward_computes, GRPO, "GRPOTrainer._get_logps_via_local_forward"))
+SP_COMPUTES = Feature("sp_computes", "GRPOTrainer._get_logps_via_sp divides the logits by the temperature and "
+                      "calls selective_log_softmax and entropy_from_logits on them",
+                      src.feature(_sp_computes, GRPO, "GRPOTrainer._get_logps_via_sp"))
 STUDENT_LOGITS_TO_LOSS = Feature("student_logits_to_loss", "GKDTrainer.compute_loss hands the student's one model "
                                  "call's logits to _compute_jsd_loss",
                                  src.feature(_student_logits_to_loss, GKD, "GKDTrainer.compute_loss"))
@@ -147,7 +166,7 @@ MEGATRON_LOGPS_FROM_SHARD = Feature("megatron_logps_from_shard", "compute_logps_
                                     "labels' log-probs (-100 masked) and the entropy from the vocab-parallel logits",
                                     _megatron_logps)
 
-FEATURES: Tuple[Feature, ...] = (IMPORTS_PLUGINS, LOCAL_FORWARD_COMPUTES, STUDENT_LOGITS_TO_LOSS, JSD_FROM_GKD_LOSS,
+FEATURES: Tuple[Feature, ...] = (IMPORTS_PLUGINS, LOCAL_FORWARD_COMPUTES, SP_COMPUTES, STUDENT_LOGITS_TO_LOSS, JSD_FROM_GKD_LOSS,
                                  GKD_LOSS_MATH, MEGATRON_LOGPS_FROM_SHARD)
 
 
@@ -160,6 +179,10 @@ _EVERY_PROCESS = ((IMPORTS_PLUGINS, (True, )), )
 GRPO_FUSED_HEAD = Part("grpo_fused_head", "GRPO's log-probs and entropy from the LM head's input "
                        "(linear_selective_log_softmax)", FUSED_LM_HEAD, (GRPO_LOCAL_FORWARD, ),
                        _EVERY_PROCESS + ((LOCAL_FORWARD_COMPUTES, (True, )), ))
+GRPO_SP_FUSED_HEAD = Part("grpo_sp_fused_head", "GRPO under sequence parallelism: the same from each rank's part of "
+                          "the sequence", FUSED_LM_HEAD, (GRPO_SP_FORWARD, GRPO_SELECTIVE_LOG_SOFTMAX,
+                                                          GRPO_ENTROPY_FROM_LOGITS),
+                          _EVERY_PROCESS + ((SP_COMPUTES, (True, )), ))
 GKD_FUSED_HEAD = Part("gkd_fused_head", "GKD's loss from the student's LM head input (linear_gkd_full, "
                       "linear_gkd_topk)", FUSED_LM_HEAD, (GKD_COMPUTE_LOSS, GKD_JSD_LOSS),
                       _EVERY_PROCESS + ((STUDENT_LOGITS_TO_LOSS, (True, )), (JSD_FROM_GKD_LOSS, (True, )),
@@ -173,5 +196,5 @@ MEGATRON_LOGITS_PATH = Part("megatron_logits_path", "Megatron-SWIFT's compute_lo
                             "log-probs, old and reference too) -> twinkle-mem's op over the TP group", LOGITS_PATH,
                             (MEGATRON_LOGPS, ), _EVERY_PROCESS + ((MEGATRON_LOGPS_FROM_SHARD, (True, )), ))
 
-PARTS: Tuple[Part, ...] = (GRPO_FUSED_HEAD, GKD_FUSED_HEAD, LOGITS_PATH_PART, MEGATRON_LOGITS_PATH)
+PARTS: Tuple[Part, ...] = (GRPO_FUSED_HEAD, GRPO_SP_FUSED_HEAD, GKD_FUSED_HEAD, LOGITS_PATH_PART, MEGATRON_LOGITS_PATH)
 
