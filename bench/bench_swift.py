@@ -48,7 +48,7 @@ CASES = {
 }
 SHORT = {"shipped": "DP=2\nas shipped", "liger": "DP=2\nLiger", "twinkle": "DP=2\ntwinkle-mem",
          "megatron_shipped": "TP=2\nas shipped", "megatron_twinkle": "TP=2\ntwinkle-mem",
-         "megatron_entropy_shipped": "TP=2, entropy\nas shipped", "megatron_entropy_twinkle": "TP=2, entropy\ntwinkle-mem"}
+         "megatron_entropy_shipped": "TP=2+H\nas shipped", "megatron_entropy_twinkle": "TP=2+H\ntwinkle-mem"}
 TEMPERATURE = 0.7
 
 
