@@ -66,6 +66,34 @@ def bench_parser(doc: str, out: str | None = None, **ints: int) -> argparse.Argu
     return parser
 
 
+def split_names(parser: argparse.ArgumentParser, text: str, known, what: str) -> list[str]:
+    """A comma-separated option's names, each one of ``known`` (else the parser's error naming the others)."""
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        parser.error(f"unknown {what} {unknown}; known: {', '.join(known)}")
+    return names
+
+
+def time_calls_ms(fn, reps: int, accel=None) -> list[float]:
+    """Milliseconds of each of ``reps`` calls of ``fn``: with a device's events where ``accel`` (torch.cuda,
+    torch.npu) is given, else the host's clock."""
+    times = []
+    for _ in range(reps):
+        if accel is None:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        start, end = accel.Event(enable_timing=True), accel.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 # ------------------------------------------------------------------ what twinkle-mem ran
 def twinkle_mem_ran(device: str = "cpu", where: str = "this process") -> dict:
     """What twinkle-mem runs on ``device`` in this process, for the run's record:
@@ -241,6 +269,14 @@ def write_json(path: str, data, indent: int = 2) -> str:
     with open(path, "w") as f:
         json.dump(data, f, indent=indent)
     return path
+
+
+def write_results(stem: str, meta: dict, rows: list, table: str) -> None:
+    """Print a benchmark's ``table`` and write STEM.json ({"meta", "rows"}) and STEM.md (the table)."""
+    print(table)
+    write_json(stem + ".json", {"meta": meta, "rows": rows}, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(table)
 
 
 def read_json(path: str):

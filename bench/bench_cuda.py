@@ -43,7 +43,7 @@ import traceback
 import torch
 
 from bench_common import (add_allow_composite, check_twinkle_mem, local_out, new_figure, ran_fields, ran_line,
-                          run_metadata, save_png, twinkle_mem_ran, write_json)
+                          run_metadata, save_png, time_calls_ms, twinkle_mem_ran, write_json)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PEERS = ["naive", "compiled", "twinkle_mem", "twinkle_mem+H", "liger", "liger_ce"]
@@ -65,20 +65,7 @@ def time_cuda(fn, reps: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         fn()
     sync()
-    times = []
-    for _ in range(reps):
-        if DEVICE != "cuda":
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+    return time_calls_ms(fn, reps, torch.cuda if DEVICE == "cuda" else None)
 
 
 def copy_bandwidth(gib: float = 4.0, reps: int = 10) -> float:

@@ -8,7 +8,8 @@ Each (peer, N) runs in a fresh process so that its peak RSS is its own:
                  for twinkle-kit)
   compiled       torch.compile of naive
   twinkle_mem    this package; twinkle_mem_inplace: with inplace_backward=True; each once per CPU
-                 kernel path (--paths; default every path this CPU runs: twinkle_mem@avx2, ...)
+                 kernel path of --paths (default: the one an op call takes on this machine, e.g.
+                 twinkle_mem@avx512_bf16; --paths all: every path this CPU runs, the portable one too)
 Reported at every N: forward+backward time (median of --reps calls after a warm-up call, and
 their spread), its ratio to the floor (below), peak RSS beyond logits and grad, bytes saved for
 backward (beyond the logits reference), max error of logp and entropy against float64 (first 64
@@ -31,7 +32,8 @@ a leaf: its own backward costs nothing) and on leaf logits (the gradient kept in
 kernels or the composite) and on which CPU kernel path; a run where twinkle_mem's native CPU library is not
 loaded (a source tree on PYTHONPATH with no library built) refuses to start unless --allow-composite.
 
-  python bench/bench_selective_log_softmax.py                      # N=512,1024,2048, V=151936
+  python bench/bench_selective_log_softmax.py                      # N=512,1024,2048, V=151936, this CPU's path
+  python bench/bench_selective_log_softmax.py --paths all          # every CPU kernel path, the portable one too
   python bench/bench_selective_log_softmax.py --sizes 2048 --peers twinkle_mem_inplace --op-reps 31
   python bench/bench_selective_log_softmax.py --sizes 16384 --peers twinkle_mem_inplace --reps 1
   python bench/bench_selective_log_softmax.py --replot --record       # the committed PNG from its JSON
@@ -311,6 +313,24 @@ def cpu_paths() -> list[str]:
         return []
 
 
+def default_paths() -> list[str]:
+    """The CPU kernel path an op call takes on this machine now (the widest it runs, under TWINKLE_MEM_CPU_ISA's
+    cap): what a user's run gets. The others (the portable path took 406 s of a 1,138 s run) only by --paths."""
+    from twinkle_mem.op import native as _native
+    try:
+        path = _native.cpu_kernel_path()
+    except ValueError:
+        return []
+    return [path] if path else []
+
+
+def chosen_paths(paths: str | None) -> list[str]:
+    """--paths: a comma-separated list, "all" (every path this CPU runs), or None (default_paths())."""
+    if paths is None:
+        return default_paths()
+    return cpu_paths() if paths == "all" else paths.split(",")
+
+
 def peer_runs(peers, paths):
     """(label, peer, path) of each process to run: PATH_PEERS once per path (label peer@path)."""
     runs = []
@@ -345,7 +365,8 @@ def parse_args(argv=None):
     ap.add_argument("--sizes", default="512,1024,2048", help="token counts N")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--peers", default=",".join(PEERS))
-    ap.add_argument("--paths", help="CPU kernel paths for twinkle_mem's peers (default: every path this CPU runs)")
+    ap.add_argument("--paths", help="CPU kernel paths for twinkle_mem's peers, comma-separated, or all (every path this "
+                                    "CPU runs); default: the path an op call takes on this machine")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per (peer, N), after a warm-up call")
     ap.add_argument("--op-reps", type=int, default=15,
                     help="alternating calls of each op variant against its floor (twinkle_mem_inplace@path)")
@@ -373,7 +394,7 @@ def main(argv=None):
         return
 
     parent = check_twinkle_mem(args.allow_composite)  # the children import the same twinkle_mem
-    paths = args.paths.split(",") if args.paths else cpu_paths()
+    paths = chosen_paths(args.paths)
     runs = peer_runs(args.peers.split(","), paths)
     results = []
     progress = Progress(len(runs) * len(sizes), stream=sys.stderr)

@@ -99,14 +99,15 @@ def test_recorded_vocab_parallel_table_renders_unchanged():
 
 
 @pytest.mark.parametrize("script,stem", [("bench_linear_selective_log_softmax", "linear_selective_log_softmax"),
-                                         *(("bench_linear_selective_log_softmax", f"linear_issue41_{case}")
-                                           for case in ("frozen_fp32_logp", "frozen_fp32_entropy", "trainable_fp32",
-                                                        "frozen_bf16_logp", "frozen_bf16_logp_avx512",
-                                                        "frozen_bf16_entropy_avx512")),
+                                         *(("bench_linear_selective_log_softmax", f"linear_{case}")
+                                           for case in ("frozen_fp32_logp_grad_vs_base",
+                                                        "frozen_fp32_entropy_grad_vs_base", "trainable_fp32_vs_base",
+                                                        "frozen_bf16_logp_grad_vs_base", "frozen_bf16_logp_grad",
+                                                        "frozen_bf16_entropy_grad_vs_base")),
                                          ("bench_twinkle_fused", "twinkle_fused"),
                                          ("bench_twinkle_mcore_bridge", "twinkle_mcore_bridge"),
-                                         ("bench_recipe", "recipe"), ("bench_recipe", "recipe_issue41"),
-                                         ("bench_recipe", "recipe_issue41_xeon")])
+                                         ("bench_recipe", "recipe"), ("bench_recipe", "recipe_fused_vs_base"),
+                                         ("bench_recipe", "recipe_fused_vs_base_xeon")])
 def test_recorded_tables_render_unchanged(script, stem):
     # These benchmarks write their .md through markdown_table; --replot redraws it from the recorded JSON.
     import importlib
@@ -343,7 +344,7 @@ def test_recipe_table_compares_twinkles_metrics():
     import importlib
 
     recipe = importlib.import_module("bench_recipe")
-    recorded = bench_common.read_json(str(BENCH / "results" / "recipe_issue41.json"))
+    recorded = bench_common.read_json(str(BENCH / "results" / "recipe_fused_vs_base.json"))
     meta, results = recorded["meta"], recorded["results"]
     first, second = list(results)[:2]
     for mode, grad_norm in ((first, 0.5), (second, 0.25)):

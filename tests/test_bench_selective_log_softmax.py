@@ -183,3 +183,16 @@ def test_op_table_shows_each_path_with_the_targets(bench):
                                      "36.0", "37.0"]
     assert lines[-1] == "twinkle-mem ran: cpu backend, CPU path avx2 (twinkle_mem_inplace@avx2)"
     assert bench.render_op_table([{"peer": "compiled", "n": 2048}], {}) == ""
+
+
+def test_default_paths_are_the_one_an_op_call_takes(bench, monkeypatch):
+    # Issue 51: the README's job times the CPU path this machine uses; the others (portable) only when asked.
+    from twinkle_mem.op import native
+    taken = native.cpu_kernel_path()
+    assert bench.chosen_paths(None) == [taken] and "portable" not in bench.chosen_paths(None)
+    assert bench.chosen_paths("all") == bench.cpu_paths() and bench.cpu_paths()[-1] == "portable"
+    assert bench.chosen_paths("avx2,portable") == ["avx2", "portable"]
+    monkeypatch.setenv(native.CPU_ISA_ENV, "portable")  # a user's cap: their calls take the portable path
+    assert bench.chosen_paths(None) == ["portable"]
+    runs = bench.peer_runs(["naive", "twinkle_mem", "twinkle_mem_inplace"], bench.chosen_paths(None))
+    assert [label for label, _, _ in runs] == ["naive", "twinkle_mem@portable", "twinkle_mem_inplace@portable"]

@@ -208,8 +208,8 @@ def test_readme_lists_every_doc_in_one_line():
 TOP = ("csrc/", "python/", "tests/", "bench/", "docs/", "standins/", "cmake/", ".ci/")
 TOP_FILES = ("README.md", "CHANGELOG.md", "LICENSE", "setup.py", "pyproject.toml", "CMakeLists.txt", "MANIFEST.in")
 # Folders a run writes (never committed), and the file that says so.
-WRITTEN_BY_A_RUN = {"bench/results/local/": ".gitignore", "bench/results/gpu_check/": "bench/gpu_check.sh",
-                    "bench/results/npu_check/": "bench/npu_check.sh"}
+WRITTEN_BY_A_RUN = {"bench/results/local/": ".gitignore", "bench/results/gpu_check_<gpu>_<date>/": "bench/gpu_check.sh",
+                    "bench/results/npu_check_<soc>_<date>/": "bench/npu_check.sh"}
 
 
 def _expand(pattern):
@@ -277,3 +277,35 @@ def test_links_to_headings_exist(path):
 def test_folders_a_run_writes_are_named_there():
     for folder, named_in in WRITTEN_BY_A_RUN.items():
         assert folder in (ROOT / named_in).read_text(), f"{named_in} no longer writes {folder}"
+
+
+# ------------------------------------------------------------------ the index of bench/results/ (issue 51)
+def _indexed_results():
+    """The entries docs/measurements.md's index names (first cells; ``..._tail`` keeps the prefix of a name
+    before it in the same cell), and its text."""
+    text = (ROOT / "docs" / "measurements.md").read_text()
+    section = text.split("## Index of bench/results/", 1)[1].split("\n## ", 1)[0]
+    cells = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
+    return [[t.rstrip("/") for t in re.findall(r"`([^`]+)`", cell)] for cell in cells]
+
+
+def _named(stem, cells):
+    for tokens in cells:
+        full = [t for t in tokens if not t.startswith("...")]
+        for token in tokens:
+            name = re.sub(r"\.(json|md|png|txt|log)$", "", token)
+            if name == stem:
+                return True
+            if token.startswith("...") and stem.endswith(name[3:]):
+                head = stem[:-len(name[3:])]
+                if any(f.startswith(head) for f in full):
+                    return True
+    return False
+
+
+def test_measurements_indexes_every_result():
+    results = ROOT / "bench" / "results"
+    stems = {p.name if p.is_dir() else p.name.split(".")[0] for p in results.iterdir() if p.name != "local"}
+    cells = _indexed_results()
+    assert len(stems) > 30 and not [s for s in sorted(stems) if not _named(s, cells)]
+    assert not _named("linear_issue41_frozen_fp32_logp", cells)  # (a name of the work, not of the run: gone)

@@ -252,6 +252,63 @@ TM_HOST_DEVICE acc_t grad_at_label(acc_t x, const RowGrad<acc_t>& g, acc_t g_her
               -g_here_scaled * expm1_(u));
 }
 
+// ----------------------------------------------------------- base 2
+// exp(t) = 2^y with y = t log2(e): an exponential in base 2 needs no reduction
+// by ln2, so a kernel folds log2(e) into its scale 1 / T and pays one exp2 per
+// element. scale(): the acc_t 1 / T times log2(e) in double, rounded to acc_t
+// (within two roundings of the true scale: 1.2e-7 relative in fp32, so y is
+// as accurate relative to itself as t). y_floor(): where 2^y is 0 in acc_t.
+struct Base2 {
+  static constexpr double kLog2e = 1.4426950408889634;
+  static constexpr double kLn2 = 0.6931471805599453;
+  template <typename acc_t>
+  static TM_HOST_DEVICE acc_t scale(acc_t inv_temperature) {
+    return static_cast<acc_t>(static_cast<double>(inv_temperature) * kLog2e);
+  }
+  template <typename acc_t>
+  static TM_HOST_DEVICE acc_t y_floor() { return sizeof(acc_t) == 4 ? acc_t(-160) : acc_t(-1100); }
+};
+
+// The off-label gradient p (a + b w) of a row in base 2, for 16-bit gradients:
+// p = 2^y, y = (x - shift) log2(e) / T - log_sum log2(e), w = u + entropy with
+// u = y ln2; y clamped from below at Base2::y_floor() (a -inf logit: p = 0 and
+// w finite, as u_floor does). Its p is within ~1e-6 relative (log_sum log2(e)
+// rounded to acc_t), far below a bf16 or fp16 ulp; an fp32 gradient keeps
+// grad_off_label(), whose 2 ulp this form would not hold. (The CPU kernel's
+// 16-bit paths compute the same form with their own exp2.)
+// The exponent may be carried in units of `unit` (a power of two: exact), for
+// an exp2 that takes y * unit (the CUDA kernels' 2^(y / 2), squared).
+template <typename acc_t>
+struct RowGradBase2 {
+  acc_t neg_shift;
+  acc_t scale;    // log2(e) / T * unit
+  acc_t offset;   // -log_sum log2(e) * unit
+  acc_t ln2;      // ln 2 / unit
+  acc_t entropy;
+  acc_t a;
+  acc_t b;
+  acc_t y_floor;  // Base2::y_floor() * unit
+};
+
+template <typename acc_t>
+TM_HOST_DEVICE RowGradBase2<acc_t> row_grad_base2(const RowGrad<acc_t>& g, acc_t unit = acc_t(1)) {
+  return {g.neg_shift,
+          Base2::scale(g.inv_temperature) * unit,
+          static_cast<acc_t>(static_cast<double>(g.neg_log_sum) * Base2::kLog2e) * unit,
+          static_cast<acc_t>(Base2::kLn2) / unit,
+          g.entropy,
+          g.a,
+          g.b,
+          Base2::y_floor<acc_t>() * unit};
+}
+
+// exp2(y * unit) = 2^y.
+template <typename acc_t, typename Exp2>
+TM_HOST_DEVICE acc_t grad_off_label_base2(acc_t x, const RowGradBase2<acc_t>& g, Exp2&& exp2) {
+  const acc_t y = max_(g.y_floor, fma_(x + g.neg_shift, g.scale, g.offset));  // y * unit
+  return exp2(y) * fma_(g.b, fma_(y, g.ln2, g.entropy), g.a);
+}
+
 // Label classification shared by every kernel.
 // An entry is ignored when its label equals ignore_index; otherwise its target
 // lies on this vocab shard when vocab_start <= label < vocab_start + V.

@@ -3,7 +3,9 @@
 // launches them; the stable-ABI glue (selective_log_softmax.cu) registers the
 // op for the CUDA dispatch key. The math (online state, merge, finalize,
 // gradient, label classification) is csrc/common/online_softmax.h, the row and
-// label indexing csrc/common/layout.h: nothing of either is written here.
+// label indexing csrc/common/layout.h: nothing of either is written here but
+// how a thread streams its elements into a state (RunningSums: the sums in base
+// 2 against a running max, re-based as merge() does).
 //
 // Work decomposition, forward and backward alike:
 //   segment = a fixed run of kSegmentBytes of one row (the last one shorter):
@@ -17,14 +19,15 @@
 //             thread. This assignment is by element index: a row's reduction is
 //             the same whatever its address. A slot is moved with one 16-byte
 //             vector when its segment is 16-byte aligned, else element by element.
-// Forward: each task reduces its segment to one online state (thread -> warp ->
-// block, merge() in a fixed tree) and writes it to a workspace; a second kernel,
-// one thread per row, merges the row's states in segment order and finishes the
-// row. So a row's results are bitwise the same whatever N, the other rows, the
-// grid size or the row's alignment.
-// Backward: each task writes grad_off_label, p (a + b (u + entropy)), over its
-// segment (read first: the in-place variant is safe), then rewrites the label
-// positions in it with grad_at_label (repeated labels summed).
+// Forward: each task reduces its segment to one online state (each thread's
+// RunningSums, then warp and block, merge() in a fixed tree) and writes it to a
+// workspace; a second kernel, one thread per row, merges the row's states in
+// segment order and finishes the row. So a row's results are bitwise the same
+// whatever N, the other rows, the grid size or the row's alignment.
+// Backward: each task writes grad_off_label, p (a + b (u + entropy)) (its base-2
+// form for 16-bit gradients), over its segment (read first: the in-place variant
+// is safe), then rewrites the label positions in it with grad_at_label (repeated
+// labels summed).
 //
 // Out-of-range labels (neither ignore_index nor in [0, vocab_size)) are never used
 // as an index. The forward checks them on the device, as PyTorch's own nll_loss
@@ -54,8 +57,10 @@
 namespace twinkle_mem {
 namespace cuda {
 
-constexpr int kMaxThreads = 256;             // threads per block (a multiple of 32)
-constexpr int kUnroll = 4;                   // slots in flight per thread per chunk
+constexpr int kMaxThreads = 64;              // threads per block of a task (a multiple of 32)
+constexpr int kRowThreads = 256;             // threads per block of finish_rows_kernel (one per row)
+constexpr int kUnroll = 4;                   // slots per thread per chunk of the forward: 64 bytes in flight
+constexpr int kGradUnroll = 8;               // slots per thread per step of the backward: 128 bytes in flight
 constexpr int64_t kSegmentBytes = 64 << 10;  // logits per task: 32768 bf16, 16384 fp32
 
 // ------------------------------------------------------------ element types
@@ -216,6 +221,45 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 }
 __device__ __forceinline__ double max_nan(double a, double b) { return (a != a || b != b) ? a + b : fmax(a, b); }
 
+// 2^y in one MUFU.EX2 (ex2.approx.ftz: within 2 ulp, the error CUDA gives for
+// exp2f, which is this instruction plus the scaling that keeps its subnormal
+// results; here they are flushed to 0). Off the device (the CPU emulation) the
+// host's exp2f times 1 + 2^-22, 2 to 4 ulp too large, flushed alike: the
+// emulated kernels carry at least the device's worst error, not libm's.
+__device__ __forceinline__ float ex2_approx_ftz(float y) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+  return r;
+#else
+  const float r = ::exp2f(y) * (1.0f + 0x1p-22f);
+  return r < std::numeric_limits<float>::min() ? 0.0f : r;
+#endif
+}
+
+// 2^y, y <= 0, as the kernels take it. 16-bit logits: from y / 2, one
+// MUFU.EX2 squared, two instructions where exp2f takes five. The square keeps a
+// subnormal 2^y (y >= -149: y / 2 >= -75 is far from MUFU.EX2's flushed range),
+// so a confident row's rest and a gradient of e^-100 keep theirs; its error is
+// twice MUFU.EX2's, 4.5 ulp: within the 1e-6 bound of logp and far below the
+// ulp of a 16-bit gradient. Wider logits: exp2_ (exp2f, 2 ulp), as fp32
+// gradients need. The kernels carry their exponents in units of `unit` (their
+// scales multiplied by it: exact) and call exp2(y * unit).
+template <typename scalar_t>
+struct Exp2 {
+  using acc_t = acc_of<scalar_t>;
+  static constexpr bool kFromHalf = sizeof(scalar_t) == 2;
+  static constexpr acc_t unit = kFromHalf ? acc_t(0.5) : acc_t(1);
+  __device__ __forceinline__ acc_t operator()(acc_t y_in_units) const {
+    if constexpr (kFromHalf) {
+      const float h = ex2_approx_ftz(y_in_units);
+      return h * h;
+    } else {
+      return exp2_(y_in_units);
+    }
+  }
+};
+
 // -------------------------------------------------------------------- labels
 // online_softmax.h's row_skipped, by the whole block (layout.h's Labels): the
 // threads share out the labels. Block-uniform: every thread calls it.
@@ -282,6 +326,7 @@ struct ForwardArgs {
   int64_t segment_len;
   Labels<label_t> labels;
   acc_t inv_T;
+  acc_t scale;  // Base2::scale(inv_T): log2(e) / T
   int64_t ignore_index;
   int64_t vocab_start;
   int64_t vocab_size;
@@ -326,53 +371,105 @@ __device__ __forceinline__ acc_of<scalar_t> chunk_max(const uint4 (&raw)[U]) {
   }
 }
 
-// The state of one chunk of raw slots, merged into `state`: sums against the
-// chunk's max, leaving out one element that holds it (online_softmax.h's
-// block_state). Branch-free: every element with t == 0 holds the max; all of
-// them but one count 1 each in the rest.
-template <typename scalar_t, bool kEntropy, int U>
-__device__ __forceinline__ void merge_chunk(OnlineSoftmax<acc_of<scalar_t>>& state, const uint4 (&raw)[U],
-                                            acc_of<scalar_t> inv_T) {
+// A thread's share of a segment, summed as it streams in against the largest
+// element so far, in base 2 (online_softmax.h's Base2):
+//   y      = (x - max) log2(e) / T, so that exp(t) = 2^y;
+//   below  = sum 2^y over the elements below max;
+//   at_max = how many elements equal max (2^0 = 1 each, counted apart from the
+//            sum: a confident row's rest, all but one max, stays exact);
+//   zsum   = sum y 2^y (base 2; an element at the max adds 0).
+// state() is the online state of the elements seen (online_softmax.h's
+// block_state: rest = below + at_max - 1). Each 2^y keeps its subnormal values
+// (no -ftz, docs/cuda.md): they are terms of a confident row's rest.
+template <typename scalar_t>
+struct RunningSums {
   using acc_t = acc_of<scalar_t>;
-  constexpr int W = Elem<scalar_t>::W;
-  const acc_t max = chunk_max<scalar_t>(raw);
-  const acc_t neg_shift = -finite_shift(max);
-  acc_t x[W];
-  acc_t sum = 0, at_max = 0, zsum = 0;
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    unpack<scalar_t>(raw[u], x);
-#pragma unroll
-    for (int k = 0; k < W; ++k) {
-      const acc_t t = scaled_gap(x[k], neg_shift, inv_T);
-      const acc_t e = exp_(t);
-      const bool is_max = t == acc_t(0);
-      sum += is_max ? acc_t(0) : e;
-      at_max += is_max ? acc_t(1) : acc_t(0);
-      if constexpr (kEntropy) zsum = add_entropy_term<acc_t, acc_t>(zsum, t, e);
-    }
-  }
-  state = merge(state, block_state(max, sum + (at_max - acc_t(1)), zsum), inv_T);
-}
+  acc_t max = -std::numeric_limits<acc_t>::infinity();
+  acc_t below = 0;
+  acc_t at_max = 0;
+  acc_t zsum = 0;
 
-// This thread's share of the online state of x[0, n).
+  // Re-bases the sums to new_max >= max. A larger one (not NaN): every element
+  // so far is below it now, its weight 2^gap with gap = (max - new_max) log2(e) / T,
+  // and its y moves by gap (merge()'s algebra). A max far below (-inf, finfo.min
+  // at a low temperature) has weight 0; its gap is clamped so that
+  // gap (below + at_max) stays finite, as in merge(). Branch-free (gap 0, weight
+  // 1 where the max stays): a branch diverges in most warps at most chunks anyway.
+  __device__ __forceinline__ void rebase(acc_t new_max, acc_t scale) {
+    const bool raised = new_max > max;
+    const acc_t gap = raised ? max_(acc_t(-1e30), (max - new_max) * scale) : acc_t(0);
+    const acc_t weight = exp2_(gap);
+    const acc_t all = below + at_max;
+    zsum = weight * fma_(gap, all, zsum);
+    below = raised ? all * weight : below;
+    at_max = raised ? acc_t(0) : at_max;
+    max = new_max;
+  }
+
+  // Adds `count` values whose max (NaN if any is NaN) is values_max: for_each(f)
+  // calls f(x) on each. They are summed against the new max first, then added
+  // once to the running sums (two levels: fewer roundings than one running sum).
+  // Branch-free: below_max is 1 for an element below the max (or NaN), 0 at it;
+  // the sum takes e times it, and the elements at the max are those not counted.
+  // The exponent is carried in Exp2's units (y / 2 for 16-bit logits), zsum's
+  // factor with it: scaled back once per call.
+  template <bool kEntropy, typename ForEach>
+  __device__ __forceinline__ void add(acc_t values_max, int count, acc_t scale, ForEach&& for_each) {
+    constexpr Exp2<scalar_t> exp2;
+    rebase(max_nan(max, values_max), scale);
+    const acc_t neg_shift = -finite_shift(max);
+    const acc_t scale_in_units = scale * exp2.unit;
+    acc_t chunk_below = 0, chunk_below_count = 0, chunk_zsum = 0;
+    for_each([&](acc_t x) {
+      const acc_t y = scaled_gap(x, neg_shift, scale_in_units);  // y * unit
+      const acc_t e = exp2(y);
+      const acc_t below_max = y == acc_t(0) ? acc_t(0) : acc_t(1);
+      chunk_below = fma_(e, below_max, chunk_below);
+      chunk_below_count += below_max;
+      if constexpr (kEntropy) chunk_zsum = add_entropy_term<acc_t, acc_t>(chunk_zsum, y, e);
+    });
+    below += chunk_below;
+    at_max += acc_t(count) - chunk_below_count;
+    if constexpr (kEntropy) zsum += chunk_zsum / exp2.unit;
+  }
+
+  __device__ __forceinline__ OnlineSoftmax<acc_t> state() const {
+    return block_state(max, below + (at_max - acc_t(1)), zsum * static_cast<acc_t>(Base2::kLn2));
+  }
+};
+
+// This thread's share of the online state of x[0, n): its slots in chunks of
+// kUnroll (loaded first, then summed), the chunk's max from the raw slots.
 template <typename scalar_t, bool kEntropy, bool kVector>
 __device__ __forceinline__ OnlineSoftmax<acc_of<scalar_t>> thread_state(const scalar_t* __restrict__ x, int64_t n,
-                                                                         acc_of<scalar_t> inv_T) {
+                                                                         acc_of<scalar_t> scale) {
   using acc_t = acc_of<scalar_t>;
   constexpr int W = Elem<scalar_t>::W;
   const int tid = threadIdx.x, threads = blockDim.x;
   const int64_t slots = n / W;
-  OnlineSoftmax<acc_t> state = empty_state<acc_t>();
-  if (slots * W + tid < n) state = block_state(to_acc(x[slots * W + tid]), acc_t(0), acc_t(0));  // one tail element
-
+  RunningSums<scalar_t> sums;
+  if (slots * W + tid < n) {  // one tail element
+    const acc_t v = to_acc(x[slots * W + tid]);
+    sums.template add<kEntropy>(v, 1, scale, [&](auto&& f) { f(v); });
+  }
+  auto add_chunk = [&](const uint4(&raw)[kUnroll]) {
+    sums.template add<kEntropy>(chunk_max<scalar_t>(raw), kUnroll * W, scale, [&](auto&& f) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        acc_t v[W];
+        unpack<scalar_t>(raw[u], v);
+#pragma unroll
+        for (int k = 0; k < W; ++k) f(v[k]);
+      }
+    });
+  };
   const int64_t step = static_cast<int64_t>(kUnroll) * threads;
   int64_t base = tid;
   for (; base + (kUnroll - 1) * threads < slots; base += step) {  // full chunks: no bounds checks
     uint4 raw[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) raw[u] = load_slot<scalar_t, kVector>(x + (base + u * threads) * W);
-    merge_chunk<scalar_t, kEntropy>(state, raw, inv_T);
+    add_chunk(raw);
   }
   if (base < slots) {  // the last, partial chunk: slots past the end read as -inf
     uint4 raw[kUnroll];
@@ -381,9 +478,9 @@ __device__ __forceinline__ OnlineSoftmax<acc_of<scalar_t>> thread_state(const sc
       const int64_t s = base + u * threads;
       raw[u] = s < slots ? load_slot<scalar_t, kVector>(x + s * W) : neg_inf_slot<scalar_t>();
     }
-    merge_chunk<scalar_t, kEntropy>(state, raw, inv_T);
+    add_chunk(raw);
   }
-  return state;
+  return sums.state();
 }
 
 // One state per (row, segment) task.
@@ -398,8 +495,8 @@ __global__ void __launch_bounds__(kMaxThreads) segment_state_kernel(const Forwar
     const int64_t start = seg * a.segment_len;
     const int64_t len = min(a.segment_len, a.vocab - start);
     const scalar_t* x = a.logits + a.row_at(row) + start;
-    OnlineSoftmax<acc_t> state = aligned16(x) ? thread_state<scalar_t, kEntropy, true>(x, len, a.inv_T)
-                                              : thread_state<scalar_t, kEntropy, false>(x, len, a.inv_T);
+    OnlineSoftmax<acc_t> state = aligned16(x) ? thread_state<scalar_t, kEntropy, true>(x, len, a.scale)
+                                              : thread_state<scalar_t, kEntropy, false>(x, len, a.scale);
     state = block_merge(state, smem, a.inv_T);
     if (threadIdx.x == 0) a.partial[task] = state;
   }
@@ -424,7 +521,7 @@ __device__ __forceinline__ void assert_label_in_range(int64_t index, int64_t lab
 // One thread per row: merge the row's segment states in order, finish the row,
 // take logp at each label, check the labels.
 template <typename scalar_t, typename label_t>
-__global__ void __launch_bounds__(kMaxThreads) finish_rows_kernel(const ForwardArgs<scalar_t, label_t> a) {
+__global__ void __launch_bounds__(kRowThreads) finish_rows_kernel(const ForwardArgs<scalar_t, label_t> a) {
   using acc_t = acc_of<scalar_t>;
   const int64_t k = a.labels.k();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -490,32 +587,44 @@ __device__ __forceinline__ void zero_segment(scalar_t* d, int64_t n) {
   for (int64_t s = threadIdx.x; s < slots; s += blockDim.x) store_slot<scalar_t, kVector>(d + s * W, make_uint4(0, 0, 0, 0));
 }
 
-// d[0, n) = the off-label gradient of x[0, n). d may alias x: each slot is read
-// and written by the same thread, read first.
+// d[0, n) = the off-label gradient of x[0, n): in base 2 for 16-bit gradients
+// (online_softmax.h's grad_off_label_base2, with Exp2's 2^(y / 2) squared), as
+// the contract writes it for fp32 and fp64 ones. d may alias x: each slot is
+// read and written by the same thread, read first. kGradUnroll slots are loaded
+// before any is written: 128 bytes in flight per thread.
 template <typename scalar_t, bool kLoadVector, bool kStoreVector>
 __device__ __forceinline__ void grad_segment(const scalar_t* x, scalar_t* d, int64_t n,
                                              const RowGrad<acc_of<scalar_t>>& g) {
   using acc_t = acc_of<scalar_t>;
   constexpr int W = Elem<scalar_t>::W;
+  constexpr Exp2<scalar_t> exp2;
+  const RowGradBase2<acc_t> g2 = row_grad_base2(g, exp2.unit);
+  auto grad = [&](acc_t v) {
+    if constexpr (sizeof(scalar_t) == 2) {
+      return grad_off_label_base2(v, g2, exp2);
+    } else {
+      return grad_off_label(v, g);
+    }
+  };
   const int tid = threadIdx.x, threads = blockDim.x;
   const int64_t slots = n / W;
-  if (slots * W + tid < n) d[slots * W + tid] = from_acc<scalar_t>(grad_off_label(to_acc(x[slots * W + tid]), g));
-  const int64_t step = static_cast<int64_t>(kUnroll) * threads;
+  if (slots * W + tid < n) d[slots * W + tid] = from_acc<scalar_t>(grad(to_acc(x[slots * W + tid])));
+  const int64_t step = static_cast<int64_t>(kGradUnroll) * threads;
   for (int64_t base = tid; base < slots; base += step) {
-    uint4 raw[kUnroll];
+    uint4 raw[kGradUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kGradUnroll; ++u) {
       const int64_t s = base + u * threads;
       if (s < slots) raw[u] = load_slot<scalar_t, kLoadVector>(x + s * W);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kGradUnroll; ++u) {
       const int64_t s = base + u * threads;
       if (s < slots) {
         acc_t v[W];
         unpack<scalar_t>(raw[u], v);
 #pragma unroll
-        for (int k = 0; k < W; ++k) v[k] = grad_off_label(v[k], g);
+        for (int k = 0; k < W; ++k) v[k] = grad(v[k]);
         store_slot<scalar_t, kStoreVector>(d + s * W, pack<scalar_t>(v));
       }
     }

@@ -142,6 +142,7 @@ void run_forward(Dtype dtype, const TensorRef& logits, const TensorRef& labels, 
     using label_t = decltype(label);
     using acc_t = acc_of<scalar_t>;
     a.inv_T = static_cast<acc_t>(o.inv_temperature);
+    a.scale = Base2::scale(a.inv_T);
     a.ignore_index = o.ignore_index;
     a.vocab_start = o.vocab_start;
     a.vocab_size = o.vocab_size;
@@ -156,7 +157,7 @@ void run_forward(Dtype dtype, const TensorRef& logits, const TensorRef& labels, 
     } else {
       launch(segment_state_kernel<scalar_t, label_t, false>, grid, split.threads, a);
     }
-    launch(finish_rows_kernel<scalar_t, label_t>, grid_for(ceil_div(N, kMaxThreads), how.max_grid), kMaxThreads, a);
+    launch(finish_rows_kernel<scalar_t, label_t>, grid_for(ceil_div(N, kRowThreads), how.max_grid), kRowThreads, a);
   });
 }
 

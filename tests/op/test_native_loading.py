@@ -138,6 +138,15 @@ def test_build_accepts_an_nvcc_of_another_major(monkeypatch):
     assert torch.version.cuda == other, "the check restores torch.version.cuda"
 
 
+def test_cuda_build_keeps_subnormals():
+    """No --use_fast_math, no -ftz=true in the CUDA build (docs/cuda.md, "No fast math"): they flush
+    subnormal gradients to 0 (the kernels' one .ftz instruction never sees one: test_cuda_emulation.py)."""
+    setup_ns = runpy.run_path(os.path.join(ROOT, "setup.py"), run_name="twinkle_mem_setup")  # setup() not run
+    flags = setup_ns["NVCC_FLAGS"] + setup_ns["gencode_flags"](setup_ns["DEFAULT_CUDA_ARCHS"])[0]
+    flushing = [f for f in flags if "fast_math" in f.replace("-", "_") or "ftz=true" in f or "ftz true" in f]
+    assert not flushing, f"the CUDA build flushes subnormals: {flushing}"
+
+
 def test_built_cuda_library_needs_no_cudart_soname():
     libs = glob.glob(os.path.join(PKG, "_C_cuda*.so"))
     if not libs or shutil.which("readelf") is None:

@@ -10,7 +10,7 @@ emulation stays fast.
 import pytest
 import torch
 
-from numerics import NO_IGNORE, Case, check_case
+from numerics import NO_IGNORE, SUBNORMAL_STEP, Case, check_case, ulp
 from standins import cuda_emulation as emu
 from twinkle_mem.op.reference import selective_log_softmax_grad_ref, selective_log_softmax_ref
 
@@ -180,6 +180,31 @@ def test_out_of_range_label_is_a_device_assert():
     assert torch.isfinite(grad).all()
 
 
+# ------------------------------------------------------------ subnormals
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_subnormal_gradients_kept(dtype):
+    """No flush to zero (docs/cuda.md): row 0, every logit but the label 90 below it: the gradient off
+    the label, -g e^-90 (g = 1), is subnormal in bf16 and fp32 (fp16 has no such values); row 1,
+    96 below: at the label, g (1 - p) = g rest with rest = 1030 e^-96, a subnormal sum of subnormal terms
+    in the forward. Off the label within 2 ulp + the subnormal step of float64; at the labels within 2 ulp +
+    half an fp32 subnormal step per term of rest (each term is rounded to that grid before it is summed);
+    not 0 where float64's value is not."""
+    v = 1031
+    x64 = torch.zeros(2, v, dtype=torch.float64)
+    x64[0, 1:], x64[1, 1:] = -90.0, -96.0
+    x = x64.to(dtype)
+    y = torch.zeros(2, dtype=torch.int64)
+    logp, entropy, shift, log_sum = emu.forward(x, y, 1.0, NO_IGNORE, 0, v, False)
+    grad = emu.backward(torch.ones(2), None, x, y, shift, log_sum, None, 1.0, NO_IGNORE, 0, False).double()
+    ref = selective_log_softmax_grad_ref(x, y, torch.ones(2, dtype=torch.float64), None, 1.0, NO_IGNORE)
+    bound = 2 * ulp(ref, dtype) + SUBNORMAL_STEP[dtype]
+    bound[:, 0] += (v - 1) / 2 * SUBNORMAL_STEP[torch.float32]
+    assert torch.all((grad - ref).abs() <= bound), ((grad - ref).abs() / bound).max()
+    kept = ref.abs() > SUBNORMAL_STEP[dtype]  # float64's value rounds to a nonzero one of the dtype
+    assert bool(kept[0, 1:].all()) and bool(kept[1, 0]), "the case must hold subnormals"
+    assert torch.all(grad[kept] != 0), "a subnormal gradient was flushed to 0"
+
+
 # -------------------------------------------------------- batch invariance
 SMALL_SEGMENT = 1024  # bytes: 512 bf16 per segment, so V = 2999 is cut in 6 as V = 151936 is in 5 on the GPU
 
@@ -187,7 +212,7 @@ SMALL_SEGMENT = 1024  # bytes: 512 bf16 per segment, so V = 2999 is cut in 6 as 
 def test_small_segments_split_rows():
     segments, seg_len, threads = emu.split(2999, torch.bfloat16, SMALL_SEGMENT)
     assert (segments, seg_len) == (6, 512)
-    assert emu.split(151936, torch.bfloat16)[0] == 5
+    assert emu.split(151936, torch.bfloat16) == (5, 32768, 64)  # 64 threads: 512 logits each per task
 
 
 @pytest.mark.parametrize("inplace", [False, pytest.param(True, marks=pytest.mark.e2e)])  # (True: the e2e tier)
