@@ -6,7 +6,7 @@ ms-swift's training cannot take on a CPU (padding-free needs flash attention) an
 - bf16: within 1e-5 of the exact softmax of the bf16 logits (float64, ``heads/reference.py``), where ms-swift's
   (TRL's bf16 log-softmax per row) is further off;
 - refused by name, ms-swift's path run and its values returned: a config that transforms the logits (soft-capping),
-  adapters on the LM head, a model that scales its output layer's result (caught after the call).
+  adapters on the LM head, a model that scales its output layer's result (caught after the call), FSDP2.
 """
 import inspect
 import logging
@@ -117,6 +117,18 @@ def test_bf16_is_within_the_exact_softmax_of_the_bf16_logits():
     assert shipped_error > 1e-4  # (ms-swift as shipped, bf16 log-softmax rows: not within that bound)
 
 
+def fsdp2_qwen2():
+    """A Qwen2 under FSDP2 (fully_shard) in a gloo world of one process."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = qwen2()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
 class ScaledQwen2(transformers.Qwen2ForCausalLM):
     """A model that scales its output layer's result (as a cast, a soft-capping or a logit scale would)."""
 
@@ -131,7 +143,8 @@ class ScaledQwen2(transformers.Qwen2ForCausalLM):
     (lambda: __import__("peft").get_peft_model(qwen2(), __import__("peft").LoraConfig(
         r=4, target_modules=["q_proj", "lm_head"])), "not a plain torch.nn.Linear (adapters or quantization on lm_head)"),
     (lambda: qwen2(model_class=ScaledQwen2), "the model applies something to its output layer's result"),
-], ids=["softcapping", "lora-on-lm_head", "scaled-after-the-head"])
+    (fsdp2_qwen2, "sharded"),
+], ids=["softcapping", "lora-on-lm_head", "scaled-after-the-head", "fsdp2"])
 def test_a_head_that_is_not_the_logits_is_refused_by_name_and_ms_swift_runs(model, why, caplog):
     model = model()
     with caplog.at_level(logging.WARNING, logger="twinkle_mem.swift"):

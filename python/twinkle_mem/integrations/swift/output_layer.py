@@ -5,7 +5,8 @@ with its adapters disabled) gets its logits.
 
 :func:`fused_head` decides whether a model's head may be deferred at all, and says why not: the output layer must be
 a plain ``torch.nn.Linear`` (so its input and weight define the logits: not a LoRA-wrapped or quantized layer), its
-weight whole in this process (not an FSDP DTensor shard nor a DeepSpeed ZeRO-3 partition), the model's config must
+weight whole in this process (not an FSDP DTensor shard nor a DeepSpeed ZeRO-3 partition, no FSDP unit in the
+model: its parameters are whole only inside their modules' own forward and backward), the model's config must
 apply nothing to the logits after the layer (logit soft-capping, logit scaling) and the model must have no value
 head. A model that transforms the placeholder anyway (a cast, a scaling ms-swift's tables do not name) is caught
 after the call: its output's ``logits`` are not the placeholder itself (:meth:`DeferredCall.taken_by`).
@@ -40,7 +41,15 @@ def fused_head(model: torch.nn.Module) -> Tuple[Optional[torch.nn.Linear], str]:
     weight = head.weight
     if type(weight).__name__ == "DTensor" or type(weight.data).__name__ == "DTensor" or hasattr(weight, "ds_id"):
         return None, "the output layer's weight is sharded (FSDP / DeepSpeed ZeRO-3)"
+    if any(_fsdp(m) for m in model.modules()):
+        return None, ("the model is sharded by FSDP: its parameters are whole only inside their modules' own forward "
+                      "and backward, where the fused head would not read them")
     return head, ""
+
+
+def _fsdp(module) -> bool:
+    """A module FSDP wraps: FSDP1's FullyShardedDataParallel, or FSDP2's (fully_shard makes its class an FSDPModule)."""
+    return any(cls.__name__ in ("FullyShardedDataParallel", "FSDPModule") for cls in type(module).__mro__)
 
 
 class DeferredCall:
