@@ -26,16 +26,14 @@ Each case is a fresh world of ``--workers`` processes (1 thread each), so that e
 Per process: the rise of the resident-set high-water mark over the measured step (twinkle_mem.measure.peak_rss) and
 its time; the table shows the larger peak and the slower time, the JSON every process's. fp32.
 """
-import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 
-from bench_common import (MachineLoad, Progress, add_allow_composite, check_twinkle_mem, load_warning, local_out,
-                          markdown_table, peak_and_time_figure, ran_line, read_json, run_metadata, twinkle_mem_ran,
-                          write_json)
+from bench_common import (MachineLoad, Progress, add_allow_composite, check_twinkle_mem, chosen_cases, local_out,
+                          markdown_table, measured, ran_line, read_json, run_metadata, step_figure, twinkle_mem_ran,
+                          write_json, write_results)
 
 CASES = {
     "shipped": "transformers, DP = 2: ms-swift 4.6 as shipped",
@@ -70,26 +68,6 @@ def parse_args(argv=None):
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
-
-
-class measured:
-    """The peak RSS rise (MiB) and seconds of a block, filled in when it exits."""
-
-    def __enter__(self):
-        from twinkle_mem.measure import peak_rss
-        self._peak = peak_rss()
-        self.peak = self._peak.__enter__()
-        self.started = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.seconds = time.perf_counter() - self.started
-        self._peak.__exit__(*exc)
-        self.peak_mib = self.peak.bytes / 2**20
-        return False
-
-    def record(self):
-        return {"peak_mib": round(self.peak_mib, 1), "seconds": round(self.seconds, 2)}
 
 
 # ------------------------------------------------------------------ a process of a case
@@ -257,10 +235,7 @@ def main(argv=None) -> int:
         print(f"wrote {figure(recorded['rows'], recorded['meta'], args.out + '.png')}")
         return 0
     check_twinkle_mem(args.allow_composite)  # the processes import the same twinkle_mem
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = sorted(set(cases) - set(CASES))
-    if unknown:
-        sys.exit(f"unknown cases {unknown}; known: {', '.join(CASES)}")
+    cases = chosen_cases(args.cases, CASES)
     from standins import swift_cpu
     load, progress, rows, skipped = MachineLoad(), Progress(len(cases)), [], {}
     with tempfile.TemporaryDirectory() as folder:
@@ -286,21 +261,13 @@ def main(argv=None) -> int:
     text += "".join(f"\n{CASES[c]}: not run ({why})\n" for c, why in skipped.items())
     header = (f"ms-swift {swift.__version__}, V = {args.vocab}, {args.tokens} tokens per micro-batch, H = {args.hidden}, "
               f"fp32, T = {TEMPERATURE}, {args.workers} CPU processes of 1 thread; {meta['cpu']}\n{ran_line(meta)}\n\n")
-    warning = load_warning(meta["load"])
-    text = header + text + (f"\n{warning}\n" if warning else "")
-    print("\n" + text)
-    write_json(args.out + ".json", {"meta": meta, "rows": rows})
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
-    figure(rows, meta, args.out + ".png")
-    print(f"wrote {args.out}.json, .md, .png")
+    write_results(args.out, header, text, meta, rows, figure)
     return 0
 
 
 def figure(rows, meta, path) -> str:
-    return peak_and_time_figure(
-        [SHORT[r["case"]] for r in rows], {"step": ([r["peak_mib"] for r in rows], [r["seconds"] for r in rows])},
-        meta["tokens_per_micro_batch"] * meta["vocab"] * 4 / 2**20,
+    return step_figure(
+        rows, meta, SHORT,
         f"ms-swift {meta['ms_swift']} GRPO step, V={meta['vocab']}, {meta['tokens_per_micro_batch']} tokens per "
         f"micro-batch, {meta['workers']} CPU processes ({meta['twinkle_mem_cpu_path']})", path,
         peak_label="largest process's peak RSS rise (MiB)")
