@@ -403,6 +403,58 @@ def markdown_table(header: list[str], rows: list[list], align: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+class measured:
+    """The peak RSS rise (MiB, ``twinkle_mem.measure.peak_rss``) and seconds of a block, filled in when it exits
+    (``with measured() as m: ...``; ``m.record()`` for a JSON record)."""
+
+    def __enter__(self):
+        from twinkle_mem.measure import peak_rss
+        self._peak = peak_rss()
+        self.peak = self._peak.__enter__()
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.started
+        self._peak.__exit__(*exc)
+        self.peak_mib = self.peak.bytes / 2**20
+        return False
+
+    def record(self):
+        return {"peak_mib": round(self.peak_mib, 1), "seconds": round(self.seconds, 2)}
+
+
+def chosen_cases(spec: str, known: dict) -> list[str]:
+    """The cases a comma-separated ``--cases`` names, in its order; exits naming any that ``known`` lacks."""
+    cases = [c.strip() for c in spec.split(",") if c.strip()]
+    unknown = sorted(set(cases) - set(known))
+    if unknown:
+        sys.exit(f"unknown cases {unknown}; known: {', '.join(known)}")
+    return cases
+
+
+def write_results(out: str, header: str, text: str, meta: dict, rows: list, figure) -> None:
+    """A benchmark's results: ``header`` + ``text`` (+ the load warning) printed and written to OUT.md, ``{meta,
+    rows}`` to OUT.json, ``figure(rows, meta, path)`` to OUT.png."""
+    warning = load_warning(meta["load"])
+    text = header + text + (f"\n{warning}\n" if warning else "")
+    print("\n" + text)
+    write_json(out + ".json", {"meta": meta, "rows": rows})
+    with open(out + ".md", "w") as f:
+        f.write(text)
+    figure(rows, meta, out + ".png")
+    print(f"wrote {out}.json, .md, .png")
+
+
+def step_figure(rows: list, meta: dict, short: dict, title: str, path: str, peak_label: str) -> str:
+    """The peak and time of each row's step (``rows``: ``case``, ``peak_mib``, ``seconds``), labelled by ``short``,
+    a dashed line at one micro-batch's fp32 logits."""
+    return peak_and_time_figure([short[r["case"]] for r in rows],
+                                {"step": ([r["peak_mib"] for r in rows], [r["seconds"] for r in rows])},
+                                meta["tokens_per_micro_batch"] * meta["vocab"] * 4 / 2**20, title, path,
+                                peak_label=peak_label)
+
+
 def new_figure(figsize: tuple[float, float]):
     """A matplotlib Figure that belongs to no pyplot state (nothing to close, no display needed);
     raises ImportError without matplotlib. Its panels: ``fig.subplots(...)``."""

@@ -33,9 +33,9 @@ import subprocess
 import sys
 import time
 
-from bench_common import (MachineLoad, Progress, add_allow_composite, check_twinkle_mem, load_warning, local_out,
-                          markdown_table, peak_and_time_figure, ran_line, read_json, run_metadata, twinkle_mem_ran,
-                          write_json)
+from bench_common import (MachineLoad, Progress, add_allow_composite, check_twinkle_mem, chosen_cases, local_out,
+                          markdown_table, measured, ran_line, read_json, run_metadata, step_figure, twinkle_mem_ran,
+                          write_results)
 
 CASES = {
     "fsdp_logits": "FSDP: verl's logits path (default)",
@@ -172,26 +172,6 @@ def megatron_worker(args, case):
     return dict(forward_backward=forward_backward, metrics={"log_prob_sum": logp_sum})
 
 
-class measured:
-    """The peak RSS rise (MiB) and seconds of a block, filled in when it exits."""
-
-    def __enter__(self):
-        from twinkle_mem.measure import peak_rss
-        self._peak = peak_rss()
-        self.peak = self._peak.__enter__()
-        self.started = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.seconds = time.perf_counter() - self.started
-        self._peak.__exit__(*exc)
-        self.peak_mib = self.peak.bytes / 2**20
-        return False
-
-    def record(self):
-        return {"peak_mib": round(self.peak_mib, 1), "seconds": round(self.seconds, 2)}
-
-
 def child(args) -> dict:
     import torch
     import torch.distributed as dist
@@ -295,10 +275,7 @@ def main(argv=None) -> int:
         print(f"wrote {figure(recorded['rows'], recorded['meta'], args.out + '.png')}")
         return 0
     check_twinkle_mem(args.allow_composite)  # the workers import the same twinkle_mem
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = sorted(set(cases) - set(CASES))
-    if unknown:
-        sys.exit(f"unknown cases {unknown}; known: {', '.join(CASES)}")
+    cases = chosen_cases(args.cases, CASES)
     load, progress, rows = MachineLoad(), Progress(len(cases)), []
     for case in cases:
         progress.step(CASES[case])
@@ -310,24 +287,15 @@ def main(argv=None) -> int:
     meta = run_metadata(ran, vocab=args.vocab, tokens_per_micro_batch=args.tokens, hidden=args.hidden,
                         workers=args.workers, dtype="float32", threads=1, temperature=0.7, verl=verl.__version__,
                         load=load.record())
-    text = table(rows, logits_mib)
     header = (f"verl {verl.__version__}, V = {args.vocab}, {args.tokens} tokens per micro-batch, H = {args.hidden}, "
               f"fp32, T = 0.7, {args.workers} CPU workers of 1 thread; {meta['cpu']}\n{ran_line(meta)}\n\n")
-    warning = load_warning(meta["load"])
-    text = header + text + (f"\n{warning}\n" if warning else "")
-    print("\n" + text)
-    write_json(args.out + ".json", {"meta": meta, "rows": rows})
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
-    figure(rows, meta, args.out + ".png")
-    print(f"wrote {args.out}.json, .md, .png")
+    write_results(args.out, header, table(rows, logits_mib), meta, rows, figure)
     return 0
 
 
 def figure(rows, meta, path) -> str:
-    return peak_and_time_figure(
-        [SHORT[r["case"]] for r in rows], {"step": ([r["peak_mib"] for r in rows], [r["seconds"] for r in rows])},
-        meta["tokens_per_micro_batch"] * meta["vocab"] * 4 / 2**20,
+    return step_figure(
+        rows, meta, SHORT,
         f"verl {meta['verl']} actor step, V={meta['vocab']}, {meta['tokens_per_micro_batch']} tokens per micro-batch, "
         f"{meta['workers']} CPU workers ({meta['twinkle_mem_cpu_path']})", path,
         peak_label="largest worker's peak RSS rise (MiB)")

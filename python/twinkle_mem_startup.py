@@ -20,7 +20,8 @@ import sys
 # The frameworks whose variable installs twinkle-mem right after their package has run: package -> (variable,
 # the integration whose FRAMEWORK installs). A framework with a hook of this kind adds its line here (a test holds
 # the table to the frameworks' declarations).
-BY_VARIABLE = {"twinkle": ("TWINKLE_MEM_INSTALL", "twinkle_mem.integrations.twinkle")}
+BY_VARIABLE = {"twinkle": ("TWINKLE_MEM_INSTALL", "twinkle_mem.integrations.twinkle"),
+               "swift": ("TWINKLE_MEM_SWIFT", "twinkle_mem.integrations.swift")}
 
 # Set while the hook imports twinkle_mem.integrations.twinkle, so that twinkle_mem's package leaves torch alone.
 importing_without_torch = False

@@ -14,6 +14,7 @@ import sys
 # imported, and the comparisons with twinkle-kit as shipped would compare twinkle-mem with itself. The tests of
 # the variable set it in the fresh interpreters they start.
 os.environ.pop("TWINKLE_MEM_INSTALL", None)
+os.environ.pop("TWINKLE_MEM_SWIFT", None)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -34,13 +35,20 @@ VERL_FOUND = importlib.util.find_spec("verl") is not None
 if os.environ.get("TWINKLE_MEM_VERL_TIER") and not VERL_FOUND:
     raise RuntimeError("TWINKLE_MEM_VERL_TIER is set but verl is not installed: pip install '.[verl,test-verl]'")
 collect_ignore = [] if VERL_FOUND else ["integrations/verl"]
+# tests/integrations/swift/ likewise needs ms-swift (trl < 1.0, transformers 5.19): its own venv and tier
+# (`pip install ".[ms-swift,test-swift]"`, TWINKLE_MEM_SWIFT_TIER=1).
+SWIFT_FOUND = importlib.util.find_spec("swift") is not None and importlib.util.find_spec("swift.rlhf_trainers") is not None
+if os.environ.get("TWINKLE_MEM_SWIFT_TIER") and not SWIFT_FOUND:
+    raise RuntimeError("TWINKLE_MEM_SWIFT_TIER is set but ms-swift is not installed: pip install '.[ms-swift,test-swift]'")
+if not SWIFT_FOUND:
+    collect_ignore.append("integrations/swift")
 
 
 def pytest_report_header(config):
-    if not VERL_FOUND:
-        return ("tests/integrations/verl: not collected (verl is not installed here; .ci/run runs them in a venv of "
-                "their own)")
-    return None
+    missing = [(name, folder) for name, folder, found in (("verl", "verl", VERL_FOUND),
+                                                          ("ms-swift", "swift", SWIFT_FOUND)) if not found]
+    return [f"tests/integrations/{folder}: not collected ({name} is not installed here; .ci/run runs them in a venv "
+            "of their own)" for name, folder in missing] or None
 
 
 def pytest_generate_tests(metafunc):

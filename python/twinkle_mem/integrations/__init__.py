@@ -1,8 +1,8 @@
-"""Integrations of twinkle-mem into training frameworks (each imported on demand): twinkle-kit (``twinkle/``) and
-verl (``verl/``), each one declaration (its ``FRAMEWORK``) on the shared core (``core/``)."""
+"""Integrations of twinkle-mem into training frameworks (each imported on demand): twinkle-kit (``twinkle/``), verl
+(``verl/``) and ms-swift (``swift/``), each one declaration (its ``FRAMEWORK``) on the shared core (``core/``)."""
 # The frameworks, by their folder here: `python -m twinkle_mem` reports each (docs/architecture.md, "Adding a
 # framework").
-FRAMEWORKS = ("twinkle", "verl")
+FRAMEWORKS = ("twinkle", "verl", "swift")
 
 
 def declarations():
