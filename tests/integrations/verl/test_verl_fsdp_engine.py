@@ -16,23 +16,15 @@ import contextlib
 
 import pytest
 import torch
-from helpers import Cases
 from verl_helpers import (assert_steps_equal, build_engine, entropy_grads, ppo_steps, recorded_fused_head,
-                          saved_tiny_qwen2)
+                          saved_tiny_qwen2, verl_world)
+
+from standins.verl_cpu import cpu_verl
 
 WORLD = 2
 
 
-@contextlib.contextmanager
-def _verl_on_cpu():
-    import verl  # noqa: F401  (the entry point: twinkle-mem's install() with its defaults)
-
-    from standins.verl_cpu import cpu_verl
-    with cpu_verl():
-        yield
-
-
-cases = Cases(__name__, timeout_s=900, setup=_verl_on_cpu)
+cases = verl_world(__name__, 900, cpu_verl)
 case = cases.register(WORLD)
 
 

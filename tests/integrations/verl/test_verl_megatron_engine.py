@@ -21,24 +21,17 @@ import contextlib
 
 import pytest
 import torch
-from helpers import Cases
-from verl_helpers import assert_steps_equal, build_megatron_engine, entropy_grads, ppo_steps, recorded_fused_head
+from verl_helpers import (assert_steps_equal, build_megatron_engine, entropy_grads, ppo_steps, recorded_fused_head,
+                          verl_world)
+
+from standins.verl_megatron import megatron_engine_on_cpu
 
 WORLD = 2
 LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "tp2_sp": dict(tp=2, sequence_parallel=True)}
 DTYPES = ("bfloat16", "float32")
 
 
-@contextlib.contextmanager
-def _engine_on_cpu():
-    import verl  # noqa: F401  (the entry point: twinkle-mem's install() with its defaults)
-
-    from standins.verl_megatron import megatron_engine_on_cpu
-    with megatron_engine_on_cpu():
-        yield
-
-
-cases = Cases(__name__, timeout_s=1500, setup=_engine_on_cpu)
+cases = verl_world(__name__, 1500, megatron_engine_on_cpu)
 case = cases.register(WORLD)
 
 

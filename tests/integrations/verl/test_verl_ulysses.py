@@ -19,9 +19,9 @@ import contextlib
 from functools import partial
 
 import pytest
-import torch
-from helpers import Cases
-from verl_helpers import FP32_TOL, build_engine, max_error, saved_tiny_qwen2
+from verl_helpers import FP32_TOL, build_engine, max_error, saved_tiny_qwen2, verl_world
+
+from standins.verl_cpu import cpu_verl, ulysses_attention_on_cpu
 
 WORLD = 2
 # verl's torch backend, Ulysses against none, on this text model and batch: measured log-probs and entropy bitwise
@@ -30,16 +30,7 @@ WORLD = 2
 VERL_TORCH_ULYSSES_TOL = 1e-6
 
 
-@contextlib.contextmanager
-def _verl_on_cpu():
-    import verl  # noqa: F401  (the entry point: twinkle-mem's install() with its defaults)
-
-    from standins.verl_cpu import cpu_verl, ulysses_attention_on_cpu
-    with cpu_verl(), ulysses_attention_on_cpu():
-        yield
-
-
-cases = Cases(__name__, timeout_s=900, setup=_verl_on_cpu)
+cases = verl_world(__name__, 900, cpu_verl, ulysses_attention_on_cpu)
 case = cases.register(WORLD)
 
 
@@ -111,6 +102,12 @@ def _errors(got, want):
                               for name, g in got["grads"].items()))
 
 
+@case
+def twinkle_ulysses_equals_none(rank, world):
+    for tied in (False, True):
+        _ulysses_equals_none(tied)
+
+
 def _ulysses_equals_none(tied):
     ulysses = _run(tied, "twinkle", ulysses=2)
     packed = _run(tied, "twinkle")
@@ -124,16 +121,6 @@ def _ulysses_equals_none(tied):
         errors = _errors(ulysses, reference)
         print(f"impl_backend=twinkle, {'tied' if tied else 'untied'}, Ulysses vs none ({what}): {errors}")
         assert max(errors.values()) <= FP32_TOL, f"Ulysses vs no Ulysses, {what}: {errors}"
-
-
-@case
-def twinkle_ulysses_untied(rank, world):
-    _ulysses_equals_none(tied=False)
-
-
-@case
-def twinkle_ulysses_tied(rank, world):
-    _ulysses_equals_none(tied=True)
 
 
 @case

@@ -91,6 +91,22 @@ def max_error(got, want, relative_to_max=False) -> float:
 
 # --- verl's FSDP engine for a few PPO steps (in a gloo world: tests/helpers.Cases) ------------------------------
 
+def verl_world(module_name, timeout_s, *stand_ins):
+    """The gloo worlds of a test module (tests/helpers.Cases), each process with verl imported (its plugins:
+    twinkle-mem's install() with its defaults) and the context managers ``stand_ins`` entered."""
+    from helpers import Cases
+
+    @contextlib.contextmanager
+    def setup():
+        import verl  # noqa: F401
+        with contextlib.ExitStack() as stack:
+            for stand_in in stand_ins:
+                stack.enter_context(stand_in())
+            yield
+
+    return Cases(module_name, timeout_s=timeout_s, setup=setup)
+
+
 ENGINE_FP32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
 # SGD: an update linear in the gradient, so that two runs whose gradients agree to float rounding stay that close.
 # (AdamW's first steps divide each gradient element by its own magnitude: a near-zero element whose rounding
