@@ -33,11 +33,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _NoStream:
+    """A CUDA stream on the CPU: the work is already in order."""
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+
 class _CpuTorch:
     """``torch`` as a megatron module sees it on the CPU: ``zeros`` / ``tensor(device="cuda")`` ``empty`` allocate
     on the CPU (the schedules' one CUDA allocation, the optimizer's scalars, mcore_bridge's export buffers), ``torch.cuda.current_device()`` answers "cpu" (p2p receive
-    buffers and shape tensors, RoPE's frequencies, the SP and DDP buffers) and
-    ``torch.cuda.synchronize()`` does nothing."""
+    buffers and shape tensors, RoPE's frequencies, the SP and DDP buffers),
+    ``torch.cuda.synchronize()`` does nothing and its streams are :class:`_NoStream`."""
 
     class _Cuda:
         def __init__(self, real):
@@ -53,6 +63,11 @@ class _CpuTorch:
         @staticmethod
         def synchronize(device=None):
             pass
+
+        # CUDA streams (Megatron-Bridge builds Megatron's DDP on a side stream): one stream, nothing to order
+        Stream = staticmethod(lambda *args, **kwargs: _NoStream())
+        current_stream = staticmethod(lambda *args, **kwargs: _NoStream())
+        stream = staticmethod(lambda *args, **kwargs: contextlib.nullcontext())
 
     def __init__(self, real):
         self._real = real

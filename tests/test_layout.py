@@ -30,7 +30,8 @@ PACKAGE_LAYOUT = {
     "integrations/twinkle": "__init__ settings twinkle_names twinkle_source patches startup causal_mask mask_skip "
                             "logits_guard megatron_steps failed_micro_batches transformers_path fused_call_plan "
                             "fused_eligibility fused_call loss_heads distill_loss",
-    "integrations/verl": "__init__ settings verl_names patches fsdp_head megatron_head logits_path startup plugin",
+    "integrations/verl": "__init__ settings verl_names patches fsdp_head megatron_head entropy_grad logits_path startup "
+                         "plugin",
     "integrations/swift": "__init__ settings swift_names patches output_layer grpo_head gkd_head logits_path startup "
                           "plugin",
 }
