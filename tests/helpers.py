@@ -192,7 +192,7 @@ VOCAB = 1018  # hidden 32, ffn 64/128, 4 heads, sequences <= 40, 128 positions: 
 SEQ, PROMPT = 40, 12
 LENGTHS = [SEQ, SEQ - 7, SEQ - 3, SEQ - 11]  # micro-batches of 2 on Megatron: 80 rows each
 CHUNK = 64 << 10  # the fused op's block memory
-# Vocab blocks of 128 columns and row tiles of 16 rows (engine.VOCAB_BLOCK, ROW_TILE: the defaults exceed
+# Vocab blocks of 128 columns and row tiles of 16 rows (blocks(): the CPU plan's own exceed
 # this model's vocab and micro-batches): several blocks and tiles per micro-batch.
 FUSED_BLOCKS = (128, 16)
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.25, 2.0])

@@ -3,7 +3,7 @@ linear_gkd_full, bf16, fp16 and fp32, forward + backward, measured as the peak R
 
 The bound, beyond the inputs, the outputs and the gradients: the head's block working memory (its chunk
 budget: ``chunk_bytes`` of logits; the gathered weight rows and the k-wide float64 math of a top-k teacher;
-the float64 math of one [ROW_TILE, FULL_BLOCK] block of a whole-vocab teacher), at most one fp32 weight block
+the float64 math of one [FULL_ROWS, FULL_BLOCK] block of a whole-vocab teacher), at most one fp32 weight block
 and one fp32 hidden tile, the fp32 accumulators of the gradients (one vocab block of grad_weight and
 grad_bias, grad_hidden of the kept rows and its cast), the kept rows' copy of hidden, O(N). A head holding
 an fp32 copy of the whole LM head (V H 4 bytes: linear_gkd_full before issue 33, in bf16 and fp16) is far
@@ -34,7 +34,7 @@ SIZES = dict(n=512, h=256, v=32768, k=16, row_tile=128, vocab_block=512, full_bl
              chunk_bytes=8 << 20)
 SLACK = 3 << 20  # allocator and interpreter noise in one call (measured: < 1 MiB)
 PER_ROW = 256  # O(N): labels, kept-row indices, statistics, upstream gradients (bytes per row, generous)
-FULL_TEMPORARIES = 16  # float64 [ROW_TILE, FULL_BLOCK] tensors the whole-vocab teacher's math holds at once
+FULL_TEMPORARIES = 16  # float64 [FULL_ROWS, FULL_BLOCK] tensors the whole-vocab teacher's math holds at once
 TOPK_TEMPORARIES = 16  # float64 [N, k] tensors of the k-wide math (docs/distillation.md)
 
 

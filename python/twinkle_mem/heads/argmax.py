@@ -5,7 +5,7 @@ path, where the logits never exist.
 for: each block of logits is computed as the layer computes its logits (``F.linear`` in the inputs' dtype, divided
 by the temperature in that dtype as twinkle's forward divides them), the first maximal column kept, the blocks
 folded in vocab order keeping the earlier block on equal values. So the index is the first among equal maxima,
-as ``torch.argmax``'s. Memory: one [ROW_TILE, engine.block_width] block of logits and O(rows) results. A head on
+as ``torch.argmax``'s. Memory: one step of the device plan's row tiles by engine.block_width columns of logits and O(rows) results. A head on
 the engine (engine.py): its row tiles, vocab blocks and forward sweep; its per-block math is a max and a fold.
 """
 from __future__ import annotations

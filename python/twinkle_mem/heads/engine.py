@@ -33,7 +33,7 @@ from torch import Tensor
 from ..op.contract import acc_dtype, check_float_tensor  # acc_dtype: the op's rule is the heads' (fp32; fp64)
 from ..op.op_args import arg_names
 from ..op.rows import kept_rows
-from .matmul import (Operands, RoundedSums, add_bmm, add_matmul, batched_logits_into, bmm_into, logits_into, matmul_into,
+from .matmul import (Operands, RoundedSums, add_matmul, batched_logits_into, logits_into, matmul_into,
                      native_reduced_products, product_sums, reduced)
 
 # ------------------------------------------------------------------ the plans: how each device kind cuts the work
@@ -449,7 +449,7 @@ class BlockProducts:
             steps = d.shape[0] // self.tile
             o, t = out.view(steps, self.tile, -1), self.operands(d).view(steps, self.tile, -1)
             w = self.block[1].unsqueeze(0).expand(steps, *self.block[1].shape)
-            (add_bmm if accumulate else bmm_into)(o, t, w)
+            (add_matmul if accumulate else matmul_into)(o, t, w)
             return out
         for r0 in range(0, d.shape[0], self.tile):
             o, t = out[r0:r0 + self.tile], d[r0:r0 + self.tile]
@@ -491,9 +491,13 @@ def backward_sweep(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional[Te
     gh_tiles = rows.tiled(gh) if needs.hidden else None
     straight = plan.logits_dtype == dtype
     buf = logits_buffer(tiles, plan)
-    gw_acc = weight.new_empty((plan.width, h_size), dtype=acc) if needs.weight and sum_apart else None
+    # bf16 products of one row tile (a short call: a GRPO completion): each block's grad_weight is one product,
+    # rounded once into the gradient, as the unfused path's one product is; no fp32 sum to make and copy
+    one_product = rounded and tiles.count == 1
+    gw_acc = weight.new_empty((plan.width, h_size), dtype=acc) if needs.weight and sum_apart and not one_product \
+        else None
     gb_acc = weight.new_empty((plan.width,), dtype=acc) if needs.bias and sum_apart else None
-    gw_sums = RoundedSums(weight, plan.width, PIECE_ROWS) if rounded and needs.weight else None
+    gw_sums = RoundedSums(weight, plan.width, PIECE_ROWS) if rounded and needs.weight and not one_product else None
     gh_sums = RoundedSums(weight, tiles.tile, tiles.tile) if rounded and needs.hidden else None
     for v0, v1 in vocab_blocks(weight.shape[0], plan.width):
         c = v1 - v0
@@ -515,14 +519,16 @@ def backward_sweep(rows: Rows, hidden: Tensor, weight: Tensor, bias: Optional[Te
                     gb.add_(dj.sum(dim=0, dtype=acc))
                 if needs.hidden:
                     steps = len(tile_ids)
-                    add_bmm(gh_tiles.step(tile_ids), dj.view(steps, tiles.tile, c),
+                    add_matmul(gh_tiles.step(tile_ids), dj.view(steps, tiles.tile, c),
                             w_acc.unsqueeze(0).expand(steps, *w_acc.shape))
                 continue
             for i, j in enumerate(tile_ids):  # tile by tile, in tile order: the sums do not see the grouping
                 rows_j = tiles[j].shape[0]
                 dj = d[i * tiles.tile:i * tiles.tile + rows_j]
                 if rounded:
-                    if needs.weight:
+                    if needs.weight and one_product:
+                        torch.mm(dj.t(), tiles[j], out=gw)
+                    elif needs.weight:
                         gw_sums.add(gw, dj.t(), tiles[j], True)
                     if needs.bias:
                         gb.add_(dj.sum(dim=0, dtype=acc))

@@ -16,9 +16,9 @@ Backward, per block and group (engine.backward_sweep): the op's in-place backwar
 (shift, log_sum, entropy) turns the recomputed logits into their gradient, from which the engine sums
 grad_weight, grad_bias and grad_hidden.
 
-Batch invariance (docs/linear.md): every matmul and merge is cut from engine.ROW_TILE and
-engine.block_width (V and H) alone; ``chunk_bytes`` only decides how many tiles share one op call
-(engine.tiles_in_flight). Memory (beyond inputs, outputs and gradients: the block buffer within
+Batch invariance (docs/linear.md): every matmul and merge is cut from the device's plan (engine.PLANS: its row
+tiles) and engine.block_width (V and H) alone; ``chunk_bytes`` only decides how many tiles share one op call
+(engine.tiles_in_flight), or narrows the blocks where one step of the widest does not fit (engine.fit_width). Memory (beyond inputs, outputs and gradients: the block buffer within
 ``chunk_bytes``, O(N) statistics, nothing [N, V]) and tensor parallelism (``weight`` is this rank's vocab
 shard; ``grad_hidden`` is this rank's partial sum, Megatron's ColumnParallelLinear convention): see
 docs/linear.md.
