@@ -2,7 +2,8 @@
 kernel path, in each process a benchmark starts: twinkle_mem_ran; the refusal to measure the composite fallback
 unless ``--allow-composite``: refuse_composite), the default output folder (bench/results/local/, not tracked:
 the committed bench/results/ only through ``--out``), how loaded the machine was (MachineLoad),
-writing results as JSON, running one measurement in a fresh process and reading back its JSON line, numbered
+writing results as JSON, running one measurement in a fresh process and reading back its JSON line (a script
+measuring in children of itself: run_config, parse_or_answer_child), numbered
 progress lines, the command line's common options (bench_parser), Markdown tables, matplotlib figures written
 as PNG files, and the step table of the device checks (gpu_check.sh, npu_check.sh:
 ``python bench/bench_common.py steps ...``). Measuring itself (peak RSS, the CPU's name) lives in
@@ -362,6 +363,25 @@ def run_child(cmd: list[str], timeout: float | None = None, env: dict | None = N
     if not lines:
         raise ChildFailed(0, "no output", done.stderr)
     return json.loads(lines[-1])
+
+
+# A script measuring in children of itself: ``script --child CONFIG`` (hidden) measures the JSON config CONFIG and
+# prints its JSON record as its last line (run_config reads it back; parse_or_answer_child answers).
+def run_config(script: str, config: dict, env: dict | None = None, timeout: float | None = None) -> dict:
+    """``script`` (a benchmark's ``__file__``) run as a child of itself that measures ``config``, in a fresh
+    process (run_child): the record it prints."""
+    return run_child([sys.executable, os.path.abspath(script), "--child", json.dumps(config)], timeout, env)
+
+
+def parse_or_answer_child(parser: argparse.ArgumentParser, child, argv: list[str] | None = None):
+    """``parser``'s arguments, with the hidden ``--child CONFIG`` added; in a child (run_config), ``child(CONFIG)``'s
+    record printed as JSON, and the process exits."""
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        sys.exit(0)
+    return args
 
 
 # ------------------------------------------------------------------ progress of a long run
