@@ -72,7 +72,8 @@ def test_a_script_measures_in_children_of_itself(tmp_path):
     # run_config starts the script with --child CONFIG; parse_or_answer_child answers there and exits.
     script = tmp_path / "bench_x.py"
     script.write_text(f"import argparse, sys\nsys.path.insert(0, {str(BENCH)!r})\nimport bench_common\n"
-                      "args = bench_common.parse_or_answer_child(argparse.ArgumentParser(), lambda c: {'twice': 2 * c['n']})\n"
+                      "twice = lambda config: {'twice': 2 * config['n']}\n"
+                      "args = bench_common.parse_or_answer_child(argparse.ArgumentParser(), twice)\n"
                       "print('{\"parent\": true}')\n")
     assert bench_common.run_config(str(script), {"n": 21}) == {"twice": 42}
     assert bench_common.run_child([sys.executable, str(script)]) == {"parent": True}
