@@ -58,8 +58,7 @@ import time
 
 from bench_common import (ChildFailed, Progress, add_allow_composite, check_twinkle_mem, local_out, markdown_table,
                           new_figure, probe_twinkle_mem, ran_line, read_json, refuse_composite, run_config,
-                          run_metadata,
-                          save_png, twinkle_mem_ran, write_json)
+                          run_metadata, save_png, twinkle_mem_ran, write_json)
 
 IGNORE = -100
 
