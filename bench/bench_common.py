@@ -490,20 +490,35 @@ def peak_and_time_figure(labels: list[str], series: dict, line_mib: float, title
     per label. Written to ``path`` as PNG."""
     fig = new_figure((11, 4.2))
     axes = fig.subplots(1, 2)
-    width = 0.8 / len(series)
-    for i, (name, (peaks, seconds)) in enumerate(series.items()):
-        xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
-        axes[0].bar(xs, peaks, width, label=name)
-        axes[1].bar(xs, seconds, width, label=name)
-    for ax, unit in ((axes[0], peak_label), (axes[1], "step time (s)")):
-        ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, fontsize=8)
+    for panel, (ax, unit) in enumerate(((axes[0], peak_label), (axes[1], "step time (s)"))):
+        grouped_bars(ax, labels, {name: values[panel] for name, values in series.items()}, fontsize=8)
         ax.set_ylabel(unit)
-    axes[0].axhline(line_mib, color="k", ls="--", lw=1, label="one micro-batch's logits shard")
+    logits_line(axes[0], line_mib, "one micro-batch's logits shard")
     axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    return finish_figure(fig, title, path, fontsize=10)
+
+
+def grouped_bars(ax, labels: list[str], series: dict, width: float | None = None,
+                 fontsize: float | None = None) -> None:
+    """Each series (name -> one value per label) a bar at each of ``labels``, the series side by side (``width``
+    each, default 0.8 / the series' count), its name the bar's legend label; ``labels`` on the x axis."""
+    width = width or 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))], values, width, label=name)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=fontsize)
+
+
+def logits_line(ax, mib: float, label: str = "one micro-batch's logits") -> None:
+    """A dashed line at ``mib`` MiB: one micro-batch's logits, what the step holds at least without twinkle-mem."""
+    ax.axhline(mib, color="k", ls="--", lw=1, label=label)
+
+
+def finish_figure(fig, title: str, path: str, dpi: int = 110, **title_options) -> str:
+    """``fig`` titled (``title_options``: suptitle's), laid out and written to ``path`` as PNG (save_png)."""
+    fig.suptitle(title, **title_options)
     fig.tight_layout()
-    return save_png(fig, path)
+    return save_png(fig, path, dpi)
 
 
 def save_png(fig, path: str, dpi: int = 110) -> str:
