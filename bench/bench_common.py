@@ -272,12 +272,16 @@ def write_json(path: str, data, indent: int = 2) -> str:
     return path
 
 
-def write_results(stem: str, meta: dict, rows: list, table: str) -> None:
-    """Print a benchmark's ``table`` and write STEM.json ({"meta", "rows"}) and STEM.md (the table)."""
+def write_results(stem: str, meta: dict, rows: list, table: str, figure=None) -> None:
+    """Print a benchmark's ``table`` and write STEM.json ({"meta", "rows"}), STEM.md (the table) and, with
+    ``figure``, STEM.png (``figure(rows, meta, path)``)."""
     print(table)
     write_json(stem + ".json", {"meta": meta, "rows": rows}, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(table)
+    if figure is not None:
+        figure(rows, meta, stem + ".png")
+        print(f"wrote {stem}.json, .md, .png")
 
 
 def read_json(path: str):
@@ -423,58 +427,6 @@ def markdown_table(header: list[str], rows: list[list], align: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-class measured:
-    """The peak RSS rise (MiB, ``twinkle_mem.measure.peak_rss``) and seconds of a block, filled in when it exits
-    (``with measured() as m: ...``; ``m.record()`` for a JSON record)."""
-
-    def __enter__(self):
-        from twinkle_mem.measure import peak_rss
-        self._peak = peak_rss()
-        self.peak = self._peak.__enter__()
-        self.started = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.seconds = time.perf_counter() - self.started
-        self._peak.__exit__(*exc)
-        self.peak_mib = self.peak.bytes / 2**20
-        return False
-
-    def record(self):
-        return {"peak_mib": round(self.peak_mib, 1), "seconds": round(self.seconds, 2)}
-
-
-def chosen_cases(spec: str, known: dict) -> list[str]:
-    """The cases a comma-separated ``--cases`` names, in its order; exits naming any that ``known`` lacks."""
-    cases = [c.strip() for c in spec.split(",") if c.strip()]
-    unknown = sorted(set(cases) - set(known))
-    if unknown:
-        sys.exit(f"unknown cases {unknown}; known: {', '.join(known)}")
-    return cases
-
-
-def write_results(out: str, header: str, text: str, meta: dict, rows: list, figure) -> None:
-    """A benchmark's results: ``header`` + ``text`` (+ the load warning) printed and written to OUT.md, ``{meta,
-    rows}`` to OUT.json, ``figure(rows, meta, path)`` to OUT.png."""
-    warning = load_warning(meta["load"])
-    text = header + text + (f"\n{warning}\n" if warning else "")
-    print("\n" + text)
-    write_json(out + ".json", {"meta": meta, "rows": rows})
-    with open(out + ".md", "w") as f:
-        f.write(text)
-    figure(rows, meta, out + ".png")
-    print(f"wrote {out}.json, .md, .png")
-
-
-def step_figure(rows: list, meta: dict, short: dict, title: str, path: str, peak_label: str) -> str:
-    """The peak and time of each row's step (``rows``: ``case``, ``peak_mib``, ``seconds``), labelled by ``short``,
-    a dashed line at one micro-batch's fp32 logits."""
-    return peak_and_time_figure([short[r["case"]] for r in rows],
-                                {"step": ([r["peak_mib"] for r in rows], [r["seconds"] for r in rows])},
-                                meta["tokens_per_micro_batch"] * meta["vocab"] * 4 / 2**20, title, path,
-                                peak_label=peak_label)
-
-
 def new_figure(figsize: tuple[float, float]):
     """A matplotlib Figure that belongs to no pyplot state (nothing to close, no display needed);
     raises ImportError without matplotlib. Its panels: ``fig.subplots(...)``."""
@@ -526,6 +478,98 @@ def save_png(fig, path: str, dpi: int = 110) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=dpi)
     return path
+
+
+# ------------------------------------------------------------------ a framework's step, a world of CPU processes a case
+# bench_verl and bench_swift: each case a fresh world of --workers processes of 1 thread (``units``: what the script
+# calls one, singular and plural), a row a case: its processes' records ("workers"), its largest peak, slowest time.
+def world_parser(doc: str, name: str, units: tuple[str, str], cases: dict) -> argparse.ArgumentParser:
+    """Such a benchmark's options: the sizes (``--vocab``, ``--tokens`` per process, ``--hidden``), ``--workers``,
+    ``--cases``, ``--timeout`` per case, ``--out`` (default bench/results/local/NAME), ``--replot``,
+    ``--allow-composite``, and a process's own (hidden): ``--child CASE``, ``--rank``. The script adds its others."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--tokens", type=int, default=4096, help=f"tokens per micro-batch (one per {units[0]})")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--cases", default=",".join(cases))
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per case")
+    parser.add_argument("--out", default=local_out(name),
+                        help="results file stem (OUT.json, OUT.md, OUT.png); the default is not tracked by git")
+    parser.add_argument("--replot", action="store_true", help="redraw OUT.png from OUT.json, measuring nothing")
+    add_allow_composite(parser)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # a process of a case: the case it runs
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def replot(args, figure) -> bool:
+    """With ``--replot``, OUT.png redrawn from OUT.json (``figure(rows, meta, path)``), measuring nothing; whether
+    it was asked for."""
+    if args.replot:
+        recorded = read_json(args.out + ".json")
+        print(f"wrote {figure(recorded['rows'], recorded['meta'], args.out + '.png')}")
+    return args.replot
+
+
+def logits_mib(args) -> float:
+    """One process's fp32 logits of one micro-batch, MiB."""
+    return args.tokens * args.vocab * 4 / 2**20
+
+
+def write_world_results(args, what: str, units: tuple[str, str], rows: list, text: str, figure, **fields) -> None:
+    """The run's record (every process's twinkle_mem_ran, the sizes, fp32, 1 thread, then ``fields``: the
+    ``temperature``, ``load``, ...) and write_results: a header (``what`` ran, the sizes, the CPU, what twinkle-mem
+    ran), ``text`` and the load warning; OUT.png by ``figure``."""
+    meta = run_metadata([w["ran"] for row in rows for w in row["workers"]], vocab=args.vocab,
+                        tokens_per_micro_batch=args.tokens, hidden=args.hidden, workers=args.workers, dtype="float32",
+                        threads=1, **fields)
+    header = (f"{what}, V = {args.vocab}, {args.tokens} tokens per micro-batch, H = {args.hidden}, fp32, "
+              f"T = {meta['temperature']}, {args.workers} CPU {units[1]} of 1 thread; {meta['cpu']}\n"
+              f"{ran_line(meta)}\n\n")
+    warning = load_warning(meta["load"])
+    write_results(args.out, meta, rows, header + text + (f"\n{warning}\n" if warning else ""), figure)
+
+
+def step_figure(rows: list, meta: dict, short: dict, what: str, units: tuple[str, str], path: str) -> str:
+    """The peak and time of each row's step (``rows``: ``case``, ``peak_mib``, ``seconds``), labelled by ``short``,
+    a dashed line at one micro-batch's fp32 logits; titled by ``what`` ran and the sizes."""
+    title = (f"{what}, V={meta['vocab']}, {meta['tokens_per_micro_batch']} tokens per micro-batch, "
+             f"{meta['workers']} CPU {units[1]} ({meta['twinkle_mem_cpu_path']})")
+    return peak_and_time_figure([short[r["case"]] for r in rows],
+                                {"step": ([r["peak_mib"] for r in rows], [r["seconds"] for r in rows])},
+                                meta["tokens_per_micro_batch"] * meta["vocab"] * 4 / 2**20, title, path,
+                                peak_label=f"largest {units[0]}'s peak RSS rise (MiB)")
+
+
+class measured:
+    """The peak RSS rise (MiB, ``twinkle_mem.measure.peak_rss``) and seconds of a block, filled in when it exits
+    (``with measured() as m: ...``; ``m.record()`` for a JSON record)."""
+
+    def __enter__(self):
+        from twinkle_mem.measure import peak_rss
+        self._peak = peak_rss()
+        self.peak = self._peak.__enter__()
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.started
+        self._peak.__exit__(*exc)
+        self.peak_mib = self.peak.bytes / 2**20
+        return False
+
+    def record(self):
+        return {"peak_mib": round(self.peak_mib, 1), "seconds": round(self.seconds, 2)}
+
+
+def chosen_cases(spec: str, known: dict) -> list[str]:
+    """The cases a comma-separated ``--cases`` names, in its order; exits naming any that ``known`` lacks."""
+    cases = [c.strip() for c in spec.split(",") if c.strip()]
+    unknown = sorted(set(cases) - set(known))
+    if unknown:
+        sys.exit(f"unknown cases {unknown}; known: {', '.join(known)}")
+    return cases
 
 
 # ------------------------------------------------------------------ the device checks' step table
