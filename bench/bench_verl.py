@@ -38,9 +38,8 @@ import subprocess
 import sys
 import time
 
-from bench_common import (MachineLoad, Progress, add_allow_composite, check_twinkle_mem, chosen_cases, local_out,
-                          markdown_table, measured, ran_line, read_json, run_metadata, step_figure, twinkle_mem_ran,
-                          write_results)
+from bench_common import (MachineLoad, Progress, check_twinkle_mem, chosen_cases, logits_mib, markdown_table, measured,
+                          replot, step_figure, twinkle_mem_ran, world_parser, write_world_results)
 
 FSDP_PATHS = {"logits": (None, "verl's logits path (default)"), "torch": ("torch", "verl's torch fused backend"),
               "twinkle": ("twinkle", "impl_backend=twinkle")}
@@ -62,25 +61,13 @@ SHORT = {"fsdp_logits": "FSDP\nlogits path", "fsdp_torch": "FSDP\ntorch fused", 
 # verl as shipped: its plugins off
 VERL_ONLY = ("fsdp_logits", "fsdp_torch", "megatron_logits",
              *(f"lora_{path}_{suffix}" for path in ("logits", "torch") for suffix in ENTROPY_COEFFS))
-
+UNITS = ("worker", "workers")  # a process of a case's world
 
 
 def parse_args(argv=None):
     import argparse
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch (one per worker)")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds per case")
-    parser.add_argument("--out", default=local_out("verl"),
-                        help="results file stem (OUT.json, OUT.md, OUT.png); the default is not tracked by git")
-    parser.add_argument("--replot", action="store_true", help="redraw OUT.png from OUT.json, measuring nothing")
-    add_allow_composite(parser)
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # a worker: the case it runs
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--init", help=argparse.SUPPRESS)
+    parser = world_parser(__doc__, "verl", UNITS, CASES)
+    parser.add_argument("--init", help=argparse.SUPPRESS)  # a worker's: its process group's init_method
     return parser.parse_args(argv)
 
 
@@ -298,9 +285,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    if args.replot:
-        recorded = read_json(args.out + ".json")
-        print(f"wrote {figure(recorded['rows'], recorded['meta'], args.out + '.png')}")
+    if replot(args, figure):
         return 0
     check_twinkle_mem(args.allow_composite)  # the workers import the same twinkle_mem
     cases = chosen_cases(args.cases, CASES)
@@ -310,23 +295,13 @@ def main(argv=None) -> int:
         rows.append(summarize(case, run_case(args, case)))
         progress.done(f"peak {rows[-1]['peak_mib']:,.0f} MiB, {rows[-1]['seconds']:.1f} s")
     import verl
-    logits_mib = args.tokens * args.vocab * 4 / 2**20
-    ran = [w["ran"] for row in rows for w in row["workers"]]
-    meta = run_metadata(ran, vocab=args.vocab, tokens_per_micro_batch=args.tokens, hidden=args.hidden,
-                        workers=args.workers, dtype="float32", threads=1, temperature=0.7, verl=verl.__version__,
-                        load=load.record())
-    header = (f"verl {verl.__version__}, V = {args.vocab}, {args.tokens} tokens per micro-batch, H = {args.hidden}, "
-              f"fp32, T = 0.7, {args.workers} CPU workers of 1 thread; {meta['cpu']}\n{ran_line(meta)}\n\n")
-    write_results(args.out, header, table(rows, logits_mib), meta, rows, figure)
+    write_world_results(args, f"verl {verl.__version__}", UNITS, rows, table(rows, logits_mib(args)), figure,
+                        temperature=0.7, verl=verl.__version__, load=load.record())
     return 0
 
 
 def figure(rows, meta, path) -> str:
-    return step_figure(
-        rows, meta, SHORT,
-        f"verl {meta['verl']} actor step, V={meta['vocab']}, {meta['tokens_per_micro_batch']} tokens per micro-batch, "
-        f"{meta['workers']} CPU workers ({meta['twinkle_mem_cpu_path']})", path,
-        peak_label="largest worker's peak RSS rise (MiB)")
+    return step_figure(rows, meta, SHORT, f"verl {meta['verl']} actor step", UNITS, path)
 
 
 if __name__ == "__main__":

@@ -95,4 +95,4 @@ POINTS: Tuple[Point, ...] = (
           rebound_by_name=True),
 )
 
-PATCHER = Patcher("verl", POINTS)
+PATCHER = Patcher("verl", POINTS, VerlInstallPlan)
