@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_leaves
 
 import twinkle_mem
 from numerics import check_outputs
-from twinkle_mem.heads import engine
+from twinkle_mem.heads import plans
 from twinkle_mem.heads.logprobs import linear_bwd, linear_fwd
 
 
@@ -145,11 +145,11 @@ def opcheck_op_schemas(dtype, device="cpu"):
 # ------------------------------------------------------------------ the fused LM head
 @contextlib.contextmanager
 def blocks(cols=None, rows=None, quantum=None, plan=None):
-    """The device plans (engine.PLANS) with vocab blocks of `cols` columns at every H, row tiles of `rows` rows and a
+    """The device plans (plans.PLANS) with vocab blocks of `cols` columns at every H, row tiles of `rows` rows and a
     last tile rounded up to `quantum` rows (at most `rows`), for the duration, so that small test sizes see several
     blocks and tiles (None: the plan's own). `plan`: the plan's name every device takes (TWINKLE_MEM_HEAD_PLAN: the
     GPU's plan runs on the CPU)."""
-    saved = dict(engine.PLANS)
+    saved = dict(plans.PLANS)
     forced = os.environ.get("TWINKLE_MEM_HEAD_PLAN")
     for name, p in saved.items():
         changes = {}
@@ -160,14 +160,14 @@ def blocks(cols=None, rows=None, quantum=None, plan=None):
                            step_rows=p.step_rows and max(rows, p.step_rows // p.row_tile * rows))
         if quantum is not None and not p.step_rows:
             changes.update(row_quantum=quantum)
-        engine.PLANS[name] = p._replace(**changes)
+        plans.PLANS[name] = p._replace(**changes)
     if plan is not None:
         os.environ["TWINKLE_MEM_HEAD_PLAN"] = plan
     try:
         yield
     finally:
-        engine.PLANS.clear()
-        engine.PLANS.update(saved)
+        plans.PLANS.clear()
+        plans.PLANS.update(saved)
         if plan is not None:
             if forced is None:
                 os.environ.pop("TWINKLE_MEM_HEAD_PLAN", None)

@@ -24,7 +24,7 @@ PACKAGE_LAYOUT = {
     "": "__init__ __main__ measure processor megatron",
     "op": "__init__ functional contract op_args rows ops row_stats vocab_parallel composite native reference",
     "distill": "__init__ divergence arguments topk_teacher local_teacher reference",
-    "heads": "__init__ engine matmul gathered frozen logprobs gkd_topk gkd_full argmax reference",
+    "heads": "__init__ plans engine matmul gathered frozen logprobs gkd_topk gkd_full argmax reference",
     "integrations": "__init__",
     "integrations/core": "__init__ settings source recognition install_plan patching startup framework",
     "integrations/twinkle": "__init__ settings twinkle_names twinkle_source patches startup causal_mask mask_skip "
@@ -202,7 +202,8 @@ def test_no_test_module_imports_another():
 
 # The checks of the whole project, at the top of tests/; every other test module in the folder of what it tests.
 TOP_LEVEL_TESTS = {"test_docs.py", "test_layout.py", "test_packaging.py", "test_measure.py", "test_bench_common.py",
-                   "test_bench_selective_log_softmax.py", "test_device_checks.py"}
+                   "test_bench_selective_log_softmax.py", "test_bench_head_peers.py", "test_bench_verl_forward.py",
+                   "test_device_checks.py"}
 
 
 def test_tests_mirror_the_package():

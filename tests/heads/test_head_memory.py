@@ -39,8 +39,8 @@ TOPK_TEMPORARIES = 16  # float64 [N, k] tensors of the k-wide math (docs/distill
 
 
 def _small_blocks(row_tile, vocab_block, full_block, gather_bytes):
-    from twinkle_mem.heads import engine, gkd_full, gkd_topk
-    engine.PLANS["cpu"] = engine.PLANS["cpu"]._replace(row_tile=row_tile, vocab_block=vocab_block)
+    from twinkle_mem.heads import gkd_full, gkd_topk, plans
+    plans.PLANS["cpu"] = plans.PLANS["cpu"]._replace(row_tile=row_tile, vocab_block=vocab_block)
     gkd_full.FULL_ROWS, gkd_full.FULL_BLOCK, gkd_topk.GATHER_BYTES = row_tile, full_block, gather_bytes
 
 
@@ -88,7 +88,7 @@ def measure(head, dtype, n=SIZES["n"], h=SIZES["h"], v=SIZES["v"], k=SIZES["k"],
         held = sum(t.nbytes for t in _run(head, hidden, weight, labels, teacher, chunk_bytes))
     item, kept = dt.itemsize, int((labels != -100).sum())
     reduced = dt != torch.float32
-    from twinkle_mem.heads.engine import PLANS, block_width
+    from twinkle_mem.heads.plans import PLANS, block_width
     width = full_block if head == "gkd_full" else block_width(v, h, PLANS["cpu"])
     budget = {"logprobs": chunk_bytes,
               "gkd_topk": 3 * gather_bytes + TOPK_TEMPORARIES * 8 * n * k,
@@ -127,11 +127,11 @@ class NewTensors(OpsInside):
 @pytest.mark.parametrize("requires", ["hidden", "weight"])
 @pytest.mark.parametrize("head", HEADS)
 def test_gradients_not_asked_for_are_not_built(head, requires):
-    from twinkle_mem.heads import engine, gkd_full, gkd_topk, logprobs
+    from twinkle_mem.heads import gkd_full, gkd_topk, logprobs, plans
     # n not a multiple of the row tile, no row ignored (no kept-row copy of hidden), V above one vocab block (the
     # default blocks at this H: 32768 columns)
     n, h, k = 300, 32, 8
-    v = engine.block_width(1 << 20, h, engine.PLANS["cpu"]) + 3232
+    v = plans.block_width(1 << 20, h, plans.PLANS["cpu"]) + 3232
     hidden, weight, labels, teacher = _inputs(head, torch.bfloat16, n, h, v, k, requires=(requires,), ignore_every=0)
     other = weight if requires == "hidden" else hidden
     ops = (logprobs.linear_fwd, logprobs.linear_bwd, gkd_topk.gkd_fwd, gkd_topk.gkd_bwd, gkd_full.gkd_full_fwd,

@@ -54,7 +54,8 @@ from torch import Tensor
 
 from ..op import ops
 from ..op.contract import acc_dtype
-from .engine import BlockPlan, BlockProducts, Rows, device_plan
+from .engine import BlockProducts, Rows
+from .plans import BlockPlan, device_plan
 from .matmul import native_reduced_products, reduced
 
 

@@ -32,9 +32,10 @@ from ..distill.arguments import GkdOptions, check_teacher_logits, checked_gkd, f
 from ..distill.divergence import gkd_grad, gkd_terms, log_add_exp
 from ..op.contract import stats_dtype
 from ..op.op_args import call, named_inputs, pick, register_autograd
-from .engine import (BlockPlan, BlockProducts, Needs, Rows, acc_dtype, backward_sweep, check_head_args, device_plan,
-                     fake_grads, forward_sweep, frozen_head)
+from .engine import (BlockProducts, Needs, Rows, acc_dtype, backward_sweep, check_head_args, fake_grads, forward_sweep,
+                     frozen_head)
 from .matmul import product_sums
+from .plans import BlockPlan, device_plan
 from .frozen import grad_from_vectors, save_one_output
 
 FULL_BLOCK = 2048  # vocab columns per block of the float64 math

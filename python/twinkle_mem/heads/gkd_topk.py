@@ -21,7 +21,7 @@ backward: the inputs (references) and dL/dx [N, k]. Backward (engine.gathered_ba
 
     grad_hidden[n] = sum_j g_n dL/dx[n, j] weight[ids[n, j]]     (per row tile, fp32, rounded once)
     grad_weight[v] = sum_{(n, j): ids[n, j] = v} g_n dL/dx[n, j] hidden[n]   (per vocab block of
-                     engine.block_width columns, an fp32 accumulator for bf16/fp16, rounded once)
+                     plans.block_width columns, an fp32 accumulator for bf16/fp16, rounded once)
     grad_bias[v]   likewise with 1 for hidden[n].
 
 Tensor parallelism (``process_group``): ``weight`` / ``bias`` are this rank's vocab shard
