@@ -1,0 +1,23 @@
+"""bench/bench_head_sizes.py runs as written: small sizes, each call size and mode timed in a child of its own,
+against another checkout (--base-tree: here this one), its table, JSON and figure written."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_head_sizes_bench_runs(tmp_path):
+    out = tmp_path / "sizes"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), os.path.join(ROOT, "bench")]))
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_head_sizes.py"), "--n", "7", "40",
+                           "--h", "32", "--vocab", "3000", "--reps", "1", "--threads", "1", "--cpu-time",
+                           "--base-tree", ROOT, "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "sizes.json").read_text())["rows"]
+    assert {(r["n"], r["mode"], r["tree"]) for r in rows} == {
+        (n, m, t) for n in (7, 40) for m in ("fwd", "frozen", "trainable") for t in ("this tree", "base")}
+    assert all(r["fused_s"] > 0 and r["unfused_s"] > 0 and r["ratio"] == r["fused_s"] / r["unfused_s"] for r in rows)
+    assert (tmp_path / "sizes.png").stat().st_size > 1000 and "fused / unfused" in (tmp_path / "sizes.md").read_text()
