@@ -22,7 +22,7 @@ import sys
 import time
 
 from bench_common import (Progress, bench_parser, check_twinkle_mem, markdown_table, new_figure, parse_or_answer_child,
-                          run_config, run_metadata, save_png, write_results)
+                          probe_twinkle_mem, refuse_composite, run_config, run_metadata, save_png, write_results)
 
 MODES = ("fwd", "frozen", "trainable")
 
@@ -83,14 +83,17 @@ def main(argv=None):
     args = parse_or_answer_child(p, measure, argv)
     ran = check_twinkle_mem(args.allow_composite)
     trees = {"this tree": None, **({"base": os.path.abspath(args.base_tree)} if args.base_tree else {})}
+    envs = {tree: None if path is None else dict(os.environ, PYTHONPATH=os.path.join(path, "python"))
+            for tree, path in trees.items()}
+    if args.base_tree:  # the base tree's kernels too, not its composite (a checkout whose library is not built)
+        refuse_composite(probe_twinkle_mem(envs["base"], where="the base tree's children"), args.allow_composite)
     cells = [(n, mode, tree) for n in args.n for mode in args.modes for tree in trees]
     progress, rows = Progress(len(cells), stream=sys.stderr), []
     for n, mode, tree in cells:
         progress.step(f"N={n} {mode} ({tree})")
         config = dict(n=n, mode=mode, h=args.h, vocab=args.vocab, dtype=args.dtype, reps=args.reps,
                       threads=args.threads, cpu_time=args.cpu_time, entropy_grad=args.entropy_grad)
-        env = None if trees[tree] is None else dict(os.environ, PYTHONPATH=os.path.join(trees[tree], "python"))
-        got = run_config(__file__, config, env)
+        got = run_config(__file__, config, envs[tree])
         rows.append(dict(n=n, mode=mode, tree=tree, fused_s=got["fused"], unfused_s=got["unfused"],
                          ratio=got["fused"] / got["unfused"]))
         progress.done(f"{rows[-1]['ratio']:.2f}x")

@@ -150,7 +150,9 @@ def fit_width(shard: int, hidden_size: int, dtype: torch.dtype, chunk_bytes: int
     narrower blocks: the same math, another order of summation (docs/linear.md, Batch invariance)."""
     widest = block_width(shard, hidden_size, plan)
     narrowest = min(plan.vocab_block, shard)
-    for width in range(widest, narrowest - 1, -plan.vocab_block):  # widened: multiples of vocab_block, or the shard
+    # the widest block (a multiple of vocab_block, or the whole shard), then each multiple of vocab_block below it
+    narrower = range((widest - 1) // plan.vocab_block * plan.vocab_block, narrowest - 1, -plan.vocab_block)
+    for width in (widest, *narrower):
         if block_need(width, hidden_size, dtype, plan, sums, vectors) <= chunk_bytes:
             return width
     need = block_need(narrowest, hidden_size, dtype, plan, sums, vectors)
