@@ -7,7 +7,8 @@
 #   tests       the test suite on the GPU: tests/backends/cuda/test_cuda.py, the numerics classes on the "cuda"
 #               implementation and every device-parametrized test, TWINKLE_MEM_TEST_DEVICES=cpu,cuda (pytest.xml, .log)
 #   invariance  the fused LM head's batch invariance: bench/check_linear_invariance.py, five rows alone and inside
-#               batches of N = 1, 7, 333, 4096, 16384 at V = 151936, bf16, bit for bit (linear_invariance.log)
+#               batches of N = 1, 7, 333, 4096, 16384 at V = 151936, bf16, bit for bit, and each batch's log-probs
+#               against its no_grad forward, a frozen and a trainable head (linear_invariance*.log)
 #   sanitizers  compute-sanitizer memcheck, racecheck and synccheck on the smoke pass (bench/bench_cuda.py --smoke)
 #   op          bench/bench_cuda.py at N = 16384, V = 151936, bf16: the op against Liger-Kernel, torch.compile and
 #               naive, first and last rows against float64, as a fraction of the copy bandwidth (bench_cuda.*)
@@ -23,7 +24,7 @@
 # for the steps never run on a GPU, their own time budgets: ESTIMATE below, in seconds. A call stops starting steps
 # that would not fit in CALL_LIMIT (570 s, under the tool's 600): such a step is recorded SKIP with the command that
 # runs it.
-#   --call 1   build,tests,invariance,sanitizers,op   about 355 s
+#   --call 1   build,tests,invariance,sanitizers,op   about 390 s
 #   --call 2   build,heads,verl,ncu                   about 55 (0 on a machine still warm from call 1) + 300 + 150 +
 #                                                     60 s: ncu is skipped first where less is left
 # A session's 15 minutes of device time hold both calls (about 12.5 minutes of commands) and one machine start only
@@ -55,7 +56,7 @@
 set -u -o pipefail
 
 STEPS_ALL=(build tests invariance sanitizers op heads verl ncu)
-declare -A ESTIMATE=([build]=55 [tests]=165 [invariance]=30 [sanitizers]=60 [op]=50 [heads]=300 [verl]=150 [ncu]=60)
+declare -A ESTIMATE=([build]=55 [tests]=165 [invariance]=60 [sanitizers]=60 [op]=50 [heads]=300 [verl]=150 [ncu]=60)
 declare -A CALLS=([1]="build,tests,invariance,sanitizers,op" [2]="build,heads,verl,ncu")
 CALL_LIMIT=${GPU_CHECK_CALL_LIMIT:-570}  # seconds a call may use (the device tool stops a command at 600)
 
@@ -253,6 +254,9 @@ if selected invariance && fits invariance; then
   INVARIANCE_ARGS=(--device cuda --n 1 7 333 4096 16384)
   [ $DRY_RUN -eq 1 ] && INVARIANCE_ARGS=(--device cpu --h 16 --vocab 8500 --n 1 7 600)
   run_step "fused head batch invariance" 180 "$RESULTS/linear_invariance.log" "$PY" bench/check_linear_invariance.py "${INVARIANCE_ARGS[@]}"
+  # a trainable head too (its backward's products batched over a step, grad_weight's sums one product per step)
+  run_step "fused head batch invariance, trainable" 120 "$RESULTS/linear_invariance_trainable.log" "$PY" \
+    bench/check_linear_invariance.py "${INVARIANCE_ARGS[@]}" --trainable
 fi
 
 if selected sanitizers && fits sanitizers; then
