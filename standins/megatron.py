@@ -37,7 +37,7 @@ class _CpuTorch:
     """``torch`` as a megatron module sees it on the CPU: ``zeros`` / ``tensor(device="cuda")`` ``empty`` allocate
     on the CPU (the schedules' one CUDA allocation, the optimizer's scalars, mcore_bridge's export buffers), ``torch.cuda.current_device()`` answers "cpu" (p2p receive
     buffers and shape tensors, RoPE's frequencies, the SP and DDP buffers) and
-    ``torch.cuda.synchronize()`` does nothing."""
+    ``torch.cuda.synchronize()`` does nothing, nor do CUDA streams (Megatron-SWIFT's DDP wrapping)."""
 
     class _Cuda:
         def __init__(self, real):
@@ -53,6 +53,21 @@ class _CpuTorch:
         @staticmethod
         def synchronize(device=None):
             pass
+
+        class Stream:  # (a CPU runs in order: a stream, its waits and its context are nothing)
+            def __init__(self, *args, **kwargs):
+                pass
+
+            def wait_stream(self, stream):
+                pass
+
+        @classmethod
+        def current_stream(cls, device=None):
+            return cls.Stream()
+
+        @staticmethod
+        def stream(stream):
+            return contextlib.nullcontext()
 
     def __init__(self, real):
         self._real = real
