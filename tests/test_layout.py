@@ -31,8 +31,8 @@ PACKAGE_LAYOUT = {
                             "logits_guard megatron_steps failed_micro_batches transformers_path fused_call_plan "
                             "fused_eligibility fused_call loss_heads distill_loss",
     "integrations/verl": "__init__ settings verl_names patches fsdp_head megatron_head logits_path startup plugin",
-    "integrations/swift": "__init__ settings swift_names patches output_layer grpo_head gkd_head logits_path startup "
-                          "plugin",
+    "integrations/swift": "__init__ settings swift_names patches output_layer grpo_head gkd_head megatron_head "
+                          "logits_path startup plugin",
 }
 # Names that misled, and where they went (issue 42; CHANGELOG.md): none may come back.
 MOVED = {"integrations/twinkle/fused_head.py": "integrations/twinkle/fused_call.py",
