@@ -2,7 +2,8 @@
 kernel path, in each process a benchmark starts: twinkle_mem_ran; the refusal to measure the composite fallback
 unless ``--allow-composite``: refuse_composite), the default output folder (bench/results/local/, not tracked:
 the committed bench/results/ only through ``--out``), how loaded the machine was (MachineLoad),
-writing results as JSON, running one measurement in a fresh process and reading back its JSON line, numbered
+writing results as JSON, running one measurement in a fresh process and reading back its JSON line (a script
+measuring in children of itself: run_config, parse_or_answer_child), numbered
 progress lines, the command line's common options (bench_parser), Markdown tables, matplotlib figures written
 as PNG files, and the step table of the device checks (gpu_check.sh, npu_check.sh:
 ``python bench/bench_common.py steps ...``). Measuring itself (peak RSS, the CPU's name) lives in
@@ -271,12 +272,16 @@ def write_json(path: str, data, indent: int = 2) -> str:
     return path
 
 
-def write_results(stem: str, meta: dict, rows: list, table: str) -> None:
-    """Print a benchmark's ``table`` and write STEM.json ({"meta", "rows"}) and STEM.md (the table)."""
+def write_results(stem: str, meta: dict, rows: list, table: str, figure=None) -> None:
+    """Print a benchmark's ``table`` and write STEM.json ({"meta", "rows"}), STEM.md (the table) and, with
+    ``figure``, STEM.png (``figure(rows, meta, path)``)."""
     print(table)
     write_json(stem + ".json", {"meta": meta, "rows": rows}, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(table)
+    if figure is not None:
+        figure(rows, meta, stem + ".png")
+        print(f"wrote {stem}.json, .md, .png")
 
 
 def read_json(path: str):
@@ -364,6 +369,25 @@ def run_child(cmd: list[str], timeout: float | None = None, env: dict | None = N
     return json.loads(lines[-1])
 
 
+# A script measuring in children of itself: ``script --child CONFIG`` (hidden) measures the JSON config CONFIG and
+# prints its JSON record as its last line (run_config reads it back; parse_or_answer_child answers).
+def run_config(script: str, config: dict, env: dict | None = None, timeout: float | None = None) -> dict:
+    """``script`` (a benchmark's ``__file__``) run as a child of itself that measures ``config``, in a fresh
+    process (run_child): the record it prints."""
+    return run_child([sys.executable, os.path.abspath(script), "--child", json.dumps(config)], timeout, env)
+
+
+def parse_or_answer_child(parser: argparse.ArgumentParser, child, argv: list[str] | None = None):
+    """``parser``'s arguments, with the hidden ``--child CONFIG`` added; in a child (run_config), ``child(CONFIG)``'s
+    record printed as JSON, and the process exits."""
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        sys.exit(0)
+    return args
+
+
 # ------------------------------------------------------------------ progress of a long run
 class Progress:
     """Numbered progress lines: ``[3/12] what ... result (41 s elapsed)``, flushed as they come, so
@@ -403,6 +427,121 @@ def markdown_table(header: list[str], rows: list[list], align: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def new_figure(figsize: tuple[float, float]):
+    """A matplotlib Figure that belongs to no pyplot state (nothing to close, no display needed);
+    raises ImportError without matplotlib. Its panels: ``fig.subplots(...)``."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=figsize)
+
+
+def peak_and_time_figure(labels: list[str], series: dict, line_mib: float, title: str, path: str,
+                         peak_label: str = "peak RSS rise over the step (MiB)") -> str:
+    """Two panels of grouped bars, each series a bar at each label: its peak memory (MiB; a dashed line at
+    ``line_mib``, one micro-batch's logits) and its step time (s). ``series``: name -> (peaks, seconds), one value
+    per label. Written to ``path`` as PNG."""
+    fig = new_figure((11, 4.2))
+    axes = fig.subplots(1, 2)
+    for panel, (ax, unit) in enumerate(((axes[0], peak_label), (axes[1], "step time (s)"))):
+        grouped_bars(ax, labels, {name: values[panel] for name, values in series.items()}, fontsize=8)
+        ax.set_ylabel(unit)
+    logits_line(axes[0], line_mib, "one micro-batch's logits shard")
+    axes[0].legend(fontsize=8)
+    return finish_figure(fig, title, path, fontsize=10)
+
+
+def grouped_bars(ax, labels: list[str], series: dict, width: float | None = None,
+                 fontsize: float | None = None) -> None:
+    """Each series (name -> one value per label) a bar at each of ``labels``, the series side by side (``width``
+    each, default 0.8 / the series' count), its name the bar's legend label; ``labels`` on the x axis."""
+    width = width or 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))], values, width, label=name)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=fontsize)
+
+
+def logits_line(ax, mib: float, label: str = "one micro-batch's logits") -> None:
+    """A dashed line at ``mib`` MiB: one micro-batch's logits, what the step holds at least without twinkle-mem."""
+    ax.axhline(mib, color="k", ls="--", lw=1, label=label)
+
+
+def finish_figure(fig, title: str, path: str, dpi: int = 110, **title_options) -> str:
+    """``fig`` titled (``title_options``: suptitle's), laid out and written to ``path`` as PNG (save_png)."""
+    fig.suptitle(title, **title_options)
+    fig.tight_layout()
+    return save_png(fig, path, dpi)
+
+
+def save_png(fig, path: str, dpi: int = 110) -> str:
+    """Write ``fig`` (laid out by the caller) to ``path`` as PNG, its folder created if missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
+# ------------------------------------------------------------------ a framework's step, a world of CPU processes a case
+# bench_verl and bench_swift: each case a fresh world of --workers processes of 1 thread (``units``: what the script
+# calls one, singular and plural), a row a case: its processes' records ("workers"), its largest peak, slowest time.
+def world_parser(doc: str, name: str, units: tuple[str, str], cases: dict) -> argparse.ArgumentParser:
+    """Such a benchmark's options: the sizes (``--vocab``, ``--tokens`` per process, ``--hidden``), ``--workers``,
+    ``--cases``, ``--timeout`` per case, ``--out`` (default bench/results/local/NAME), ``--replot``,
+    ``--allow-composite``, and a process's own (hidden): ``--child CASE``, ``--rank``. The script adds its others."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--tokens", type=int, default=4096, help=f"tokens per micro-batch (one per {units[0]})")
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--cases", default=",".join(cases))
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per case")
+    parser.add_argument("--out", default=local_out(name),
+                        help="results file stem (OUT.json, OUT.md, OUT.png); the default is not tracked by git")
+    parser.add_argument("--replot", action="store_true", help="redraw OUT.png from OUT.json, measuring nothing")
+    add_allow_composite(parser)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # a process of a case: the case it runs
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def replot(args, figure) -> bool:
+    """With ``--replot``, OUT.png redrawn from OUT.json (``figure(rows, meta, path)``), measuring nothing; whether
+    it was asked for."""
+    if args.replot:
+        recorded = read_json(args.out + ".json")
+        print(f"wrote {figure(recorded['rows'], recorded['meta'], args.out + '.png')}")
+    return args.replot
+
+
+def logits_mib(args) -> float:
+    """One process's fp32 logits of one micro-batch, MiB."""
+    return args.tokens * args.vocab * 4 / 2**20
+
+
+def write_world_results(args, what: str, units: tuple[str, str], rows: list, text: str, figure, **fields) -> None:
+    """The run's record (every process's twinkle_mem_ran, the sizes, fp32, 1 thread, then ``fields``: the
+    ``temperature``, ``load``, ...) and write_results: a header (``what`` ran, the sizes, the CPU, what twinkle-mem
+    ran), ``text`` and the load warning; OUT.png by ``figure``."""
+    meta = run_metadata([w["ran"] for row in rows for w in row["workers"]], vocab=args.vocab,
+                        tokens_per_micro_batch=args.tokens, hidden=args.hidden, workers=args.workers, dtype="float32",
+                        threads=1, **fields)
+    header = (f"{what}, V = {args.vocab}, {args.tokens} tokens per micro-batch, H = {args.hidden}, fp32, "
+              f"T = {meta['temperature']}, {args.workers} CPU {units[1]} of 1 thread; {meta['cpu']}\n"
+              f"{ran_line(meta)}\n\n")
+    warning = load_warning(meta["load"])
+    write_results(args.out, meta, rows, header + text + (f"\n{warning}\n" if warning else ""), figure)
+
+
+def step_figure(rows: list, meta: dict, short: dict, what: str, units: tuple[str, str], path: str) -> str:
+    """The peak and time of each row's step (``rows``: ``case``, ``peak_mib``, ``seconds``), labelled by ``short``,
+    a dashed line at one micro-batch's fp32 logits; titled by ``what`` ran and the sizes."""
+    title = (f"{what}, V={meta['vocab']}, {meta['tokens_per_micro_batch']} tokens per micro-batch, "
+             f"{meta['workers']} CPU {units[1]} ({meta['twinkle_mem_cpu_path']})")
+    return peak_and_time_figure([short[r["case"]] for r in rows],
+                                {"step": ([r["peak_mib"] for r in rows], [r["seconds"] for r in rows])},
+                                meta["tokens_per_micro_batch"] * meta["vocab"] * 4 / 2**20, title, path,
+                                peak_label=f"largest {units[0]}'s peak RSS rise (MiB)")
+
+
 class measured:
     """The peak RSS rise (MiB, ``twinkle_mem.measure.peak_rss``) and seconds of a block, filled in when it exits
     (``with measured() as m: ...``; ``m.record()`` for a JSON record)."""
@@ -431,66 +570,6 @@ def chosen_cases(spec: str, known: dict) -> list[str]:
     if unknown:
         sys.exit(f"unknown cases {unknown}; known: {', '.join(known)}")
     return cases
-
-
-def write_results(out: str, header: str, text: str, meta: dict, rows: list, figure) -> None:
-    """A benchmark's results: ``header`` + ``text`` (+ the load warning) printed and written to OUT.md, ``{meta,
-    rows}`` to OUT.json, ``figure(rows, meta, path)`` to OUT.png."""
-    warning = load_warning(meta["load"])
-    text = header + text + (f"\n{warning}\n" if warning else "")
-    print("\n" + text)
-    write_json(out + ".json", {"meta": meta, "rows": rows})
-    with open(out + ".md", "w") as f:
-        f.write(text)
-    figure(rows, meta, out + ".png")
-    print(f"wrote {out}.json, .md, .png")
-
-
-def step_figure(rows: list, meta: dict, short: dict, title: str, path: str, peak_label: str) -> str:
-    """The peak and time of each row's step (``rows``: ``case``, ``peak_mib``, ``seconds``), labelled by ``short``,
-    a dashed line at one micro-batch's fp32 logits."""
-    return peak_and_time_figure([short[r["case"]] for r in rows],
-                                {"step": ([r["peak_mib"] for r in rows], [r["seconds"] for r in rows])},
-                                meta["tokens_per_micro_batch"] * meta["vocab"] * 4 / 2**20, title, path,
-                                peak_label=peak_label)
-
-
-def new_figure(figsize: tuple[float, float]):
-    """A matplotlib Figure that belongs to no pyplot state (nothing to close, no display needed);
-    raises ImportError without matplotlib. Its panels: ``fig.subplots(...)``."""
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=figsize)
-
-
-def peak_and_time_figure(labels: list[str], series: dict, line_mib: float, title: str, path: str,
-                         peak_label: str = "peak RSS rise over the step (MiB)") -> str:
-    """Two panels of grouped bars, each series a bar at each label: its peak memory (MiB; a dashed line at
-    ``line_mib``, one micro-batch's logits) and its step time (s). ``series``: name -> (peaks, seconds), one value
-    per label. Written to ``path`` as PNG."""
-    fig = new_figure((11, 4.2))
-    axes = fig.subplots(1, 2)
-    width = 0.8 / len(series)
-    for i, (name, (peaks, seconds)) in enumerate(series.items()):
-        xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
-        axes[0].bar(xs, peaks, width, label=name)
-        axes[1].bar(xs, seconds, width, label=name)
-    for ax, unit in ((axes[0], peak_label), (axes[1], "step time (s)")):
-        ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, fontsize=8)
-        ax.set_ylabel(unit)
-    axes[0].axhline(line_mib, color="k", ls="--", lw=1, label="one micro-batch's logits shard")
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    return save_png(fig, path)
-
-
-def save_png(fig, path: str, dpi: int = 110) -> str:
-    """Write ``fig`` (laid out by the caller) to ``path`` as PNG, its folder created if missing."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    return path
 
 
 # ------------------------------------------------------------------ the device checks' step table

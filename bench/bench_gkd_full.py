@@ -16,18 +16,16 @@ and the JSON; where twinkle-mem would run its composite fallback, the run refuse
 """
 import argparse
 import glob
-import json
 import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
 from bench_common import (ROOT, MachineLoad, add_allow_composite, check_twinkle_mem, load_warning, local_out,
-                          markdown_table, probe_twinkle_mem, ran_line, refuse_composite, run_child, run_metadata,
-                          twinkle_mem_ran, write_json)
+                          markdown_table, parse_or_answer_child, probe_twinkle_mem, ran_line, refuse_composite,
+                          run_config, run_metadata, twinkle_mem_ran, write_json)
 
 PATHS = ("base", "this tree", "twinkle")
 
@@ -84,11 +82,7 @@ def main():
                          "large tensor fresh pages from the OS, so that allocations cost what they cost there)")
     ap.add_argument("--out", default=local_out("gkd_full_speed.json"))
     add_allow_composite(ap)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
-        return
+    args = parse_or_answer_child(ap, child)
     this = check_twinkle_mem(args.allow_composite)  # "this tree" and "twinkle": the children import the same
     load = MachineLoad()
     times = {p: [] for p in PATHS}
@@ -101,7 +95,7 @@ def main():
         for rep in range(args.reps):
             for path in PATHS:
                 cfg = dict(n=args.n, h=args.h, v=args.v, path=path)
-                r = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env[path])
+                r = run_config(__file__, cfg, env[path])
                 if r["ran"]:
                     r["ran"]["where"] = path
                 times[path].append(r)

@@ -21,14 +21,13 @@ fallback, the run refuses to start unless --allow-composite. Writes DIR/heads.{j
 bench/results/local by default); progress on stderr.
 """
 import argparse
-import json
 import os
 import sys
 import time
 
 from bench_common import (MachineLoad, Progress, add_allow_composite, check_twinkle_mem, load_warning, local_out,
-                          markdown_table, peak_and_time_figure, probe_twinkle_mem, ran_line, refuse_composite,
-                          run_child, run_metadata, twinkle_mem_ran, write_json)
+                          markdown_table, parse_or_answer_child, peak_and_time_figure, probe_twinkle_mem, ran_line,
+                          refuse_composite, run_config, run_metadata, twinkle_mem_ran, write_json)
 
 HEADS = ("logprobs", "gkd_topk", "gkd_full")
 TREES = ("base", "this tree", "unfused")
@@ -104,11 +103,7 @@ def main():
     ap.add_argument("--unfused", action="store_true", help="also this tree's same loss from the logits")
     ap.add_argument("--out", default=local_out(""), help="results folder (default bench/results/local/, not tracked)")
     add_allow_composite(ap)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
-        return
+    args = parse_or_answer_child(ap, child)
     if not args.base_python:
         ap.error("--base-python is required")
     trees = TREES if args.unfused else TREES[:2]
@@ -127,7 +122,7 @@ def main():
                 cfg = dict(head=head, dtype=dtype, n=args.n, h=args.h, vocab=args.vocab, k=args.k,
                            train_head=args.head == "trainable", unfused=tree == "unfused")
                 progress.step(f"{head} {dtype} {tree}")
-                r = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env[tree])
+                r = run_config(__file__, cfg, env[tree])
                 r["ran"]["where"] = tree
                 runs[f"{head} {dtype}"][tree].append(r)
                 progress.done(f"{r['seconds']:.2f} s, peak {r['peak_mib']:.0f} MiB")

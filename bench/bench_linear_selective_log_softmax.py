@@ -57,8 +57,8 @@ import tempfile
 import time
 
 from bench_common import (ChildFailed, Progress, add_allow_composite, check_twinkle_mem, local_out, markdown_table,
-                          new_figure, probe_twinkle_mem, ran_line, read_json, refuse_composite, run_child, run_metadata,
-                          save_png, twinkle_mem_ran, write_json)
+                          new_figure, probe_twinkle_mem, ran_line, read_json, refuse_composite, run_config,
+                          run_metadata, save_png, twinkle_mem_ran, write_json)
 
 IGNORE = -100
 
@@ -242,7 +242,7 @@ def _run(cfg):
     env = _env(cfg["base_tree"] if cfg["kind"] == "fused_base" else None, warm=bool(cfg.get("warm")))
     t0 = time.monotonic()
     try:
-        res = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], env=env)
+        res = run_config(__file__, cfg, env)
     except ChildFailed as e:
         res = {"error": f"exit {e.returncode}: {e.last_line[:300]}"}
     res["wall_s"] = time.monotonic() - t0

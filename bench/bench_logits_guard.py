@@ -16,8 +16,8 @@ bench/results/bench_logits_guard).
 """
 import statistics
 
-from bench_common import (RAN_SETUP, bench_parser, check_twinkle_mem, new_figure, ran_line, run_metadata, save_png,
-                          write_json)
+from bench_common import (RAN_SETUP, bench_parser, check_twinkle_mem, finish_figure, grouped_bars, logits_line,
+                          new_figure, ran_line, run_metadata, write_json)
 from standins import memory  # importable once bench_common has put the repository root on sys.path
 
 VARIANTS = [
@@ -91,25 +91,18 @@ def _plot(rows, meta, path):
     modes = ["forward_backward", "forward_only"]
     fig = new_figure((12, 4.5))
     axes = fig.subplots(1, 2, sharey=True)
+    bars = (("retained_bytes", "retained at scheduler return"), ("peak_live_logits_bytes", "peak live logits"),
+            ("peak_rss_bytes", "peak RSS rise"))
     for ax, mode in zip(axes, modes):
         sel = [r for r in rows if r["mode"] == mode]
-        x = range(len(sel))
-        width = 0.27
-        for i, (key, label) in enumerate([("retained_bytes", "retained at scheduler return"),
-                                          ("peak_live_logits_bytes", "peak live logits"),
-                                          ("peak_rss_bytes", "peak RSS rise")]):
-            ax.bar([xi + (i - 1) * width for xi in x], [r[key] / 2**20 for r in sel], width, label=label)
-        ax.axhline(meta["logits_bytes_per_micro_batch"] / 2**20, color="k", ls="--", lw=1,
-                   label="one micro-batch's logits")
-        ax.set_xticks(list(x))
-        ax.set_xticklabels([r["case"] for r in sel], fontsize=8)
+        grouped_bars(ax, [r["case"] for r in sel], {label: [r[key] / 2**20 for r in sel] for key, label in bars},
+                     width=0.27, fontsize=8)
+        logits_line(ax, meta["logits_bytes_per_micro_batch"] / 2**20)
         ax.set_title(mode)
         ax.set_ylabel("MiB")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"twinkle-kit Megatron forward_backward, 2 micro-batches of [1, {meta['seq']}, {meta['vocab']}] "
-                 f"bf16 logits, return_logits=False")
-    fig.tight_layout()
-    save_png(fig, path)
+    finish_figure(fig, f"twinkle-kit Megatron forward_backward, 2 micro-batches of [1, {meta['seq']}, "
+                       f"{meta['vocab']}] bf16 logits, return_logits=False", path)
 
 
 if __name__ == "__main__":

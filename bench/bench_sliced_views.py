@@ -27,7 +27,7 @@ import time
 import torch
 
 import twinkle_mem
-from bench_common import (Progress, add_allow_composite, check_twinkle_mem, local_out, new_figure, ran_line, run_child,
+from bench_common import (Progress, add_allow_composite, check_twinkle_mem, local_out, new_figure, ran_line, run_config,
                           run_metadata, save_png, twinkle_mem_ran, write_json)
 
 
@@ -91,7 +91,7 @@ def main():
                 spec = dict(b=b, s=s, vocab=v, layout=layout, inplace=inplace, dense=dense, reps=args.reps)
                 progress.step(f"{names[layout]:24s} {'in place' if inplace else 'out of place':12s} "
                               f"{'contiguous' if dense else 'view'}")
-                got = run_child([sys.executable, __file__, "--child", json.dumps(spec)])
+                got = run_config(__file__, spec)
                 best["contiguous" if dense else "view"] = got["s"]
                 ran.append(dict(got["ran"], where="timed children"))
                 progress.done(f"{best['contiguous' if dense else 'view']:.3f} s")

@@ -31,9 +31,9 @@ import subprocess
 import sys
 import tempfile
 
-from bench_common import (MachineLoad, Progress, add_allow_composite, check_twinkle_mem, chosen_cases, local_out,
-                          markdown_table, measured, ran_line, read_json, run_metadata, step_figure, twinkle_mem_ran,
-                          write_json, write_results)
+from bench_common import (MachineLoad, Progress, check_twinkle_mem, chosen_cases, logits_mib, markdown_table, measured,
+                          read_json, replot, step_figure, twinkle_mem_ran, world_parser, write_json,
+                          write_world_results)
 
 CASES = {
     "shipped": "transformers, DP = 2: ms-swift 4.6 as shipped",
@@ -48,25 +48,14 @@ SHORT = {"shipped": "DP=2\nas shipped", "liger": "DP=2\nLiger", "twinkle": "DP=2
          "megatron_shipped": "TP=2\nas shipped", "megatron_twinkle": "TP=2\ntwinkle-mem",
          "megatron_entropy_shipped": "TP=2+H\nas shipped", "megatron_entropy_twinkle": "TP=2+H\ntwinkle-mem"}
 TEMPERATURE = 0.7
+UNITS = ("process", "processes")  # of a case's world
 
 
 def parse_args(argv=None):
     import argparse
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch (one per process)")
+    parser = world_parser(__doc__, "swift", UNITS, CASES)
     parser.add_argument("--sequences", type=int, default=8, help="sequences per micro-batch (transformers path)")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds per case")
-    parser.add_argument("--out", default=local_out("swift"),
-                        help="output path without extension (.json, .md, .png are written)")
-    parser.add_argument("--replot", action="store_true", help="redraw OUT.png from OUT.json, measuring nothing")
-    add_allow_composite(parser)
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # a process of a case: the case it runs
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)  # a process's: the case's folder (the model, records)
     return parser.parse_args(argv)
 
 
@@ -230,9 +219,7 @@ def main(argv=None) -> int:
     if args.child:
         write_json(args.out, child(args))
         return 0
-    if args.replot:
-        recorded = read_json(args.out + ".json")
-        print(f"wrote {figure(recorded['rows'], recorded['meta'], args.out + '.png')}")
+    if replot(args, figure):
         return 0
     check_twinkle_mem(args.allow_composite)  # the processes import the same twinkle_mem
     cases = chosen_cases(args.cases, CASES)
@@ -252,25 +239,15 @@ def main(argv=None) -> int:
                 continue
             progress.done(f"peak {rows[-1]['peak_mib']:,.0f} MiB, {rows[-1]['seconds']:.1f} s")
     import swift
-    logits_mib = args.tokens * args.vocab * 4 / 2**20
-    meta = run_metadata([w["ran"] for row in rows for w in row["workers"]], vocab=args.vocab,
-                        tokens_per_micro_batch=args.tokens, sequences=args.sequences, hidden=args.hidden,
-                        workers=args.workers, dtype="float32", threads=1, temperature=TEMPERATURE,
-                        ms_swift=swift.__version__, skipped=skipped, load=load.record())
-    text = table(rows, logits_mib)
+    text = table(rows, logits_mib(args))
     text += "".join(f"\n{CASES[c]}: not run ({why})\n" for c, why in skipped.items())
-    header = (f"ms-swift {swift.__version__}, V = {args.vocab}, {args.tokens} tokens per micro-batch, H = {args.hidden}, "
-              f"fp32, T = {TEMPERATURE}, {args.workers} CPU processes of 1 thread; {meta['cpu']}\n{ran_line(meta)}\n\n")
-    write_results(args.out, header, text, meta, rows, figure)
+    write_world_results(args, f"ms-swift {swift.__version__}", UNITS, rows, text, figure, sequences=args.sequences,
+                        temperature=TEMPERATURE, ms_swift=swift.__version__, skipped=skipped, load=load.record())
     return 0
 
 
 def figure(rows, meta, path) -> str:
-    return step_figure(
-        rows, meta, SHORT,
-        f"ms-swift {meta['ms_swift']} GRPO step, V={meta['vocab']}, {meta['tokens_per_micro_batch']} tokens per "
-        f"micro-batch, {meta['workers']} CPU processes ({meta['twinkle_mem_cpu_path']})", path,
-        peak_label="largest process's peak RSS rise (MiB)")
+    return step_figure(rows, meta, SHORT, f"ms-swift {meta['ms_swift']} GRPO step", UNITS, path)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ against. Writes bench/results/local/twinkle_gkd.*. ``--teacher local``: a local 
 import os
 import statistics
 
-from bench_common import (RAN_SETUP, Progress, bench_parser, check_twinkle_mem, local_out, markdown_table,
-                          new_figure, ran_line, read_json, run_metadata, save_png, write_json)
+from bench_common import (RAN_SETUP, Progress, bench_parser, check_twinkle_mem, finish_figure, grouped_bars, local_out,
+                          logits_line, markdown_table, new_figure, ran_line, read_json, run_metadata, write_json)
 from standins import memory  # importable once bench_common has put the repository root on sys.path
 
 CASES = [
@@ -184,23 +184,16 @@ def _plot(rows, meta, path):
     fig = new_figure((12, 4.5))
     axes = fig.subplots(1, 2)
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    width = 0.27
+    names = list(dict.fromkeys(r["case"] for r in rows))
     for ax, key, unit, scale in ((axes[0], "peak_rss_bytes", "peak RSS rise (MiB)", 2**20),
                                  (axes[1], "s_median", "time (s)", 1)):
-        names = list(dict.fromkeys(r["case"] for r in rows))
-        for i, name in enumerate(names):
-            vals = [next(r[key] for r in rows if r["mode"] == m and r["case"] == name) / scale for m in modes]
-            ax.bar([x + (i - (len(names) - 1) / 2) * width for x in range(len(modes))], vals, width, label=name)
-        ax.set_xticks(range(len(modes)))
-        ax.set_xticklabels(modes)
+        grouped_bars(ax, modes, {name: [next(r[key] for r in rows if r["mode"] == m and r["case"] == name) / scale
+                                        for m in modes] for name in names}, width=0.27)
         ax.set_ylabel(unit)
-    axes[0].axhline(meta["logits_bytes_per_micro_batch"] / 2**20, color="k", ls="--", lw=1,
-                    label="one micro-batch's logits")
+    logits_line(axes[0], meta["logits_bytes_per_micro_batch"] / 2**20)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"twinkle-kit Megatron {' / '.join(modes)}, {meta.get('loss', 'GRPOLoss')}, 2 micro-batches of "
-                 f"[1, {meta['seq']}], V = {meta['vocab']}, H = {meta['hidden']}, fp32, CPU, 1 thread")
-    fig.tight_layout()
-    save_png(fig, path)
+    finish_figure(fig, f"twinkle-kit Megatron {' / '.join(modes)}, {meta.get('loss', 'GRPOLoss')}, 2 micro-batches of "
+                       f"[1, {meta['seq']}], V = {meta['vocab']}, H = {meta['hidden']}, fp32, CPU, 1 thread", path)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,12 @@ of standins/verl_cpu.py (verl's platform and engine registration, gloo). Each ca
   (``impl_backend=torch``) and ``impl_backend=twinkle``. verl's own cases run with its plugins off
   (VERL_USE_EXTERNAL_PLUGINS=none). The head is tied: verl's torch backend cannot take the sharded lm_head of an
   untied model under FSDP2 (it fails on "mixed torch.Tensor and DTensor").
-- Megatron (TP = 2): a megatron-core GPTModel (verl's Megatron engine needs mbridge to build one) through verl's
+- FSDP with LoRA (verl's ``lora_rank``: peft on every linear of the layers, the LM head frozen), the same three
+  paths with the actor's ``entropy_coeff`` 0 and 0.01: as verl's trainer runs the update, it keeps the entropy
+  (``calculate_entropy``) only where ``entropy_coeff != 0``, and twinkle-mem's head is told so (a frozen head then
+  sums no entropy vector in its forward).
+- Megatron (TP = 2): a megatron-core GPTModel (hand-built: verl's engine through Megatron-Bridge runs in
+  tests/integrations/verl/test_verl_megatron_engine.py, with the stand-ins of standins/verl_megatron.py) through verl's
   own paths, forward and backward of one micro-batch: the logits path (the output layer's logits shard, then
   verl's vocab-parallel entropy and log-probs, as its engine runs them) and the fused forward with
   ``impl_backend=twinkle`` (the engine's own _maybe_enable_fused_kernels marks the output weight).
@@ -33,42 +38,48 @@ import subprocess
 import sys
 import time
 
-from bench_common import (MachineLoad, Progress, add_allow_composite, check_twinkle_mem, chosen_cases, local_out,
-                          markdown_table, measured, ran_line, read_json, run_metadata, step_figure, twinkle_mem_ran,
-                          write_results)
+from bench_common import (MachineLoad, Progress, check_twinkle_mem, chosen_cases, logits_mib, markdown_table, measured,
+                          replot, step_figure, twinkle_mem_ran, world_parser, write_world_results)
 
+FSDP_PATHS = {"logits": (None, "verl's logits path (default)"), "torch": ("torch", "verl's torch fused backend"),
+              "twinkle": ("twinkle", "impl_backend=twinkle")}
+LORA_RANK = 8
+ENTROPY_COEFFS = {"e0": 0.0, "e001": 0.01}  # the LoRA cases' actor entropy_coeff, by the case's suffix
 CASES = {
     "fsdp_logits": "FSDP: verl's logits path (default)",
     "fsdp_torch": "FSDP: verl's torch fused backend",
     "fsdp_twinkle": "FSDP: impl_backend=twinkle",
+    **{f"lora_{path}_{suffix}": f"FSDP LoRA: {label}, entropy_coeff = {coeff:g}"
+       for path, (_, label) in FSDP_PATHS.items() for suffix, coeff in ENTROPY_COEFFS.items()},
     "megatron_logits": "Megatron TP=2: verl's logits path",
     "megatron_twinkle": "Megatron TP=2: impl_backend=twinkle",
 }
 SHORT = {"fsdp_logits": "FSDP\nlogits path", "fsdp_torch": "FSDP\ntorch fused", "fsdp_twinkle": "FSDP\ntwinkle",
-         "megatron_logits": "Megatron TP=2\nlogits path", "megatron_twinkle": "Megatron TP=2\ntwinkle"}
-VERL_ONLY = ("fsdp_logits", "fsdp_torch", "megatron_logits")  # verl as shipped: its plugins off
+         "megatron_logits": "Megatron TP=2\nlogits path", "megatron_twinkle": "Megatron TP=2\ntwinkle",
+         **{f"lora_{path}_{suffix}": f"LoRA {path}\nentropy {coeff:g}" for path in FSDP_PATHS
+            for suffix, coeff in ENTROPY_COEFFS.items()}}
+# verl as shipped: its plugins off
+VERL_ONLY = ("fsdp_logits", "fsdp_torch", "megatron_logits",
+             *(f"lora_{path}_{suffix}" for path in ("logits", "torch") for suffix in ENTROPY_COEFFS))
+UNITS = ("worker", "workers")  # a process of a case's world
 
 
 def parse_args(argv=None):
     import argparse
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per micro-batch (one per worker)")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds per case")
-    parser.add_argument("--out", default=local_out("verl"),
-                        help="results file stem (OUT.json, OUT.md, OUT.png); the default is not tracked by git")
-    parser.add_argument("--replot", action="store_true", help="redraw OUT.png from OUT.json, measuring nothing")
-    add_allow_composite(parser)
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # a worker: the case it runs
-    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--init", help=argparse.SUPPRESS)
+    parser = world_parser(__doc__, "verl", UNITS, CASES)
+    parser.add_argument("--init", help=argparse.SUPPRESS)  # a worker's: its process group's init_method
     return parser.parse_args(argv)
 
 
 # ------------------------------------------------------------------ a worker (one process of a case's world)
+def fsdp_case(case):
+    """(verl's impl_backend or None, the LoRA rank, the actor's entropy_coeff) of an FSDP case."""
+    if case.startswith("lora_"):
+        _, path, suffix = case.split("_")
+        return FSDP_PATHS[path][0], LORA_RANK, ENTROPY_COEFFS[suffix]
+    return FSDP_PATHS[case[len("fsdp_"):]][0], 0, 0.01
+
+
 def fsdp_worker(args, case, folder):
     """The FSDP cases: TrainingWorker's infer_batch (compute_log_prob) then train_mini_batch (update_actor)."""
     from functools import partial
@@ -82,11 +93,12 @@ def fsdp_worker(args, case, folder):
     from verl.workers.utils.padding import no_padding_2_padding
 
     from standins.verl_cpu import rollout_batch
-    backend = {"fsdp_logits": None, "fsdp_torch": "torch", "fsdp_twinkle": "twinkle"}[case]
+    backend, lora_rank, entropy_coeff = fsdp_case(case)
     fused = backend is not None
     model_config = HFModelConfig(path=folder, load_tokenizer=False, override_config={"attn_implementation": "sdpa"},
                                  use_remove_padding=True, use_fused_kernels=fused,
-                                 fused_kernel_options={"impl_backend": backend} if fused else {})
+                                 fused_kernel_options={"impl_backend": backend} if fused else {},
+                                 lora_rank=lora_rank, lora_alpha=2 * lora_rank)
     sequences = 2  # per worker: two sequences of tokens / 2, one micro-batch
     engine_config = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", use_dynamic_bsz=False,
                                      mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
@@ -98,7 +110,7 @@ def fsdp_worker(args, case, folder):
                                                  checkpoint_config=CheckpointConfig()))
     worker.reset()
     actor = ActorConfig(strategy="fsdp2", ppo_mini_batch_size=sequences * args.workers,
-                        ppo_micro_batch_size_per_gpu=sequences, use_dynamic_bsz=False, entropy_coeff=0.01,
+                        ppo_micro_batch_size_per_gpu=sequences, use_dynamic_bsz=False, entropy_coeff=entropy_coeff,
                         rollout_n=1)
     worker.set_loss_fn(partial(ppo_loss, config=actor))
     half = args.tokens // sequences // 2
@@ -111,7 +123,8 @@ def fsdp_worker(args, case, folder):
         old = no_padding_2_padding(tu.get(out, "log_probs"), data).float()
         data = rollout_batch(seed, batch=sequences, prompt=half, response=half, vocab=args.vocab, full=True)
         data["old_log_probs"] = old
-        tu.assign_non_tensor(data, calculate_entropy=True, compute_loss=True, temperature=0.7,
+        # (verl's trainer keeps the entropy in the update where entropy_coeff != 0: ray_trainer._update_actor)
+        tu.assign_non_tensor(data, calculate_entropy=entropy_coeff != 0, compute_loss=True, temperature=0.7,
                              global_batch_size=sequences * args.workers, mini_batch_size=sequences * args.workers,
                              epochs=1, seed=seed, dataloader_kwargs={"shuffle": False})
         with measured() as update:
@@ -181,7 +194,7 @@ def child(args) -> dict:
 
     from standins.verl_cpu import cpu_verl, save_tiny_qwen2
     with cpu_verl():
-        if args.child.startswith("fsdp"):
+        if not args.child.startswith("megatron"):
             folder = os.path.join(os.path.dirname(args.init[len("file://"):]), "model")  # (the case's temp folder)
             if args.rank == 0:
                 save_tiny_qwen2(folder, vocab=args.vocab, hidden=args.hidden, tied=True)
@@ -231,7 +244,7 @@ def run_case(args, case) -> list:
 
 
 def phases(case):
-    return ("compute_log_prob", "update_actor") if case.startswith("fsdp") else ("forward_backward", )
+    return ("forward_backward", ) if case.startswith("megatron") else ("compute_log_prob", "update_actor")
 
 
 def summarize(case, records) -> dict:
@@ -254,7 +267,9 @@ def table(rows, logits_mib) -> str:
                 f"{row['peak_mib']:,.0f} MiB", f"{row['seconds']:.1f} s", loaded]
 
     out = []
-    for engine, title, phase_names in (("fsdp", "FSDP2, 2 workers (DP = 2)", ("compute_log_prob", "update_actor")),
+    fsdp_phases = ("compute_log_prob", "update_actor")
+    for engine, title, phase_names in (("fsdp", "FSDP2, 2 workers (DP = 2)", fsdp_phases),
+                                       ("lora", f"FSDP2 LoRA (rank {LORA_RANK}), 2 workers (DP = 2)", fsdp_phases),
                                        ("megatron", "Megatron, 2 workers (TP = 2)", ("forward_backward", ))):
         chosen = [r for r in rows if r["case"].startswith(engine)]
         if chosen:
@@ -270,9 +285,7 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    if args.replot:
-        recorded = read_json(args.out + ".json")
-        print(f"wrote {figure(recorded['rows'], recorded['meta'], args.out + '.png')}")
+    if replot(args, figure):
         return 0
     check_twinkle_mem(args.allow_composite)  # the workers import the same twinkle_mem
     cases = chosen_cases(args.cases, CASES)
@@ -282,23 +295,13 @@ def main(argv=None) -> int:
         rows.append(summarize(case, run_case(args, case)))
         progress.done(f"peak {rows[-1]['peak_mib']:,.0f} MiB, {rows[-1]['seconds']:.1f} s")
     import verl
-    logits_mib = args.tokens * args.vocab * 4 / 2**20
-    ran = [w["ran"] for row in rows for w in row["workers"]]
-    meta = run_metadata(ran, vocab=args.vocab, tokens_per_micro_batch=args.tokens, hidden=args.hidden,
-                        workers=args.workers, dtype="float32", threads=1, temperature=0.7, verl=verl.__version__,
-                        load=load.record())
-    header = (f"verl {verl.__version__}, V = {args.vocab}, {args.tokens} tokens per micro-batch, H = {args.hidden}, "
-              f"fp32, T = 0.7, {args.workers} CPU workers of 1 thread; {meta['cpu']}\n{ran_line(meta)}\n\n")
-    write_results(args.out, header, table(rows, logits_mib), meta, rows, figure)
+    write_world_results(args, f"verl {verl.__version__}", UNITS, rows, table(rows, logits_mib(args)), figure,
+                        temperature=0.7, verl=verl.__version__, load=load.record())
     return 0
 
 
 def figure(rows, meta, path) -> str:
-    return step_figure(
-        rows, meta, SHORT,
-        f"verl {meta['verl']} actor step, V={meta['vocab']}, {meta['tokens_per_micro_batch']} tokens per micro-batch, "
-        f"{meta['workers']} CPU workers ({meta['twinkle_mem_cpu_path']})", path,
-        peak_label="largest worker's peak RSS rise (MiB)")
+    return step_figure(rows, meta, SHORT, f"verl {meta['verl']} actor step", UNITS, path)
 
 
 if __name__ == "__main__":

@@ -29,14 +29,14 @@ default bench/results/local/verl_forward); progress on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
 from bench_common import (ChildFailed, Progress, add_allow_composite, check_twinkle_mem, local_out, markdown_table,
-                          peak_and_time_figure, ran_line, run_child, run_metadata, split_names, write_results)
+                          parse_or_answer_child, peak_and_time_figure, ran_line, run_config, run_metadata, split_names,
+                          write_results)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PATHS = {
@@ -177,8 +177,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=int, default=400, help="seconds per path")
     p.add_argument("--out", default=local_out("verl_forward"), help="results file stem (OUT.json, OUT.md, OUT.png)")
     add_allow_composite(p)
-    p.add_argument("--child", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    args = parse_or_answer_child(p, child, argv)
     if args.dry_run:
         args.device = args.device or "cpu"
         args.batch, args.seq = args.batch or 2, args.seq or 64
@@ -191,9 +190,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.child:
-        print(json.dumps(child(json.loads(args.child))))
-        return 0
     ran = check_twinkle_mem(args.allow_composite, args.device)
     import verl_import
     missing = verl_import.missing()
@@ -215,7 +211,7 @@ def main(argv=None):
         env = dict(os.environ, VERL_USE_EXTERNAL_PLUGINS="none" if path != "twinkle" else "auto",
                    PYTHONPATH=os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
         try:
-            row = run_child([sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)], args.timeout, env)
+            row = run_config(__file__, cfg, env, args.timeout)
         except ChildFailed as error:
             row = {"status": f"failed: {error.last_line[:300]}"}
         except Exception as error:  # noqa: BLE001  (a timeout: the row says so, the other paths still run)

@@ -24,11 +24,11 @@ IGNORE = -100
 def smallest_chunk(vocab, h, dtype, device):
     """The smallest chunk_bytes that holds one step of the widest blocks in every pass of a call (a smaller one
     narrows the blocks: other bits), on ``device``'s plan."""
-    from twinkle_mem.heads import engine
+    from twinkle_mem.heads import plans
     from twinkle_mem.heads.frozen import vectors_at_most
     from twinkle_mem.heads.matmul import product_sums
-    plan = engine.device_plan(device)
-    return engine.block_need(engine.block_width(vocab, h, plan), h, dtype, plan, product_sums(dtype, device),
+    plan = plans.device_plan(device)
+    return plans.block_need(plans.block_width(vocab, h, plan), h, dtype, plan, product_sums(dtype, device),
                              vectors_at_most(dtype, device))
 
 
@@ -89,7 +89,7 @@ def check(device="cpu", dtype=torch.bfloat16, h=1024, vocab=151936, n_list=(1, 7
     """Returns a list of mismatch descriptions (empty: bitwise invariant). ``frozen``: the rows' checks with a
     frozen head (LoRA's; its forward sums the gradient vectors), else a trainable one. Each batch's log-probs and
     entropy are also held to the same call under no_grad (old and new log-probs)."""
-    from twinkle_mem.heads.engine import device_plan
+    from twinkle_mem.heads.plans import device_plan
     dev = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     probes = 5

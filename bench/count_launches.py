@@ -92,7 +92,7 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=12, help="the most frequent ops to list")
     args = p.parse_args(argv)
     os.environ["TWINKLE_MEM_HEAD_PLAN"] = args.plan
-    from twinkle_mem.heads.engine import PLANS
+    from twinkle_mem.heads.plans import PLANS
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     chunk = 2 * PLANS[args.plan].chunk_bytes if args.chunk_mib is None else args.chunk_mib << 20
     print(f"plan {args.plan} (forced on {torch.device('cpu')}), {args.dtype}, H={args.h}, V={args.vocab}, "

@@ -33,11 +33,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _NoStream:
+    """A CUDA stream on the CPU: the work is already in order."""
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+
 class _CpuTorch:
     """``torch`` as a megatron module sees it on the CPU: ``zeros`` / ``tensor(device="cuda")`` ``empty`` allocate
     on the CPU (the schedules' one CUDA allocation, the optimizer's scalars, mcore_bridge's export buffers), ``torch.cuda.current_device()`` answers "cpu" (p2p receive
-    buffers and shape tensors, RoPE's frequencies, the SP and DDP buffers) and
-    ``torch.cuda.synchronize()`` does nothing, nor do CUDA streams (Megatron-SWIFT's DDP wrapping)."""
+    buffers and shape tensors, RoPE's frequencies, the SP and DDP buffers),
+    ``torch.cuda.synchronize()`` does nothing and its streams are :class:`_NoStream`."""
 
     class _Cuda:
         def __init__(self, real):
@@ -54,20 +64,10 @@ class _CpuTorch:
         def synchronize(device=None):
             pass
 
-        class Stream:  # (a CPU runs in order: a stream, its waits and its context are nothing)
-            def __init__(self, *args, **kwargs):
-                pass
-
-            def wait_stream(self, stream):
-                pass
-
-        @classmethod
-        def current_stream(cls, device=None):
-            return cls.Stream()
-
-        @staticmethod
-        def stream(stream):
-            return contextlib.nullcontext()
+        # CUDA streams (Megatron-Bridge builds Megatron's DDP on a side stream): one stream, nothing to order
+        Stream = staticmethod(lambda *args, **kwargs: _NoStream())
+        current_stream = staticmethod(lambda *args, **kwargs: _NoStream())
+        stream = staticmethod(lambda *args, **kwargs: contextlib.nullcontext())
 
     def __init__(self, real):
         self._real = real

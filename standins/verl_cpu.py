@@ -11,6 +11,8 @@ invalid when the device is the CPU. What replaces each (README.md beside this fi
 - :func:`gloo_world`: the process group created first (gloo), so verl's helper finds it and builds none;
 - :func:`megatron_tp_on_cpu`: megatron-core's sequence-parallel gathers allocating on the CPU (verl's Megatron
   fused forward calls one under sequence parallelism, Megatron's output layer another);
+- :func:`ulysses_attention_on_cpu`: the flash-attention kernel under verl's Ulysses all-to-alls (``CPU_VARLEN``, an
+  attention implementation for the model config);
 - :func:`save_tiny_qwen2`: a tiny Qwen2 checkpoint on disk (verl's engines load their model from a path);
 - :func:`rollout_batch`: what verl's rollout (vLLM or SGLang, GPU only) hands the trainer, random tokens.
 """
@@ -172,23 +174,82 @@ def megatron_tp_on_cpu():
         yield
 
 
+CPU_VARLEN = "twinkle_mem_cpu_varlen"  # the attention implementation a model config names for Ulysses on the CPU
+
+
+@contextlib.contextmanager
+def ulysses_attention_on_cpu():
+    """Ulysses sequence parallelism on the CPU. verl implements it in flash-attention's call
+    (``_ulysses_flash_attention_forward``, which ``apply_monkey_patch`` sets as transformers'
+    ``flash_attention._flash_attention_forward``: all-to-all to whole sequences and a share of the heads, the kernel,
+    all-to-all back); flash-attention is CUDA only, and transformers' sdpa attention never reaches that call. Here:
+    the attention implementation ``CPU_VARLEN`` (registered in transformers' attention and mask interfaces) is
+    transformers' own flash-attention forward, so it reaches verl's call, and the kernel verl calls after its
+    all-to-all (``monkey_patch._flash_attention_forward``) is :func:`_varlen_attention`; undone on exit."""
+    from transformers import AttentionInterface
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from verl.models.transformers import monkey_patch
+    AttentionInterface.register(CPU_VARLEN, flash_attention_forward)
+    AttentionMaskInterface.register(CPU_VARLEN, flash_attention_mask)
+    kernel = monkey_patch._flash_attention_forward
+    monkey_patch._flash_attention_forward = _varlen_attention
+    try:
+        yield
+    finally:
+        monkey_patch._flash_attention_forward = kernel
+
+
+def _varlen_attention(query, key, value, attention_mask, query_length, *args, is_causal=True, softmax_scale=None,
+                      position_ids=None, **kwargs):
+    """flash-attention's varlen call on the CPU: [1, tokens, heads, dim] packed sequences, each starting where
+    ``position_ids`` is 0, causal within its sequence (what flash-attention's ``cu_seqlens`` computes)."""
+    assert query.shape[0] == 1 and position_ids is not None and attention_mask is None and is_causal
+    tokens = torch.arange(query.shape[1])
+    sample = (position_ids[0] == 0).cumsum(0)
+    allowed = (sample[:, None] == sample[None, :]) & (tokens[None, :] <= tokens[:, None])
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [1, heads, tokens, dim]
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # (grouped-query attention)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=softmax_scale)
+    return out.transpose(1, 2)
+
+
 def tiny_qwen2(vocab: int = 1000, hidden: int = 64, tied: bool = False, seed: int = 0,
-               dtype: torch.dtype = torch.float32):
-    """A one-layer Qwen2 causal LM, built from a config (no download), with torch's sdpa attention (verl asks for
-    flash-attention by default, which needs CUDA)."""
+               dtype: torch.dtype = torch.float32, layers: int = 1):
+    """A Qwen2 causal LM of ``layers`` layers (one by default), built from a config (no download), with torch's sdpa
+    attention (verl asks for flash-attention by default, which needs CUDA)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
                          max_position_embeddings=512, attn_implementation="sdpa")
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config).to(dtype)
 
 
-def save_tiny_qwen2(path: str, **kwargs) -> str:
+def save_tiny_qwen2(path: str, checkpoint: bool = False, **kwargs) -> str:
     """:func:`tiny_qwen2` saved at ``path`` (config and weights; no tokenizer: verl's model config is told not to
-    load one, and its ``override_config`` to use sdpa)."""
-    tiny_qwen2(**kwargs).save_pretrained(path)
+    load one, and its ``override_config`` to use sdpa). ``checkpoint``: a checkpoint as a user's folder holds it, for
+    an engine that converts it (Megatron-Bridge): with a word-level tokenizer (verl's Megatron engine reads its pad
+    token), and norms and biases away from their initial 1 and 0, so that a weight the conversion missed shows."""
+    model = tiny_qwen2(**kwargs)
+    if checkpoint:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name or name.endswith(".bias"):
+                    p.add_(0.1 * torch.randn_like(p))
+        _save_word_tokenizer(path, model.config.vocab_size)
+    model.save_pretrained(path)
     return path
+
+
+def _save_word_tokenizer(path: str, vocab: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["<pad>", "<eos>"] + [f"w{i}" for i in range(vocab - 2)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>",
+                            unk_token="w0").save_pretrained(path)
 
 
 def rollout_batch(seed: int, batch: int = 4, prompt: int = 6, response: int = 5, vocab: int = 1000,

@@ -79,6 +79,30 @@ def _cuda_context_survives():
         raise
 
 
+@pytest.fixture(autouse=True)
+def _head_plans_restored():
+    """A test that changes the fused head's device plans (tests/helpers.blocks, monkeypatch) must undo it: a later
+    test would run another plan and fail far from the cause. The test that leaves them changed fails, and they are
+    put back."""
+    plans = sys.modules.get("twinkle_mem.heads.plans")
+    before = dict(plans.PLANS) if plans else None
+    forced = os.environ.get("TWINKLE_MEM_HEAD_PLAN")
+    yield
+    plans = sys.modules.get("twinkle_mem.heads.plans")
+    left = os.environ.get("TWINKLE_MEM_HEAD_PLAN") != forced
+    if forced is None:
+        os.environ.pop("TWINKLE_MEM_HEAD_PLAN", None)
+    else:
+        os.environ["TWINKLE_MEM_HEAD_PLAN"] = forced
+    if plans is not None and before is not None and plans.PLANS != before:
+        changed = {k: v for k, v in plans.PLANS.items() if before.get(k) != v}
+        plans.PLANS.clear()
+        plans.PLANS.update(before)
+        pytest.fail(f"this test left the head plans changed: {changed}")
+    if left:
+        pytest.fail("this test left TWINKLE_MEM_HEAD_PLAN changed")
+
+
 @pytest.fixture
 def uninstalled():
     """twinkle_mem.integrations.twinkle not installed before the test, and undone after it."""

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_leaves
 
 import twinkle_mem
 from numerics import check_outputs
-from twinkle_mem.heads import engine
+from twinkle_mem.heads import plans
 from twinkle_mem.heads.logprobs import linear_bwd, linear_fwd
 
 
@@ -145,11 +145,11 @@ def opcheck_op_schemas(dtype, device="cpu"):
 # ------------------------------------------------------------------ the fused LM head
 @contextlib.contextmanager
 def blocks(cols=None, rows=None, quantum=None, plan=None):
-    """The device plans (engine.PLANS) with vocab blocks of `cols` columns at every H, row tiles of `rows` rows and a
+    """The device plans (plans.PLANS) with vocab blocks of `cols` columns at every H, row tiles of `rows` rows and a
     last tile rounded up to `quantum` rows (at most `rows`), for the duration, so that small test sizes see several
     blocks and tiles (None: the plan's own). `plan`: the plan's name every device takes (TWINKLE_MEM_HEAD_PLAN: the
     GPU's plan runs on the CPU)."""
-    saved = dict(engine.PLANS)
+    saved = dict(plans.PLANS)
     forced = os.environ.get("TWINKLE_MEM_HEAD_PLAN")
     for name, p in saved.items():
         changes = {}
@@ -160,14 +160,14 @@ def blocks(cols=None, rows=None, quantum=None, plan=None):
                            step_rows=p.step_rows and max(rows, p.step_rows // p.row_tile * rows))
         if quantum is not None and not p.step_rows:
             changes.update(row_quantum=quantum)
-        engine.PLANS[name] = p._replace(**changes)
+        plans.PLANS[name] = p._replace(**changes)
     if plan is not None:
         os.environ["TWINKLE_MEM_HEAD_PLAN"] = plan
     try:
         yield
     finally:
-        engine.PLANS.clear()
-        engine.PLANS.update(saved)
+        plans.PLANS.clear()
+        plans.PLANS.update(saved)
         if plan is not None:
             if forced is None:
                 os.environ.pop("TWINKLE_MEM_HEAD_PLAN", None)
@@ -192,7 +192,7 @@ VOCAB = 1018  # hidden 32, ffn 64/128, 4 heads, sequences <= 40, 128 positions: 
 SEQ, PROMPT = 40, 12
 LENGTHS = [SEQ, SEQ - 7, SEQ - 3, SEQ - 11]  # micro-batches of 2 on Megatron: 80 rows each
 CHUNK = 64 << 10  # the fused op's block memory
-# Vocab blocks of 128 columns and row tiles of 16 rows (engine.VOCAB_BLOCK, ROW_TILE: the defaults exceed
+# Vocab blocks of 128 columns and row tiles of 16 rows (blocks(): the CPU plan's own exceed
 # this model's vocab and micro-batches): several blocks and tiles per micro-batch.
 FUSED_BLOCKS = (128, 16)
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.25, 2.0])

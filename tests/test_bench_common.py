@@ -56,6 +56,18 @@ def test_write_json_creates_the_folder_and_reads_back(tmp_path):
     assert (tmp_path / "new" / "r.json").read_text() == json.dumps(data, indent=1)
 
 
+def test_write_results_writes_the_table_the_rows_and_the_figure(tmp_path, capsys):
+    # bench_head_peers and bench_verl_forward call it without a figure; bench_verl and bench_swift with one.
+    meta, rows, table = {"vocab": 8}, [{"case": "a", "s": 0.5}], "| case |\n|---|\n| a |\n"
+    bench_common.write_results(str(tmp_path / "r"), meta, rows, table)
+    assert bench_common.read_json(str(tmp_path / "r.json")) == {"meta": meta, "rows": rows}
+    assert (tmp_path / "r.md").read_text() == table and not (tmp_path / "r.png").exists()
+    bench_common.write_results(str(tmp_path / "f"), meta, rows, table,
+                               lambda r, m, path: Path(path).write_text(f"{len(r)} rows, V = {m['vocab']}"))
+    assert (tmp_path / "f.png").read_text() == "1 rows, V = 8" and (tmp_path / "f.md").read_text() == table
+    assert capsys.readouterr().out == table + "\n" + table + f"\nwrote {tmp_path / 'f'}.json, .md, .png\n"
+
+
 def test_run_child_returns_the_last_json_line_and_reports_failures():
     got = bench_common.run_child([sys.executable, "-c", "print('progress'); print('{\"s\": 1.5}')"])
     assert got == {"s": 1.5}
@@ -67,6 +79,16 @@ def test_run_child_returns_the_last_json_line_and_reports_failures():
     with pytest.raises(subprocess.TimeoutExpired):
         bench_common.run_child([sys.executable, "-c", "import time; time.sleep(30)"], timeout=1)
 
+
+def test_a_script_measures_in_children_of_itself(tmp_path):
+    # run_config starts the script with --child CONFIG; parse_or_answer_child answers there and exits.
+    script = tmp_path / "bench_x.py"
+    script.write_text(f"import argparse, sys\nsys.path.insert(0, {str(BENCH)!r})\nimport bench_common\n"
+                      "twice = lambda config: {'twice': 2 * config['n']}\n"
+                      "args = bench_common.parse_or_answer_child(argparse.ArgumentParser(), twice)\n"
+                      "print('{\"parent\": true}')\n")
+    assert bench_common.run_config(str(script), {"n": 21}) == {"twice": 42}
+    assert bench_common.run_child([sys.executable, str(script)]) == {"parent": True}
 
 def test_progress_lines_are_numbered(capsys):
     progress = bench_common.Progress(2)

@@ -187,6 +187,12 @@ def test_readme_switches_for_twinkle_and_verl_users():
     assert any(c.startswith("TWINKLE_MEM_INSTALL=") for c in commands)
     assert any(c.startswith("python -m verl.trainer.main_ppo") and "impl_backend=twinkle" in c for c in commands)
     assert "twinkle_mem.integrations.twinkle.install()" in README
+    # twinkle-mem is not on PyPI: a verl user installs it from its source, against the torch verl runs on
+    verl_docs = (ROOT / "docs/verl_integration.md").read_text()
+    for text in (README, verl_docs):
+        assert "twinkle-mem[verl]" not in text.replace('`pip install "twinkle-mem[verl]"` finds no package', "")
+        assert any('pip install --no-build-isolation ".[verl]"' in c for block in _bash_blocks(text)
+                   for c in _bash_commands(block))
 
 
 def test_readme_verl_table_is_bench_verls():

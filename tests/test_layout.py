@@ -24,13 +24,14 @@ PACKAGE_LAYOUT = {
     "": "__init__ __main__ measure processor megatron",
     "op": "__init__ functional contract op_args rows ops row_stats vocab_parallel composite native reference",
     "distill": "__init__ divergence arguments topk_teacher local_teacher reference",
-    "heads": "__init__ engine matmul gathered frozen logprobs gkd_topk gkd_full argmax reference",
+    "heads": "__init__ plans engine matmul gathered frozen logprobs gkd_topk gkd_full argmax reference",
     "integrations": "__init__",
     "integrations/core": "__init__ settings source recognition install_plan patching startup framework",
     "integrations/twinkle": "__init__ settings twinkle_names twinkle_source patches startup causal_mask mask_skip "
                             "logits_guard megatron_steps failed_micro_batches transformers_path fused_call_plan "
                             "fused_eligibility fused_call loss_heads distill_loss",
-    "integrations/verl": "__init__ settings verl_names patches fsdp_head megatron_head logits_path startup plugin",
+    "integrations/verl": "__init__ settings verl_names patches fsdp_head megatron_head entropy_grad logits_path startup "
+                         "plugin",
     "integrations/swift": "__init__ settings swift_names patches output_layer grpo_head gkd_head megatron_head "
                           "logits_path startup plugin",
 }
@@ -201,7 +202,9 @@ def test_no_test_module_imports_another():
 
 # The checks of the whole project, at the top of tests/; every other test module in the folder of what it tests.
 TOP_LEVEL_TESTS = {"test_docs.py", "test_layout.py", "test_packaging.py", "test_measure.py", "test_bench_common.py",
-                   "test_bench_selective_log_softmax.py", "test_device_checks.py"}
+                   "test_bench_selective_log_softmax.py", "test_bench_head_peers.py", "test_bench_verl_forward.py",
+                   "test_bench_head_sizes.py",
+                   "test_device_checks.py"}
 
 
 def test_tests_mirror_the_package():

@@ -311,19 +311,18 @@ class ForwardKernel : public RowStream<T> {
   }
 
   // exp / ln of one scalar, as 1-element vector instructions.
-  __aicore__ inline float ScalarExp(float v) {
+  __aicore__ inline float ScalarExp(float v) { return OnScalar<true>(v); }
+  __aicore__ inline float ScalarLn(float v) { return OnScalar<false>(v); }
+  template <bool kExp>
+  __aicore__ inline float OnScalar(float v) {
     LocalTensor<float> s = Slot(3);
     s.SetValue(0, v);
     Sync<HardEvent::S_V>();
-    Exp(s, s, 1);
-    Sync<HardEvent::V_S>();
-    return s.GetValue(0);
-  }
-  __aicore__ inline float ScalarLn(float v) {
-    LocalTensor<float> s = Slot(3);
-    s.SetValue(0, v);
-    Sync<HardEvent::S_V>();
-    Ln(s, s, 1);
+    if constexpr (kExp) {
+      Exp(s, s, 1);
+    } else {
+      Ln(s, s, 1);
+    }
     Sync<HardEvent::V_S>();
     return s.GetValue(0);
   }

@@ -296,25 +296,17 @@ enum class RoundMode { CAST_NONE = 0, CAST_RINT, CAST_FLOOR, CAST_CEIL, CAST_ROU
 enum pipe_t { PIPE_S, PIPE_V, PIPE_MTE2, PIPE_MTE3, PIPE_ALL };
 using event_t = int;
 
-// HardEvent A_B: pipe B waits for pipe A.
-enum class HardEvent { MTE2_V, V_MTE2, MTE3_V, V_MTE3, S_V, V_S, S_MTE3, MTE3_S, MTE2_S, S_MTE2, MTE2_MTE3, MTE3_MTE2 };
+// HardEvent A_B: pipe B waits for pipe A. Its value is A * kPipes + B (STANDIN_EVENT writes it from the name), from
+// which event_pipes reads {A, B} back.
+#define STANDIN_EVENT(A, B) A##_##B = standin::k##A * standin::kPipes + standin::k##B
+enum class HardEvent {
+  STANDIN_EVENT(MTE2, V), STANDIN_EVENT(V, MTE2), STANDIN_EVENT(MTE3, V), STANDIN_EVENT(V, MTE3),
+  STANDIN_EVENT(S, V), STANDIN_EVENT(V, S), STANDIN_EVENT(S, MTE3), STANDIN_EVENT(MTE3, S),
+  STANDIN_EVENT(MTE2, S), STANDIN_EVENT(S, MTE2), STANDIN_EVENT(MTE2, MTE3), STANDIN_EVENT(MTE3, MTE2)
+};
+#undef STANDIN_EVENT
 inline std::pair<int, int> event_pipes(HardEvent e) {
-  using namespace standin;
-  switch (e) {
-    case HardEvent::MTE2_V: return {kMTE2, kV};
-    case HardEvent::V_MTE2: return {kV, kMTE2};
-    case HardEvent::MTE3_V: return {kMTE3, kV};
-    case HardEvent::V_MTE3: return {kV, kMTE3};
-    case HardEvent::S_V: return {kS, kV};
-    case HardEvent::V_S: return {kV, kS};
-    case HardEvent::S_MTE3: return {kS, kMTE3};
-    case HardEvent::MTE3_S: return {kMTE3, kS};
-    case HardEvent::MTE2_S: return {kMTE2, kS};
-    case HardEvent::S_MTE2: return {kS, kMTE2};
-    case HardEvent::MTE2_MTE3: return {kMTE2, kMTE3};
-    case HardEvent::MTE3_MTE2: return {kMTE3, kMTE2};
-  }
-  return {0, 0};
+  return {static_cast<int>(e) / standin::kPipes, static_cast<int>(e) % standin::kPipes};
 }
 
 // A snapshot of what pipe `from` has done (all its issued work, and what it had synchronised with).

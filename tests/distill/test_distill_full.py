@@ -22,7 +22,7 @@ from head_helpers import make_head
 from helpers import VocabTensors, saved_for_backward
 from numerics import ulp
 from twinkle_mem.distill.reference import gkd_per_token_ref
-from twinkle_mem.heads import engine, gkd_full
+from twinkle_mem.heads import gkd_full
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
 

@@ -40,7 +40,7 @@ import twinkle_mem
 from distill_helpers import gkd_grad_bounds
 from head_helpers import make_head
 from numerics import ulp
-from twinkle_mem.heads import engine, gkd_full, gkd_topk
+from twinkle_mem.heads import gkd_full, gkd_topk
 
 GKDLoss = pytest.importorskip("twinkle.loss.gkd").GKDLoss
 

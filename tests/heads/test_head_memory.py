@@ -3,7 +3,7 @@ linear_gkd_full, bf16, fp16 and fp32, forward + backward, measured as the peak R
 
 The bound, beyond the inputs, the outputs and the gradients: the head's block working memory (its chunk
 budget: ``chunk_bytes`` of logits; the gathered weight rows and the k-wide float64 math of a top-k teacher;
-the float64 math of one [ROW_TILE, FULL_BLOCK] block of a whole-vocab teacher), at most one fp32 weight block
+the float64 math of one [FULL_ROWS, FULL_BLOCK] block of a whole-vocab teacher), at most one fp32 weight block
 and one fp32 hidden tile, the fp32 accumulators of the gradients (one vocab block of grad_weight and
 grad_bias, grad_hidden of the kept rows and its cast), the kept rows' copy of hidden, O(N). A head holding
 an fp32 copy of the whole LM head (V H 4 bytes: linear_gkd_full before issue 33, in bf16 and fp16) is far
@@ -34,13 +34,13 @@ SIZES = dict(n=512, h=256, v=32768, k=16, row_tile=128, vocab_block=512, full_bl
              chunk_bytes=8 << 20)
 SLACK = 3 << 20  # allocator and interpreter noise in one call (measured: < 1 MiB)
 PER_ROW = 256  # O(N): labels, kept-row indices, statistics, upstream gradients (bytes per row, generous)
-FULL_TEMPORARIES = 16  # float64 [ROW_TILE, FULL_BLOCK] tensors the whole-vocab teacher's math holds at once
+FULL_TEMPORARIES = 16  # float64 [FULL_ROWS, FULL_BLOCK] tensors the whole-vocab teacher's math holds at once
 TOPK_TEMPORARIES = 16  # float64 [N, k] tensors of the k-wide math (docs/distillation.md)
 
 
 def _small_blocks(row_tile, vocab_block, full_block, gather_bytes):
-    from twinkle_mem.heads import engine, gkd_full, gkd_topk
-    engine.PLANS["cpu"] = engine.PLANS["cpu"]._replace(row_tile=row_tile, vocab_block=vocab_block)
+    from twinkle_mem.heads import gkd_full, gkd_topk, plans
+    plans.PLANS["cpu"] = plans.PLANS["cpu"]._replace(row_tile=row_tile, vocab_block=vocab_block)
     gkd_full.FULL_ROWS, gkd_full.FULL_BLOCK, gkd_topk.GATHER_BYTES = row_tile, full_block, gather_bytes
 
 
@@ -88,7 +88,7 @@ def measure(head, dtype, n=SIZES["n"], h=SIZES["h"], v=SIZES["v"], k=SIZES["k"],
         held = sum(t.nbytes for t in _run(head, hidden, weight, labels, teacher, chunk_bytes))
     item, kept = dt.itemsize, int((labels != -100).sum())
     reduced = dt != torch.float32
-    from twinkle_mem.heads.engine import PLANS, block_width
+    from twinkle_mem.heads.plans import PLANS, block_width
     width = full_block if head == "gkd_full" else block_width(v, h, PLANS["cpu"])
     budget = {"logprobs": chunk_bytes,
               "gkd_topk": 3 * gather_bytes + TOPK_TEMPORARIES * 8 * n * k,
@@ -127,11 +127,11 @@ class NewTensors(OpsInside):
 @pytest.mark.parametrize("requires", ["hidden", "weight"])
 @pytest.mark.parametrize("head", HEADS)
 def test_gradients_not_asked_for_are_not_built(head, requires):
-    from twinkle_mem.heads import engine, gkd_full, gkd_topk, logprobs
+    from twinkle_mem.heads import gkd_full, gkd_topk, logprobs, plans
     # n not a multiple of the row tile, no row ignored (no kept-row copy of hidden), V above one vocab block (the
     # default blocks at this H: 32768 columns)
     n, h, k = 300, 32, 8
-    v = engine.block_width(1 << 20, h, engine.PLANS["cpu"]) + 3232
+    v = plans.block_width(1 << 20, h, plans.PLANS["cpu"]) + 3232
     hidden, weight, labels, teacher = _inputs(head, torch.bfloat16, n, h, v, k, requires=(requires,), ignore_every=0)
     other = weight if requires == "hidden" else hidden
     ops = (logprobs.linear_fwd, logprobs.linear_bwd, gkd_topk.gkd_fwd, gkd_topk.gkd_bwd, gkd_full.gkd_full_fwd,

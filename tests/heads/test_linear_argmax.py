@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from head_helpers import vocab_shard
 from helpers import Cases, blocks
-from twinkle_mem.heads import engine
+from twinkle_mem.heads import plans
 from twinkle_mem.heads.argmax import linear_argmax
 
 cases = Cases(__name__, timeout_s=120)
@@ -113,7 +113,7 @@ def test_float64_maxima_kept_exactly(small_blocks):
 
 def test_default_blocks_one_block():
     """The package's own blocks (at H = 16 one block of 4 x 8192 columns and a ragged one, one row tile here)."""
-    hidden, weight = head(40, 16, engine.block_width(1 << 20, 16, engine.PLANS["cpu"]) + 100, torch.float32)
+    hidden, weight = head(40, 16, plans.block_width(1 << 20, 16, plans.PLANS["cpu"]) + 100, torch.float32)
     assert torch.equal(linear_argmax(hidden, weight), reference(hidden, weight))
 
 

@@ -30,8 +30,8 @@ import twinkle_mem
 from twinkle_mem.op import composite
 from twinkle_mem.heads import frozen as frozen_module, matmul
 from helpers import blocks
-from twinkle_mem.heads import engine
-from twinkle_mem.heads.engine import block_need, block_width
+from twinkle_mem.heads import plans
+from twinkle_mem.heads.plans import block_need, block_width
 from twinkle_mem.heads.matmul import product_sums
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,7 +40,7 @@ _spec = importlib.util.spec_from_file_location("check_linear_invariance", SCRIPT
 check_linear_invariance = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check_linear_invariance)
 
-CPU_PLAN = engine.PLANS["cpu"]
+CPU_PLAN = plans.PLANS["cpu"]
 ROW_TILE, VOCAB_BLOCK = CPU_PLAN.row_tile, CPU_PLAN.vocab_block
 H = 32
 V = block_width(1 << 20, H, CPU_PLAN) + 809  # two blocks, the second ragged
@@ -106,6 +106,51 @@ def test_matmul_shapes_whatever_n_and_chunk_bytes(monkeypatch, h):
     assert shapes[0] == sorted({((16, h), (c, h)) for c in pieces}), shapes[0]
     assert shapes[1] == sorted({((r, h), (c, h)) for c in pieces for r in (ROW_TILE, 480)}), shapes[1]
     assert shapes[2] == shapes[1], shapes
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+@pytest.mark.parametrize("dtype", TIERED, ids=str)
+def test_chunk_budget_invariance(dtype, frozen, monkeypatch):
+    # One batch (a third of the rows dropped, k = 2 labels, bias, T = 0.7) at chunk_bytes from the smallest that
+    # holds one step of the widest blocks to 1 GiB: every output and every gradient bitwise the same. Below it, down
+    # to one step of an unwidened block, the blocks narrow (the same values to rounding); below that, ValueError.
+    from twinkle_mem.heads.frozen import vectors_at_most
+    n = 1000
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(n, H, generator=gen).to(dtype)
+    weight = (torch.randn(V, H, generator=gen) * 0.25).to(dtype)
+    bias = torch.randn(V, generator=gen).to(dtype)
+    labels = torch.randint(0, V, (n, 2), generator=gen)
+    labels[torch.rand(n, generator=gen) < 1 / 3] = -100
+    g_logp, g_ent = torch.randn(n, 2, generator=gen), torch.randn(n, generator=gen)
+    # A frozen head told the entropy is trained sums its two vectors in the forward (on a CPU that multiplies bf16
+    # natively a bf16 one would recompute instead, as the trainable head here does: frozen.recompute_is_cheaper)
+    monkeypatch.setattr(frozen_module, "native_reduced_products", lambda d, device: False)
+    cpu = torch.device("cpu")
+    sums, most = product_sums(dtype, cpu), vectors_at_most(dtype, cpu)
+    smallest = block_need(block_width(V, H, CPU_PLAN), H, dtype, CPU_PLAN, sums, most)
+    narrowest = block_need(VOCAB_BLOCK, H, dtype, CPU_PLAN, sums, most)
+    assert block_width(V, H, CPU_PLAN) == 4 * VOCAB_BLOCK and narrowest < smallest  # (this H widens the blocks)
+
+    def run(chunk):
+        h, w, b = (t.clone().requires_grad_(t is hidden or not frozen) for t in (hidden, weight, bias))
+        logp, ent = twinkle_mem.linear_selective_log_softmax(h, w, labels, True, bias=b, temperature=0.7,
+                                                             ignore_index=-100, chunk_bytes=chunk, entropy_grad=True)
+        params = (h,) if frozen else (h, w, b)
+        return logp, ent, *torch.autograd.grad((logp * g_logp).sum() + (ent * g_ent).sum(), params)
+
+    names = ("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias")
+    ref = run(smallest)
+    for chunk in (smallest + 1, 2 * smallest + 777, 5 * smallest, 1 << 30):
+        for what, a, r in zip(names, run(chunk), ref):
+            assert torch.equal(a, r), (f"{what} at chunk_bytes={chunk} differs from chunk_bytes={smallest} by "
+                                       f"{(a.double() - r.double()).abs().max().item():.3g}")
+    for chunk in (narrowest, smallest - 1):  # narrower blocks: accepted, the same values but for rounding
+        for what, a, r in zip(names, run(chunk), ref):
+            tol = 2e-5 if dtype == torch.float32 else 2**-6
+            assert torch.allclose(a.double(), r.double(), rtol=tol, atol=tol * r.double().abs().max().item()), what
+    with pytest.raises(ValueError, match="below one step of a vocab block"):
+        run(narrowest - 1)
 
 
 @pytest.mark.parametrize("entropy_grad", [None, True], ids=["entropy a metric", "entropy declared"])

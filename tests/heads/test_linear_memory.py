@@ -32,12 +32,12 @@ def measure(n, h, v, dtype="float32", chunk_bytes=64 << 20, ignore_frac=0.0, pat
     import torch
 
     import twinkle_mem
-    from twinkle_mem.heads import engine
+    from twinkle_mem.heads import plans
     from twinkle_mem.measure import peak_rss
     if vocab_block:
-        engine.PLANS["cpu"] = engine.PLANS["cpu"]._replace(vocab_block=vocab_block, max_widen=1)
+        plans.PLANS["cpu"] = plans.PLANS["cpu"]._replace(vocab_block=vocab_block, max_widen=1)
     if row_tile:
-        engine.PLANS["cpu"] = engine.PLANS["cpu"]._replace(row_tile=row_tile)
+        plans.PLANS["cpu"] = plans.PLANS["cpu"]._replace(row_tile=row_tile)
     assert twinkle_mem.backends()["cpu"] == "loaded", f"native CPU kernels not loaded: {twinkle_mem.backends()}"
     if threads:
         torch.set_num_threads(threads)

@@ -24,8 +24,8 @@ import twinkle_mem
 from head_helpers import make_head, op_bound, through_matmul
 from helpers import assert_stats_close, blocks
 from numerics import Impl, check_case, make_cases, ulp
-from twinkle_mem.heads import engine, logprobs
-from twinkle_mem.heads.engine import block_need, block_width, fit_width, step_bytes, tiles_in_flight
+from twinkle_mem.heads import engine, plans
+from twinkle_mem.heads.plans import block_need, block_width, fit_width, step_bytes, tiles_in_flight
 from twinkle_mem.heads.matmul import product_sums
 from twinkle_mem.heads.frozen import frozen_grad
 from twinkle_mem.heads.logprobs import linear_bwd, linear_fwd
@@ -91,9 +91,9 @@ CPU = torch.device("cpu")
 
 
 def smallest_chunk(vocab, hidden_size, dtype):
-    """The smallest chunk_bytes that holds the widest blocks: one step of a block in the larger pass (engine.block_need)."""
+    """The smallest chunk_bytes that holds the widest blocks: one step of a block in the larger pass (plans.block_need)."""
     from twinkle_mem.heads.frozen import vectors_at_most
-    plan = engine.device_plan(CPU)
+    plan = plans.device_plan(CPU)
     return block_need(block_width(vocab, hidden_size, plan), hidden_size, dtype, plan, product_sums(dtype, CPU),
                       vectors_at_most(dtype, CPU))
 
@@ -279,7 +279,7 @@ def test_reduced_precision_gradients_no_worse_than_unfused(monkeypatch, dtype, r
     # (RMS within 1.1x). With bf16 products (a CPU that multiplies bf16 natively: matmul.RoundedSums) each block's
     # product is rounded to bf16 once before the fp32 sum: 1.23x the unfused path's RMS error at 32 blocks here
     # and at V = 151936's 19 (docs/linear.md); summing those products in bf16 instead would grow with the blocks.
-    monkeypatch.setattr(engine, "product_sums", lambda d, device, logits_dtype=None: (
+    monkeypatch.setattr(plans, "product_sums", lambda d, device, logits_dtype=None: (
         "straight" if d not in (torch.bfloat16, torch.float16) else "rounded" if rounded else "copies"))
     n, h, v = 64, 64, 8192
     hidden, weight, bias, labels = make_head(n, h, v, dtype, bias=False, seed=5)
@@ -452,7 +452,7 @@ def test_block_plan():
     # Block widths from the vocab, H and the device's plan alone (the CPU's: wider below H = 1024, cols x H no more
     # than at 1024, at most 4 x 8192; a GPU's: 4 x 8192 at any H); chunk_bytes only sets how many row tiles share a
     # step (the CPU's; a GPU's steps are fixed), and narrows the blocks where one step of them would not fit.
-    cpu, gpu = engine.PLANS["cpu"], engine.PLANS["cuda"]
+    cpu, gpu = plans.PLANS["cpu"], plans.PLANS["cuda"]
     assert block_width(1000, 1024, cpu) == 1000 and block_width(151936, 1024, cpu) == cpu.vocab_block == 8192
     assert [block_width(151936, h, cpu) for h in (4096, 1025, 1024, 768, 512, 300, 256, 64, 1)] == [
         8192, 8192, 8192, 8192, 16384, 24576, 32768, 32768, 32768]
@@ -525,14 +525,15 @@ def test_buffers_hold_the_rows_present(monkeypatch, frozen):
     assert sizes and all(width < 32003 for _group, width, _numel in sizes), sizes
 
 
-def test_default_chunk_bytes_holds_one_tile(monkeypatch):
+def test_default_chunk_bytes_holds_one_tile():
     # A call without chunk_bytes runs where the plan's default is below one step of a vocab block (bf16 at H = 4096
     # and 8192 columns needs more than 256 MiB): here, small blocks and a default made smaller than one.
     hidden, weight, bias, labels = make_head(40, 16, 300, torch.bfloat16, seed=5)
     hidden.requires_grad_(), weight.requires_grad_()  # a trainable head: the backward's tile is the larger
     with blocks(64, 16):
         smallest = smallest_chunk(300, 16, torch.bfloat16)
-        monkeypatch.setitem(engine.PLANS, "cpu", engine.PLANS["cpu"]._replace(chunk_bytes=smallest - 1))
+        # (blocks() puts every plan back at its end: a monkeypatch undone after it would restore blocks()'s plan)
+        plans.PLANS["cpu"] = plans.PLANS["cpu"]._replace(chunk_bytes=smallest - 1)
         got = lsls(hidden, weight, labels, True, bias=bias)
         (grad,) = torch.autograd.grad(got[0].sum() + got[1].sum(), hidden)
         want = lsls(hidden, weight, labels, True, bias=bias, chunk_bytes=smallest)
@@ -540,16 +541,15 @@ def test_default_chunk_bytes_holds_one_tile(monkeypatch):
         with pytest.raises(ValueError, match="below one step"):
             lsls(hidden, weight, labels, True, bias=bias, chunk_bytes=smallest - 1)
     assert all(torch.equal(a, b) for a, b in zip((*got, grad), (*want, want_grad)))
-    monkeypatch.undo()
-    for name, plan in engine.PLANS.items():
+    for name, plan in plans.PLANS.items():
         for sums in ("copies", "rounded", "mixed"):
             for h in (256, 512, 2560, 4096, 5120, 8192):  # small heads (wide blocks); Qwen3 4B, 8B, 14B, 32B+
-                default = engine.default_chunk_bytes(151936, h, torch.bfloat16, plan, sums)
+                default = plans.default_chunk_bytes(151936, h, torch.bfloat16, plan, sums)
                 fit_width(151936, h, torch.bfloat16, default, plan, sums)  # raises where it does not fit
         # (a GPU sums bf16 products in fp32 itself, and recomputes a frozen head's entropy rather than sum its vector)
         sums, vectors = ("mixed", 1) if plan.step_rows else ("copies", 2)
         for h in (64, 256, 512, 1024):  # below H = 2048 the plan's default holds the widest blocks
-            assert engine.default_chunk_bytes(151936, h, torch.bfloat16, plan, sums, vectors) == plan.chunk_bytes, name
+            assert plans.default_chunk_bytes(151936, h, torch.bfloat16, plan, sums, vectors) == plan.chunk_bytes, name
             assert fit_width(151936, h, torch.bfloat16, plan.chunk_bytes, plan, sums, vectors) == block_width(
                 151936, h, plan), (name, h)
 

@@ -242,7 +242,7 @@ def old_and_new_logprobs_bitwise(rank, world):
     # fp32 and bf16, at the default budget and at the smallest one each shard accepts (its blocks narrowed): bitwise
     # the same on every rank (issue 52: a frozen forward summing vectors once narrowed its blocks alone).
     import twinkle_mem
-    from twinkle_mem.heads import engine
+    from twinkle_mem.heads import plans
     from twinkle_mem.heads.frozen import vectors_at_most
     from twinkle_mem.heads.matmul import product_sums
     cpu = torch.device("cpu")
@@ -253,8 +253,8 @@ def old_and_new_logprobs_bitwise(rank, world):
         weight = (torch.randn(v, h, generator=gen) * 0.3).to(dtype)
         labels = torch.randint(0, v, (n,), generator=gen)
         w = vocab_shard(weight, rank, world)
-        plan = engine.device_plan(cpu)
-        smallest = engine.block_need(plan.vocab_block, h, dtype, plan, product_sums(dtype, cpu),
+        plan = plans.device_plan(cpu)
+        smallest = plans.block_need(plan.vocab_block, h, dtype, plan, product_sums(dtype, cpu),
                                      vectors_at_most(dtype, cpu))
         for chunk in (None, smallest):
             with torch.no_grad():

@@ -5,7 +5,7 @@ path, where the logits never exist.
 for: each block of logits is computed as the layer computes its logits (``F.linear`` in the inputs' dtype, divided
 by the temperature in that dtype as twinkle's forward divides them), the first maximal column kept, the blocks
 folded in vocab order keeping the earlier block on equal values. So the index is the first among equal maxima,
-as ``torch.argmax``'s. Memory: one [ROW_TILE, engine.block_width] block of logits and O(rows) results. A head on
+as ``torch.argmax``'s. Memory: one step of the device plan's row tiles by plans.block_width columns of logits and O(rows) results. A head on
 the engine (engine.py): its row tiles, vocab blocks and forward sweep; its per-block math is a max and a fold.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..op.vocab_parallel import VocabShard
-from .engine import BlockPlan, RowTiles, acc_dtype, block_width, device_plan, forward_sweep, pad_rows, step_tiles
+from .engine import RowTiles, acc_dtype, forward_sweep, pad_rows
+from .plans import BlockPlan, block_width, device_plan, step_tiles
 
 
 def _fold(best: Tensor, index: Tensor, value: Tensor, column: Tensor) -> None:

@@ -54,7 +54,8 @@ from torch import Tensor
 
 from ..op import ops
 from ..op.contract import acc_dtype
-from .engine import BlockPlan, BlockProducts, Rows, device_plan
+from .engine import BlockProducts, Rows
+from .plans import BlockPlan, device_plan
 from .matmul import native_reduced_products, reduced
 
 
@@ -262,6 +263,24 @@ def frozen_grad(grad_logp: Optional[Tensor], grad_entropy: Optional[Tensor], vec
 def _frozen_grad_fake(grad_logp, grad_entropy, vec_logp, vec_entropy, hidden, weight, labels, inv_temperature,
                       ignore_index, vocab_start, vocab_size):
     return hidden.new_empty(hidden.shape)
+
+
+def save_one_output(ctx, in_forward: bool, args: dict, output, saved: tuple) -> None:
+    """setup_context of a head of one output per row (loss, then its backward's state and the vectors): (hidden, the
+    vectors) where the forward summed them (``in_forward``), else hidden, weight, bias, the inputs named in ``saved``
+    and the backward's state; the outputs but the first not differentiable."""
+    if in_forward:  # the vectors, not the teacher: the backward recomputes nothing
+        ctx.save_for_backward(args["hidden"], output[2])
+    else:
+        ctx.save_for_backward(args["hidden"], args["weight"], args["bias"], *(args[name] for name in saved), output[1])
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def grad_from_vectors(ctx, grad: Tensor) -> dict:
+    """The backward of a frozen head's output of one value per row whose forward saved (hidden, vectors):
+    autograd's gradients by input name, grad_hidden = grad[n] vectors[n] (heads/gkd_full.py, gkd_topk.py)."""
+    hidden, vectors = ctx.saved_tensors
+    return {"hidden": row_scaled(grad, vectors, hidden) if ctx.needs_input_grad[0] else None}
 
 
 @torch.library.custom_op("twinkle_mem::frozen_row_grad", mutates_args=())

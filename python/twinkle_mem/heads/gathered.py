@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from ..op.contract import acc_dtype
-from .engine import Needs, Rows, RowTiles, block_width, device_plan, pad_rows, vocab_blocks
+from .engine import Needs, Rows, RowTiles, pad_rows
+from .plans import block_width, device_plan, vocab_blocks
 
 
 def _gathered(weight: Tensor, ids: Tensor, tile: int, acc: torch.dtype) -> Tensor:

@@ -4,8 +4,8 @@
 ``linear_gkd_full(hidden, weight, teacher_logits, labels)`` returns per token what
 ``gkd_from_logits(hidden @ weight.T + bias, teacher_logits, labels)`` returns (distill/divergence.py's formulas with
 k = V), with gradients to hidden, weight and bias. It runs on the blockwise engine (engine.py: kept rows,
-row tiles of engine.ROW_TILE rows, vocab blocks of FULL_BLOCK columns, fp32 sums, needed gradients) and
-supplies the per-block math, in float64, on one [ROW_TILE, FULL_BLOCK] block of the student's logits (fp32,
+row tiles of FULL_ROWS rows, vocab blocks of FULL_BLOCK columns, fp32 sums, needed gradients) and
+supplies the per-block math, in float64, on one [FULL_ROWS, FULL_BLOCK] block of the student's logits (fp32,
 fp64 for fp64 inputs) at a time:
 
 forward, two sweeps:  1. each row's (max, log-sum-exp) of s = x / T and of t, folded in block order (float64);
@@ -15,7 +15,7 @@ backward, one sweep:  recompute ls, lt; D = g divergence.gkd_grad(ls, lt, L, K) 
                       which the engine sums grad_hidden, grad_weight and grad_bias in fp32, each rounded once.
 
 Saved for backward: the inputs (references) and six float64 values per row. Memory beyond inputs and
-gradients, at every dtype: a block's float64 working tensors (about 16 of [ROW_TILE, FULL_BLOCK]), one fp32
+gradients, at every dtype: a block's float64 working tensors (about 16 of [FULL_ROWS, FULL_BLOCK]), one fp32
 weight block and one fp32 hidden tile (bf16 / fp16: the engine's copies), the fp32 accumulators of
 grad_hidden [N_kept, H] and of a block of grad_weight; a gradient autograd does not ask for is not built.
 Rows whose label is ignore_index give 0 and are dropped before any matmul. Fixed tile and block shapes: a
@@ -32,10 +32,11 @@ from ..distill.arguments import GkdOptions, check_teacher_logits, checked_gkd, f
 from ..distill.divergence import gkd_grad, gkd_terms, log_add_exp
 from ..op.contract import stats_dtype
 from ..op.op_args import call, named_inputs, pick, register_autograd
-from .engine import (BlockPlan, BlockProducts, Needs, Rows, acc_dtype, backward_sweep, check_head_args, device_plan,
-                     fake_grads, forward_sweep, frozen_head)
+from .engine import (BlockProducts, Needs, Rows, acc_dtype, backward_sweep, check_head_args, fake_grads, forward_sweep,
+                     frozen_head)
 from .matmul import product_sums
-from .frozen import row_scaled
+from .plans import BlockPlan, device_plan
+from .frozen import grad_from_vectors, save_one_output
 
 FULL_BLOCK = 2048  # vocab columns per block of the float64 math
 FULL_ROWS = 512  # rows per block, the last tile zero-padded
@@ -185,17 +186,12 @@ def _gkd_full_bwd_fake(grad_loss, stats, hidden, weight, bias, teacher, labels, 
 def _setup_context(ctx, inputs, output):
     args = named_inputs(gkd_full_fwd, inputs)
     ctx.gkd, ctx.frozen = pick(GkdOptions, gkd_full_fwd, inputs), args["frozen"]
-    if ctx.frozen:  # the vectors, not the teacher: the backward recomputes nothing
-        ctx.save_for_backward(args["hidden"], output[2])
-    else:
-        ctx.save_for_backward(args["hidden"], args["weight"], args["bias"], args["teacher"], args["labels"], output[1])
-    ctx.mark_non_differentiable(output[1], output[2])
+    save_one_output(ctx, ctx.frozen, args, output, ("teacher", "labels"))
 
 
 def _backward(ctx, grad_loss, _grad_stats, _grad_vectors):
     if ctx.frozen:
-        hidden, vectors = ctx.saved_tensors
-        return {"hidden": row_scaled(grad_loss, vectors, hidden) if ctx.needs_input_grad[0] else None}
+        return grad_from_vectors(ctx, grad_loss)
     hidden, weight, bias, teacher, labels, stats = ctx.saved_tensors
     needs = Needs.of(ctx, gkd_full_fwd, bias)
     return needs.grads(*call(gkd_full_bwd, grad_loss, stats, hidden, weight, bias, teacher, labels, ctx.gkd,
@@ -208,7 +204,7 @@ register_autograd(gkd_full_fwd, _backward, _setup_context)
 def linear_gkd_full(hidden, weight, teacher_logits, labels=None, *, bias=None, beta=0.5, temperature=1.0,
                     ignore_index=-100, teacher_temperature=None, loss_grad=None):
     """twinkle's GKDLoss per token over the whole vocab (``teacher_logits=``, ``topk=None``) from the LM
-    head's input; the student's [N, V] logits never exist, one [ROW_TILE, FULL_BLOCK] block at a time.
+    head's input; the student's [N, V] logits never exist, one [FULL_ROWS, FULL_BLOCK] block at a time.
 
     hidden [..., H], weight [V, H] (hidden's dtype), bias [V] or None, teacher_logits [..., V] (any float
     dtype, no gradient; a view such as twinkle's ``teacher_logits[:, :L]`` is read in place), labels [...] or

@@ -21,7 +21,7 @@ backward: the inputs (references) and dL/dx [N, k]. Backward (engine.gathered_ba
 
     grad_hidden[n] = sum_j g_n dL/dx[n, j] weight[ids[n, j]]     (per row tile, fp32, rounded once)
     grad_weight[v] = sum_{(n, j): ids[n, j] = v} g_n dL/dx[n, j] hidden[n]   (per vocab block of
-                     engine.block_width columns, an fp32 accumulator for bf16/fp16, rounded once)
+                     plans.block_width columns, an fp32 accumulator for bf16/fp16, rounded once)
     grad_bias[v]   likewise with 1 for hidden[n].
 
 Tensor parallelism (``process_group``): ``weight`` / ``bias`` are this rank's vocab shard
@@ -46,7 +46,7 @@ from ..op.contract import stats_dtype
 from ..op.op_args import call, named_inputs, pick, register_autograd
 from ..op.vocab_parallel import VocabShard
 from .engine import Needs, Rows, check_head_args, fake_grads, frozen_head, pad_rows
-from .frozen import row_scaled
+from .frozen import grad_from_vectors, save_one_output
 from .gathered import gathered_backward, gathered_logits, gathered_tiles
 
 # The gathered weight rows of one row tile, in fp32: R k H 4 bytes at most this (and R <= MAX_TILE_ROWS).
@@ -146,18 +146,12 @@ def _setup_context(ctx, inputs, output):
     args = named_inputs(gkd_fwd, inputs)
     ctx.gkd, ctx.shard = pick(GkdOptions, gkd_fwd, inputs), pick(VocabShard, gkd_fwd, inputs)
     ctx.in_forward = frozen_in_forward(args["frozen"], args["group_name"])
-    if ctx.in_forward:  # the vectors: the backward gathers nothing
-        ctx.save_for_backward(args["hidden"], output[2])
-    else:
-        ctx.save_for_backward(args["hidden"], args["weight"], args["bias"], args["teacher_ids"], args["labels"],
-                              output[1])
-    ctx.mark_non_differentiable(output[1], output[2])
+    save_one_output(ctx, ctx.in_forward, args, output, ("teacher_ids", "labels"))
 
 
 def _backward(ctx, grad_loss, _grad_coef, _grad_vectors):
     if ctx.in_forward:
-        hidden, vectors = ctx.saved_tensors
-        return {"hidden": row_scaled(grad_loss, vectors, hidden) if ctx.needs_input_grad[0] else None}
+        return grad_from_vectors(ctx, grad_loss)
     hidden, weight, bias, teacher_ids, labels, coef = ctx.saved_tensors
     needs = Needs.of(ctx, gkd_fwd, bias)
     return needs.grads(*call(gkd_bwd, grad_loss, coef, hidden, weight, bias, teacher_ids, labels, ctx.gkd, ctx.shard,

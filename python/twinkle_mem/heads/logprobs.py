@@ -16,9 +16,9 @@ Backward, per block and group (engine.backward_sweep): the op's in-place backwar
 (shift, log_sum, entropy) turns the recomputed logits into their gradient, from which the engine sums
 grad_weight, grad_bias and grad_hidden.
 
-Batch invariance (docs/linear.md): every matmul and merge is cut from engine.ROW_TILE and
-engine.block_width (V and H) alone; ``chunk_bytes`` only decides how many tiles share one op call
-(engine.tiles_in_flight). Memory (beyond inputs, outputs and gradients: the block buffer within
+Batch invariance (docs/linear.md): every matmul and merge is cut from the device's plan (plans.PLANS: its row
+tiles) and plans.block_width (V and H) alone; ``chunk_bytes`` only decides how many tiles share one op call
+(plans.tiles_in_flight), or narrows the blocks where one step of the widest does not fit (plans.fit_width). Memory (beyond inputs, outputs and gradients: the block buffer within
 ``chunk_bytes``, O(N) statistics, nothing [N, V]) and tensor parallelism (``weight`` is this rank's vocab
 shard; ``grad_hidden`` is this rank's partial sum, Megatron's ColumnParallelLinear convention): see
 docs/linear.md.
@@ -41,9 +41,9 @@ from ..op.contract import check_index_and_options, check_op_label_range, ignore_
 from ..op.op_args import call, named_inputs, pick, register_autograd
 from ..op.row_stats import combine_shard_stats_in_tiles, output_shift
 from ..op.vocab_parallel import VocabShard, gather_shard_stats
-from .engine import (BlockPlan, Needs, Rows, backward_sweep, check_head_args, fake_grads, forward_sweep, frozen_head,
-                     plan_blocks)
-from .frozen import FrozenGrads, frozen_grad, recompute_is_cheaper
+from .engine import Needs, Rows, backward_sweep, check_head_args, fake_grads, forward_sweep, frozen_head
+from .frozen import FrozenGrads, frozen_grad, recompute_is_cheaper, vectors_at_most
+from .plans import BlockPlan, plan_blocks
 
 def vectors_summed(frozen: bool, with_entropy: bool, entropy_grad: Optional[bool]) -> int:
     """How many gradient vectors a frozen head's forward sums: S, and E where the caller said the entropy will
@@ -66,10 +66,11 @@ class LogprobOptions(NamedTuple):
 
 
 def _plan(hidden: Tensor, shard: int, chunk_bytes: int, backward: bool, vectors: int = 0) -> BlockPlan:
-    """The call's blocks (engine.plan_blocks: the same in its forward and backward, with autograd on or off), as
+    """The call's blocks (plans.plan_blocks: the same in its forward and backward, with autograd on or off), as
     many row tiles per step as this pass's budget holds, logits in the input dtype (the op reads them as the
     model's layer would give them)."""
-    return plan_blocks(hidden, shard, chunk_bytes or None, backward, vectors)
+    return plan_blocks(hidden, shard, chunk_bytes or None, backward, vectors,
+                       most=vectors_at_most(hidden.dtype, hidden.device))
 
 
 # ------------------------------------------------------------------ forward op
@@ -109,7 +110,7 @@ def _shard_stats(rows: Rows, weight: Tensor, bias: Optional[Tensor], labels: Ten
     logp_b, entropy_b, shift_b, log_sum_b = (
         torch.cat(parts).double().view(blocks, m, *parts[0].shape[1:]) if i != 1 or opts.with_entropy else None
         for i, parts in enumerate(zip(*kept)))
-    del kept
+    kept.clear()  # (the steps' own tensors: freed before the merge)
     if grads is not None:
         grads.label_share(shift_b, log_sum_b)
     owner = torch.where(ignored, 0, local.div(plan.width, rounding_mode="floor")).clamp(0, blocks - 1)
@@ -315,7 +316,7 @@ def linear_selective_log_softmax(hidden, weight, index, return_entropy=False, *,
     frozen = frozen_head(hidden, weight, bias) and not recompute_is_cheaper(hidden.dtype, hidden.device,
                                                                              trained_entropy)
     # Refuse, before any work, a chunk_bytes below one step of the narrowest vocab block: V, H, dtype, device.
-    plan_blocks(hidden, weight.shape[0], chunk_bytes, backward=True)
+    plan_blocks(hidden, weight.shape[0], chunk_bytes, backward=True, most=vectors_at_most(hidden.dtype, hidden.device))
     rows = hidden.reshape(n, h_size)  # a view unless the leading dims cannot be merged
     labels = index.reshape(n, index.shape[-1] if multi else 1)
     opts = LogprobOptions(ops.inv_temperature_tensor(temperature), ignore_value(ignore_index), bool(return_entropy),

@@ -44,7 +44,7 @@ def mixed_addmm(device: torch.device) -> bool:
         try:
             a = torch.zeros((2, 2), dtype=torch.bfloat16, device=device)
             acc = a.float()
-            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)  # the very calls add_matmul and add_bmm make
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)  # the very calls add_matmul makes
             torch.baddbmm(acc[None], a[None], a[None], out_dtype=torch.float32, out=acc[None])
             _mixed_addmm_ok[device.type] = True
         except torch.OutOfMemoryError:
@@ -86,36 +86,20 @@ def product_sums(dtype: torch.dtype, device: torch.device, logits_dtype: Optiona
 
 
 def matmul_into(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """out = a @ b, the products summed in out's dtype (add_matmul's rule)."""
+    """out = a @ b (2-D, or 3-D batched), the products summed in out's dtype (add_matmul's rule)."""
     if out.dtype == a.dtype:
-        torch.mm(a, b, out=out)
+        (torch.bmm if a.dim() == 3 else torch.mm)(a, b, out=out)
     else:
         add_matmul(out.zero_(), a, b)
 
 
 def add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b, the products summed in acc's dtype (for bf16/fp16 a and b: only where
+    """acc += a @ b (2-D, or 3-D batched), the products summed in acc's dtype (for bf16/fp16 a and b: only where
     mixed_addmm said so; the caller passes fp32 copies elsewhere)."""
     if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
+        (acc.baddbmm_ if a.dim() == 3 else acc.addmm_)(a, b)
     else:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-
-
-def bmm_into(out: Tensor, a: Tensor, b: Tensor) -> None:
-    """out = a @ b batched, the products summed in out's dtype (add_bmm's rule)."""
-    if out.dtype == a.dtype:
-        torch.bmm(a, b, out=out)
-    else:
-        add_bmm(out.zero_(), a, b)
-
-
-def add_bmm(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b batched, the products summed in acc's dtype (add_matmul's rule)."""
-    if acc.dtype == a.dtype:
-        acc.baddbmm_(a, b)
-    else:
-        torch.baddbmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        (torch.baddbmm if a.dim() == 3 else torch.addmm)(acc, a, b, out_dtype=acc.dtype, out=acc)
 
 
 def batched_logits_into(out: Tensor, hidden: Tensor, w: Tensor, b: Optional[Tensor]) -> None:

@@ -591,12 +591,12 @@ def test_smallest_chunk_bytes_is_one_row_tile_of_the_narrowest_block():
     # The number install() and the variable's check hold fused_chunk_bytes to (no torch at import twinkle): one
     # row tile of bf16 logits of a one-column block on the CPU's plan, below what any call of any plan needs (a
     # value above it may still not fit a model: judged at its first fused step).
-    from twinkle_mem.heads import engine
+    from twinkle_mem.heads import plans
     smallest = integration.SMALLEST_CHUNK_BYTES
-    assert smallest == engine.PLANS["cpu"].row_tile * 1 * torch.bfloat16.itemsize
-    for plan in engine.PLANS.values():
+    assert smallest == plans.PLANS["cpu"].row_tile * 1 * torch.bfloat16.itemsize
+    for plan in plans.PLANS.values():
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for sums in ("straight", "copies", "mixed", "rounded"):
-                assert engine.block_need(1, 1, dtype, plan, sums, 1) >= smallest, (plan, dtype, sums)
+                assert plans.block_need(1, 1, dtype, plan, sums, 1) >= smallest, (plan, dtype, sums)
     with pytest.raises(ValueError, match="below one step"):
-        engine.fit_width(1, 1, torch.bfloat16, smallest - 1, engine.PLANS["cpu"], "copies")
+        plans.fit_width(1, 1, torch.bfloat16, smallest - 1, plans.PLANS["cpu"], "copies")

@@ -40,8 +40,8 @@ def _pp_step(fused, failing, *, entropy, forward_only=False, micro_batch_size=1,
     monkeypatch = pytest.MonkeyPatch()
     try:
         # the fused op's small test blocks (helpers.FUSED_BLOCKS; undone with monkeypatch)
-        from twinkle_mem.heads import engine
-        monkeypatch.setitem(engine.PLANS, "cpu", engine.PLANS["cpu"]._replace(
+        from twinkle_mem.heads import plans
+        monkeypatch.setitem(plans.PLANS, "cpu", plans.PLANS["cpu"]._replace(
             vocab_block=FUSED_BLOCKS[0], max_widen=1, row_tile=FUSED_BLOCKS[1]))
         # only the last stage unpacks in its forward steps (the other stages' calls come after the schedule)
         th.fail_unpacking(monkeypatch, InputProcessor, failing=failing if mpu.is_pipeline_last_stage() else set())

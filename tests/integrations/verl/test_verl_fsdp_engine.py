@@ -16,46 +16,27 @@ import contextlib
 
 import pytest
 import torch
-from helpers import Cases
-from verl_helpers import FP32_TOL, build_engine, ppo_steps, saved_tiny_qwen2
+from verl_helpers import (assert_steps_equal, build_engine, entropy_grads, ppo_steps, recorded_fused_head,
+                          saved_tiny_qwen2, verl_world)
+
+from standins.verl_cpu import cpu_verl
 
 WORLD = 2
 
 
-@contextlib.contextmanager
-def _verl_on_cpu():
-    import verl  # noqa: F401  (the entry point: twinkle-mem's install() with its defaults)
-
-    from standins.verl_cpu import cpu_verl
-    with cpu_verl():
-        yield
-
-
-cases = Cases(__name__, timeout_s=900, setup=_verl_on_cpu)
+cases = verl_world(__name__, 900, cpu_verl)
 case = cases.register(WORLD)
 
 
-def _steps(tied, fused_backend=None):
+def _steps(tied, fused_backend=None, lora_rank=0, entropy_coeff=0.01):
     from transformers import Qwen2ForCausalLM
     forward = vars(Qwen2ForCausalLM)["forward"]
     try:
         with saved_tiny_qwen2(tied=tied) as folder:
-            engine = build_engine(folder, fused_backend=fused_backend)
-            return engine, ppo_steps(engine)
+            engine = build_engine(folder, fused_backend=fused_backend, lora_rank=lora_rank)
+            return engine, ppo_steps(engine, entropy_coeff=entropy_coeff)
     finally:  # verl sets a fused forward on the model class, for every later model of that class: not the next run's
         Qwen2ForCausalLM.forward = forward
-
-
-def _assert_steps_equal(got, want, what):
-    assert len(got) == len(want) == 3
-    for step, (g, w) in enumerate(zip(got, want)):
-        for key in ("log_probs", "entropy", "loss"):
-            error = (g[key].double() - w[key].double()).abs().max().item()
-            assert error <= FP32_TOL, f"{what}, step {step}: {key} off by {error}"
-        assert g["metrics"].keys() == w["metrics"].keys(), what
-        for key, value in w["metrics"].items():
-            error = ((g["metrics"][key] - value).abs() / value.abs().clamp(min=1.0)).max().item()
-            assert error <= FP32_TOL, f"{what}, step {step}: metric {key} off by {error}"
 
 
 @contextlib.contextmanager
@@ -87,17 +68,36 @@ def twinkle_equals_verl_as_shipped_untied(rank, world):
     head = engine.module.lm_head
     assert isinstance(head, FSDPModule) and isinstance(head.weight, DTensor)  # verl sharded it on its own
     assert "twinkle_mem_log_probs" in vars(head)  # the head ran as an FSDP forward method of lm_head
-    _assert_steps_equal(twinkle, shipped, "impl_backend=twinkle, untied")
+    assert_steps_equal(twinkle, shipped, "impl_backend=twinkle, untied")
     assert twinkle[0]["log_probs"].dtype == torch.float32
 
 
 @case
 def twinkle_and_verl_torch_backend_equal_verl_as_shipped_tied(rank, world):
     _, shipped = _steps(tied=True)
-    _, twinkle = _steps(tied=True, fused_backend="twinkle")
+    with recorded_fused_head() as calls:
+        _, twinkle = _steps(tied=True, fused_backend="twinkle")
+    assert entropy_grads(calls, training=True) == {True}  # (verl's PPO loss, entropy_coeff = 0.01)
+    assert entropy_grads(calls, training=False) == {"default"}
     _, verl_torch = _steps(tied=True, fused_backend="torch")
-    _assert_steps_equal(twinkle, shipped, "impl_backend=twinkle, tied")
-    _assert_steps_equal(verl_torch, shipped, "impl_backend=torch, tied")
+    assert_steps_equal(twinkle, shipped, "impl_backend=twinkle, tied")
+    assert_steps_equal(verl_torch, shipped, "impl_backend=torch, tied")
+
+
+@case
+def lora_frozen_head(rank, world):
+    """verl's FSDP LoRA (peft on every linear of the layers: the LM head frozen, sharded by verl on its own):
+    impl_backend=twinkle equals verl as shipped with entropy_coeff = 0 (the update does not keep the entropy: the
+    head is told it is not trained) and 0.01 (trained)."""
+    for entropy_coeff, trained in ((0.0, False), (0.01, True)):
+        _, shipped = _steps(tied=False, lora_rank=4, entropy_coeff=entropy_coeff)
+        with recorded_fused_head() as calls:
+            engine, twinkle = _steps(tied=False, fused_backend="twinkle", lora_rank=4, entropy_coeff=entropy_coeff)
+        head = engine.module.base_model.model.lm_head
+        assert not head.weight.requires_grad and head.weight.grad is None
+        assert any(p.requires_grad for name, p in engine.module.named_parameters() if "lora_" in name)
+        assert entropy_grads(calls, training=True) == {trained}, entropy_coeff
+        assert_steps_equal(twinkle, shipped, f"LoRA, entropy_coeff={entropy_coeff}")
 
 
 @case
@@ -112,7 +112,7 @@ def logits_path_on_the_op_equals_verl_as_shipped(rank, world):
         assert hasattr(verl_F.entropy_from_logits, "__wrapped__")  # twinkle-mem's, around verl's
     finally:
         integration.install()  # back to the entry point's defaults
-    _assert_steps_equal(on_the_op, shipped, "logits_path")
+    assert_steps_equal(on_the_op, shipped, "logits_path")
 
 
 @pytest.mark.parametrize("world,name", cases.params(), ids=lambda v: f"world{v}" if isinstance(v, int) else v)

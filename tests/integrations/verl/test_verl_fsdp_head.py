@@ -102,3 +102,31 @@ def test_only_a_twinkle_model_changes():
     assert ours[1].dtype == hidden.dtype  # (verl's torch backend: the entropy in the input dtype; twinkle's is fp32)
     fused_forward(model, "twinkle", inputs, 0.7)
     assert hasattr(type(model).forward, "__wrapped__")
+
+
+def test_what_verl_records_and_prints_of_the_backend_names_twinkle(capsys):
+    """verl records the backend on the model (0.9.1's forwards build their FusedLinearForPPO from it) and prints its
+    choice: both name twinkle, not verl's torch backend whose forward twinkle-mem runs in."""
+    import inspect
+
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+    model = tiny_qwen2()
+    patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="twinkle")
+    printed = capsys.readouterr().out
+    assert printed == "Using twinkle backend for fused kernels in Qwen2ForCausalLM\n"
+    assert model._verl_fused_kernels_backend == "twinkle"
+    built = []
+    init = FusedLinearForPPO.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(getattr(self, "impl_backend", None))
+
+    FusedLinearForPPO.__init__ = recorded
+    try:
+        model(**packed(), temperature=0.7, return_dict=True)
+    finally:
+        FusedLinearForPPO.__init__ = init
+    takes_backend = "impl_backend" in inspect.signature(init.__wrapped__).parameters  # (0.9.1; 0.9.0's takes none)
+    assert built == ["twinkle" if takes_backend else None]

@@ -1,8 +1,8 @@
 """impl_backend=twinkle on verl's Megatron fused path, and the logits path's vocab-parallel functions on the op: a
 gloo world of 2 CPU processes, Megatron TP = 2 (issue 40).
 
-verl's Megatron engine needs mbridge to build its model; here a megatron-core GPTModel (standins/megatron.py) is given
-to the engine's own ``_maybe_enable_fused_kernels`` (called on a stand-in engine holding that model, its config saying
+Here a megatron-core GPTModel (standins/megatron.py; verl's whole engine, built through Megatron-Bridge, is
+test_verl_megatron_engine.py's) is given to the engine's own ``_maybe_enable_fused_kernels`` (called on a stand-in engine holding that model, its config saying
 impl_backend=twinkle), which marks the output weights and lets verl patch the model's fused forward. Against verl's
 logits path on the same weights (the output layer's logits shard, divided by T, then verl's own
 vocab_parallel_entropy and vocab_parallel_log_probs_from_logits, as its engine runs them), fp32, T = 0.7:

@@ -12,6 +12,7 @@
   `python -m twinkle_mem` names the verl, what install() would patch there part by part apart from what is patched
   in the process, and verl's engines, each served or refused part by part, recognized by their code.
 """
+import itertools
 import json
 import os
 import shutil
@@ -261,7 +262,9 @@ def test_python_m_twinkle_mem_names_the_verl_its_parts_and_its_engines():
     assert "verl.plugins entry point: declared (twinkle_mem.integrations.verl.plugin)" in out
     fsdp_like = ENGINE_WOULD.format("logits_path")
     megatron = "; ".join(ENGINE_WOULD.format(p) for p in ("megatron_fused_head", "megatron_logits_path"))
-    assert engines_said(out[out.index(found):].splitlines()) == {
+    verl_section = out[out.index(found):].splitlines()
+    verl_section = verl_section[:1] + list(itertools.takewhile(lambda line: line.startswith(" "), verl_section[1:]))
+    assert engines_said(verl_section) == {
         "fsdp": ENGINE_WOULD.format("fsdp_fused_head") + "; " + fsdp_like, "megatron": megatron,
         "mindspeed": megatron,
         "automodel": ENGINE_REFUSED.format("AutomodelEngine", "", ", where impl_backend picks verl's fused forward")

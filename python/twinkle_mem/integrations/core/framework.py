@@ -4,11 +4,13 @@ install() with checked settings (plan the parts they ask for, refuse by name wha
 rest), uninstall(), the install its variable asks for at start-up, and what ``python -m twinkle_mem`` says of it.
 
 A framework's folder under ``integrations/`` writes its names table, its settings, its patches, its variable and
-start-up hook, and one ``Framework(...)`` (``FRAMEWORK`` in its ``__init__.py``) that ties them together; its public
-functions are the declaration's (:meth:`Framework.public_functions`). Nothing here is per framework, and nothing here
-imports torch (the start-up hooks run at ``import twinkle`` / ``import verl``).
+start-up hook, and one ``Framework(...)`` (``FRAMEWORK`` in its ``__init__.py``) that names the framework and reads
+those modules; its public functions and its warning are the declaration's (:meth:`Framework.public_functions`,
+``refused_warning``). Nothing here is per framework, and nothing here imports torch (the start-up hooks run at
+``import twinkle`` / ``import verl``).
 """
 import warnings
+from types import ModuleType
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Type
 
 from .install_plan import InstallPlan
@@ -21,7 +23,8 @@ from .startup import Variable
 
 class PartsNotRecognized(UserWarning):
     """install() left parts of the framework as shipped: their names or features are not what it expects.
-    ``refused``: {part: (why, ...)}. Each framework has its own subclass (TwinklePartsNotRecognized, ...)."""
+    ``refused``: {part: (why, ...)}. Each framework has its own subclass (TwinklePartsNotRecognized, ...: its
+    declaration's ``refused_warning``)."""
 
     def __init__(self, message: str, refused: Dict[str, Tuple[str, ...]]):
         super().__init__(message)
@@ -44,25 +47,39 @@ class Framework:
 
     ``name``: how messages name it ("twinkle-kit"); ``package``: its import package ("twinkle");
     ``distribution``: what pip installs ("twinkle-kit"); ``version_file``: where it says its version (messages quote
-    it); ``names``, ``features``, ``parts``: its names table (``core/recognition.py``); ``settings``: install()'s
-    (``core/settings.py``); ``patcher``: its patch points (``core/patching.py``) and ``plan``: the install plan
-    class its patches read; ``variable`` and ``hook``: how every process of a job installs (``core/startup.py``);
-    ``refused_warning``: the warning install() gives for parts not recognized (a subclass of
-    :class:`PartsNotRecognized` declared in the integration's module); ``engines``: where the framework has several,
-    the parts that serve each (``python -m twinkle_mem`` names them); ``before_install``: run first by every
-    install() (twinkle imports twinkle, whose start-up hook may install first)."""
+    it); ``module``: the integration's module (``__name__`` of ``integrations/<folder>/__init__.py``), where the public
+    functions are; ``before_install``: run first by every install() (twinkle imports twinkle, whose start-up hook may
+    install first).
 
-    def __init__(self, name: str, *, package: str, distribution: str, version_file: str, names: Dict[str, Name],
-                 features: Tuple[Feature, ...], parts: Tuple[Part, ...], settings: Settings, patcher: Patcher,
-                 variable: Variable, hook: StartupHook, refused_warning: Type[PartsNotRecognized],
-                 plan: Type[InstallPlan] = InstallPlan, engines: Tuple[Engine, ...] = (),
+    The integration's modules, each read by the names it declares:
+
+    - ``names`` (``<folder>_names.py``, ``core/recognition.py``): ``NAMES``, ``FEATURES``, ``PARTS``, and where the
+      framework has several engines ``ENGINES``, the parts that serve each (``python -m twinkle_mem`` names them);
+    - ``patches`` (``core/patching.py``): ``PATCHER``, the patch points and the install plan class they read;
+    - ``startup`` (``core/startup.py``): ``VARIABLE``, how every process of a job installs (its settings are
+      install()'s, ``core/settings.py``), and ``HOOK``, the start-up hook.
+
+    ``refused_warning``, the warning install() gives for parts not recognized, is made here: a subclass of
+    :class:`PartsNotRecognized` in ``module``, named after its folder (``VerlPartsNotRecognized`` for ``verl/``)."""
+
+    def __init__(self, name: str, *, package: str, distribution: str, version_file: str, module: str,
+                 names: ModuleType, patches: ModuleType, startup: ModuleType,
                  before_install: Callable[[], None] = lambda: None):
         self.name, self.package, self.distribution, self.version_file = name, package, distribution, version_file
-        self.names, self.features, self.parts, self.settings = names, features, parts, settings
-        self.patcher, self.variable, self.hook, self.plan_class = patcher, variable, hook, plan
-        self.refused_warning, self.engines, self.before_install = refused_warning, engines, before_install
-        # The integration's module, where the public functions are (its warning is declared there too)
-        self.module = refused_warning.__module__
+        self.names: Dict[str, Name] = names.NAMES
+        self.features: Tuple[Feature, ...] = names.FEATURES
+        self.parts: Tuple[Part, ...] = names.PARTS
+        self.engines: Tuple[Engine, ...] = getattr(names, "ENGINES", ())
+        self.patcher: Patcher = patches.PATCHER
+        self.plan_class: Type[InstallPlan] = self.patcher.plan
+        self.variable: Variable = startup.VARIABLE
+        self.settings: Settings = self.variable.settings
+        self.hook: StartupHook = startup.HOOK
+        self.module, self.before_install = module, before_install
+        self.refused_warning: Type[PartsNotRecognized] = type(
+            f"{module.rsplit('.', 1)[-1].capitalize()}PartsNotRecognized", (PartsNotRecognized, ),
+            {"__module__": module, "__doc__": f"install() left parts of {name} as shipped: their names or features "
+                                              "are not what it expects. ``refused``: {part: (why, ...)}."})
         self.plan: Optional[InstallPlan] = None  # the plan in effect in this process (None: not installed)
         self._recognized: Dict[str, Found] = {}
 

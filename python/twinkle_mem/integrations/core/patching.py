@@ -7,7 +7,7 @@ A :class:`Point` is declared once, with real references: the :class:`~.recogniti
 integration's names table), the part or parts that want it, and the function that makes the replacement.
 """
 import sys
-from typing import Any, Callable, Dict, List, NamedTuple, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Tuple, Type, Union
 
 from .install_plan import InstallPlan
 from .recognition import Name, Part
@@ -43,10 +43,12 @@ _MISSING = object()
 
 
 class Patcher:
-    """The points of one integration and what they replaced so far in this process."""
+    """The points of one integration, the install plan class its makers read (``plan``: the integration's subclass
+    of InstallPlan), and what they replaced so far in this process."""
 
-    def __init__(self, package: str, points: Tuple[Point, ...]):
+    def __init__(self, package: str, points: Tuple[Point, ...], plan: Type[InstallPlan] = InstallPlan):
         self.package, self.points = package, points  # package: the framework's top package ("twinkle", "verl")
+        self.plan = plan
         self.saved: List[Tuple[Any, str, Any]] = []  # (owner, attribute, original raw value or _MISSING)
         self.waiting: List[Callable] = []  # callbacks given to twinkle_mem_startup.after_import
         self.rebound: List[Tuple[str, Any, Any]] = []  # (a rebound point's attribute, the original, its replacement)

@@ -118,7 +118,7 @@ class Settings:
 # --- settings every integration shares -----------------------------------------------------------------------
 
 # The fused head's smallest block working memory: one row tile (512 rows) of a one-column vocab block, bf16, on the
-# CPU's plan, below what any call of any plan needs (twinkle_mem.heads.engine.block_need; a test holds it so). A
+# CPU's plan, below what any call of any plan needs (twinkle_mem.heads.plans.block_need; a test holds it so). A
 # number here, not computed: the variables' checks run where the process must not import torch for them.
 SMALLEST_CHUNK_BYTES = 1024
 

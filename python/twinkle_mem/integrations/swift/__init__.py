@@ -19,25 +19,16 @@ where it is not what twinkle-mem expects:
 This module declares ms-swift (``FRAMEWORK``, ``core/framework.py``); it, ``swift_names``, ``patches``, ``settings``,
 ``startup`` and ``plugin`` import no torch at module level.
 """
-from ..core.framework import Framework, PartsNotRecognized
+from ..core.framework import Framework
 from . import patches, startup, swift_names
-from .settings import SETTINGS
 from .startup import PLUGIN
 
 __all__ = ["install", "uninstall", "is_installed", "installed_settings", "refused", "describe", "PLUGIN",
            "SwiftPartsNotRecognized"]
 
-
-class SwiftPartsNotRecognized(PartsNotRecognized):
-    """install() left parts of ms-swift as shipped: their names or features are not what it expects.
-    ``refused``: {part: (why, ...)}."""
-
-
-FRAMEWORK = Framework(
-    "ms-swift", package="swift", distribution="ms-swift", version_file="swift/version.py", names=swift_names.NAMES,
-    features=swift_names.FEATURES, parts=swift_names.PARTS, settings=SETTINGS, patcher=patches.PATCHER,
-    plan=patches.SwiftInstallPlan, variable=startup.VARIABLE, hook=startup.HOOK,
-    refused_warning=SwiftPartsNotRecognized)
+FRAMEWORK = Framework("ms-swift", package="swift", distribution="ms-swift", version_file="swift/version.py",
+                      module=__name__, names=swift_names, patches=patches, startup=startup)
+SwiftPartsNotRecognized = FRAMEWORK.refused_warning  # install()'s warning: parts of ms-swift left as shipped
 
 install, uninstall, is_installed, installed_settings, refused, describe = FRAMEWORK.public_functions(
     """Put twinkle-mem into the ms-swift this process imports; idempotent, undone by :func:`uninstall`.
@@ -47,5 +38,3 @@ install, uninstall, is_installed, installed_settings, refused, describe = FRAMEW
     on the logits (DPO, GRPO under sequence parallelism, Megatron-SWIFT) on twinkle-mem's op; ``fused_chunk_bytes``:
     the fused heads' block working memory (256 MiB by default). A part of ms-swift not recognized is left as shipped,
     with a :class:`SwiftPartsNotRecognized` warning.""")
-install_settings = FRAMEWORK.install_settings  # install() itself, every setting given
-refusal_message = FRAMEWORK.refusal_message

@@ -52,4 +52,4 @@ POINTS: Tuple[Point, ...] = (
           rebound_by_name=True),
 )
 
-PATCHER = Patcher("swift", POINTS)
+PATCHER = Patcher("swift", POINTS, SwiftInstallPlan)

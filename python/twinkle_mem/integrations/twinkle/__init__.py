@@ -39,7 +39,7 @@ A part whose twinkle names or features are not what twinkle_names expects is ref
 it ships it, install() warns (:class:`TwinklePartsNotRecognized`) and :func:`refused` lists why; under
 ``TWINKLE_MEM_INSTALL`` the refusal makes ``import twinkle`` raise. ``uninstall()`` puts every original back.
 """
-from ..core.framework import Framework, PartsNotRecognized
+from ..core.framework import Framework
 from ..core.settings import SMALLEST_CHUNK_BYTES
 from . import patches, startup, twinkle_names
 from .failed_micro_batches import FailedMicroBatchWarning
@@ -49,22 +49,16 @@ __all__ = ["install", "uninstall", "is_installed", "installed_settings", "refuse
            "FailedMicroBatchWarning", "TwinklePartsNotRecognized", "MASK_SKIP_MODES", "SMALLEST_CHUNK_BYTES"]
 
 
-class TwinklePartsNotRecognized(PartsNotRecognized):
-    """install() left parts of twinkle-kit as shipped: their names or features are not what it expects.
-    ``refused``: {part: (why, ...)}."""
-
-
 def _import_twinkle() -> None:
     # First import twinkle: where TWINKLE_MEM_INSTALL is set, that runs the start-up hook's install() now, to
     # completion, so that this call then reinstalls with its own settings rather than patching over it.
     import twinkle  # noqa: F401
 
 
-FRAMEWORK = Framework(
-    "twinkle-kit", package="twinkle", distribution="twinkle-kit", version_file="version.py",
-    names=twinkle_names.NAMES, features=twinkle_names.FEATURES, parts=twinkle_names.PARTS, settings=SETTINGS,
-    patcher=patches.PATCHER, plan=patches.TwinkleInstallPlan, variable=startup.VARIABLE, hook=startup.HOOK,
-    refused_warning=TwinklePartsNotRecognized, before_install=_import_twinkle)
+FRAMEWORK = Framework("twinkle-kit", package="twinkle", distribution="twinkle-kit", version_file="version.py",
+                      module=__name__, names=twinkle_names, patches=patches, startup=startup,
+                      before_install=_import_twinkle)
+TwinklePartsNotRecognized = FRAMEWORK.refused_warning  # install()'s warning: parts of twinkle-kit left as shipped
 
 install, uninstall, is_installed, installed_settings, refused, describe = FRAMEWORK.public_functions(
     """Register twinkle-mem into twinkle-kit; idempotent, undone by :func:`uninstall`.
@@ -76,6 +70,4 @@ install, uninstall, is_installed, installed_settings, refused, describe = FRAMEW
     block working memory, 256 MiB by default); needs ``fused_lm_head``. Calling again with other settings
     reinstalls. A part of twinkle-kit not recognized is left as shipped, with a :class:`TwinklePartsNotRecognized`
     warning.""")
-install_settings = FRAMEWORK.install_settings  # install() itself; strict (the variable's): a refused part raises
 check_settings = SETTINGS.check  # ValueError for install() arguments that do not go together (the variable's too)
-refusal_message = FRAMEWORK.refusal_message

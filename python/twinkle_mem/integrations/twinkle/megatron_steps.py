@@ -88,11 +88,13 @@ def _check_chunk_bytes(model, layers, chunk_bytes: int) -> None:
     and value (one small collective)."""
     if getattr(model, "_twinkle_mem_chunk_bytes_fit", None) == chunk_bytes:
         return
-    from twinkle_mem.heads.engine import plan_blocks
+    from twinkle_mem.heads.frozen import vectors_at_most
+    from twinkle_mem.heads.plans import plan_blocks
     error = None
     for weight in fused_eligibility.megatron_output_weights(model.model) if layers else []:
         try:  # (the blocks' need is the largest of every pass a call may run: trainable, frozen, either entropy)
-            plan_blocks(weight, weight.shape[0], chunk_bytes, backward=True)
+            plan_blocks(weight, weight.shape[0], chunk_bytes, backward=True,
+                        most=vectors_at_most(weight.dtype, weight.device))
         except ValueError as e:
             error = str(e)
     group = _pipeline_group()

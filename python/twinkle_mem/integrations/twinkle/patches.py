@@ -131,6 +131,6 @@ POINTS: Tuple[Point, ...] = (
     Point(names.CALCULATE_LOSS, names.TRANSFORMERS_LOGITS_DROP, _calculate_loss),
 )
 
-PATCHER = Patcher("twinkle", POINTS)
+PATCHER = Patcher("twinkle", POINTS, TwinkleInstallPlan)
 _saved = PATCHER.saved  # (what uninstall() puts back; the start-up hook's tests read it)
 apply, restore, patched = PATCHER.apply, PATCHER.restore, PATCHER.patched

@@ -21,24 +21,16 @@ This module declares verl (``FRAMEWORK``, ``core/framework.py``); it, ``verl_nam
 ``startup`` and ``plugin`` import no torch at module level; the integrations' shared core (``integrations/core/``)
 does the finding, recognizing, planning, patching, installing at start-up and describing.
 """
-from ..core.framework import Framework, PartsNotRecognized
+from ..core.framework import Framework
 from . import patches, startup, verl_names
-from .settings import IMPL_BACKEND, SETTINGS
+from .settings import IMPL_BACKEND
 
 __all__ = ["install", "uninstall", "is_installed", "installed_settings", "refused", "describe", "IMPL_BACKEND",
            "VerlPartsNotRecognized"]
 
-
-class VerlPartsNotRecognized(PartsNotRecognized):
-    """install() left parts of verl as shipped: their names or features are not what it expects.
-    ``refused``: {part: (why, ...)}."""
-
-
-FRAMEWORK = Framework(
-    "verl", package="verl", distribution="verl", version_file="version/version", names=verl_names.NAMES,
-    features=verl_names.FEATURES, parts=verl_names.PARTS, settings=SETTINGS, patcher=patches.PATCHER,
-    plan=patches.VerlInstallPlan, variable=startup.VARIABLE, hook=startup.HOOK, refused_warning=VerlPartsNotRecognized,
-    engines=verl_names.ENGINES)
+FRAMEWORK = Framework("verl", package="verl", distribution="verl", version_file="version/version", module=__name__,
+                      names=verl_names, patches=patches, startup=startup)
+VerlPartsNotRecognized = FRAMEWORK.refused_warning  # install()'s warning: parts of verl left as shipped
 
 install, uninstall, is_installed, installed_settings, refused, describe = FRAMEWORK.public_functions(
     """Make twinkle-mem a backend of the verl this process imports; idempotent, undone by :func:`uninstall`.
@@ -47,5 +39,3 @@ install, uninstall, is_installed, installed_settings, refused, describe = FRAMEW
     verl's logits path on twinkle-mem's op too; ``fused_chunk_bytes``: the fused head's block working memory (256 MiB
     by default). The fused heads themselves act only for a model whose config says ``impl_backend=twinkle``. A part
     of verl not recognized is left as shipped, with a :class:`VerlPartsNotRecognized` warning.""")
-install_settings = FRAMEWORK.install_settings  # install() itself, every setting given
-refusal_message = FRAMEWORK.refusal_message

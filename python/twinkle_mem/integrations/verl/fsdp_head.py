@@ -6,10 +6,14 @@ verl's ``patch_forward_with_backends`` gives the model class the fused forward o
 input_ids, temperature)`` for the log-probs and entropy. Under ``impl_backend=twinkle``:
 
 - :func:`patch_forward_with_backends` lets verl choose that forward as for its "torch" backend, and wraps it so
-  that the model's calls run as a :class:`TwinkleModelCall` (a context variable);
+  that the model's calls run as a :class:`TwinkleModelCall` (a context variable). What verl records and prints of
+  the backend names twinkle: the model's ``_verl_fused_kernels_backend`` (from which verl 0.9.1's forwards build
+  their ``FusedLinearForPPO``, whose ``__init__`` then takes "twinkle": :func:`fused_linear_init`) and the line
+  "Using twinkle backend for fused kernels in <model class>";
 - :func:`fused_linear_forward`: inside such a call, ``FusedLinearForPPO.forward`` computes with
   ``twinkle_mem.linear_selective_log_softmax`` (fp32 log-probs and entropy in one pass over vocab blocks, the
-  temperature applied in fp32, the logits never whole); anywhere else it is verl's own.
+  temperature applied in fp32, the logits never whole, told whether the entropy is trained:
+  ``entropy_grad.py``); anywhere else it is verl's own.
 
 The LM head's weight: under FSDP1, and under FSDP2 where it is the root's (tied), the model's forward sees it
 unsharded. Under FSDP2 with untied embeddings verl shards ``lm_head`` on its own, so ``lm_head.weight`` is a
@@ -19,7 +23,9 @@ FSDP unshards the weight around it and again for its backward, and reduce-scatte
 ``lm_head``'s own forward: no copy of the weight beyond FSDP's unshard. A DTensor weight of a module that is not
 FSDP's (tensor parallelism) is gathered with ``full_tensor()`` for the call.
 """
+import contextlib
 import functools
+import io
 import logging
 from contextvars import ContextVar
 from types import MethodType
@@ -29,6 +35,7 @@ import torch
 
 import twinkle_mem
 
+from .entropy_grad import head_options
 from .settings import FUSED_CHUNK_BYTES, IMPL_BACKEND
 
 logger = logging.getLogger("twinkle_mem.verl")
@@ -60,7 +67,7 @@ def head_log_probs(hidden, weight, labels, temperature, chunk_bytes):
     """verl's FusedLinearForPPO contract on twinkle-mem: hidden [..., H], labels [...] -> fp32 (log-probs,
     entropy) [...], every row computed (verl ignores none)."""
     return twinkle_mem.linear_selective_log_softmax(hidden, weight, labels, True, temperature=float(temperature),
-                                                    chunk_bytes=chunk_bytes)
+                                                    chunk_bytes=chunk_bytes, **head_options())
 
 
 def _fsdp_module_of(model: torch.nn.Module, weight) -> Optional[torch.nn.Module]:
@@ -91,9 +98,12 @@ def patch_forward_with_backends(original, plan):
     def patched(model, use_fused_kernels=False, fused_kernels_backend=None):
         if not (use_fused_kernels and fused_kernels_backend == IMPL_BACKEND):
             return original(model, use_fused_kernels=use_fused_kernels, fused_kernels_backend=fused_kernels_backend)
-        original(model, use_fused_kernels=True, fused_kernels_backend="torch")
+        with contextlib.redirect_stdout(io.StringIO()):  # ("Using Torch backend ...": printed below as it holds)
+            original(model, use_fused_kernels=True, fused_kernels_backend="torch")
+        model._verl_fused_kernels_backend = IMPL_BACKEND
         cls = type(model)
         cls.forward = _on_twinkle(cls.forward, chunk_bytes)
+        print(f"Using {IMPL_BACKEND} backend for fused kernels in {cls.__name__}")
         logger.info("twinkle-mem: %s.forward computes log-probs and entropy with twinkle-mem's fused head "
                     "(impl_backend=%s)", cls.__name__, IMPL_BACKEND)
 
@@ -110,6 +120,20 @@ def _on_twinkle(forward, chunk_bytes):
             _CALL.reset(token)
 
     return forward_on_twinkle
+
+
+def fused_linear_init(original, plan):
+    """``FusedLinearForPPO.__init__``: ``impl_backend="twinkle"`` accepted (verl's own check knows torch and liger);
+    the forward is twinkle-mem's inside a twinkle model's call (:func:`fused_linear_forward`)."""
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        if kwargs.get("impl_backend") != IMPL_BACKEND:
+            return original(self, *args, **kwargs)
+        original(self, *args, **{**kwargs, "impl_backend": "torch"})
+        self.impl_backend = IMPL_BACKEND
+
+    return __init__
 
 
 def fused_linear_forward(original, plan):

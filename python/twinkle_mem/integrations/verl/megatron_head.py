@@ -18,8 +18,12 @@ does. Under sequence parallelism verl's gather (reduce-scatter in backward) sums
 sequence parallelism at TP > 1 nothing in verl's fused forward sums it (Megatron's output layer would, in its
 input gradient's all-reduce); here the hidden states go through ``copy_to_tensor_model_parallel_region`` first,
 so every rank's model body gets the whole gradient, as on verl's logits path.
+
+Each process logs one line at its first marked call (logger ``twinkle_mem.verl``, INFO), and the head is told
+whether the batch trains the entropy (``entropy_grad.py``).
 """
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,9 +33,13 @@ import torch.distributed as dist
 import twinkle_mem
 
 from . import verl_names
+from .entropy_grad import head_options
 from .settings import FUSED_CHUNK_BYTES, IMPL_BACKEND
 
+logger = logging.getLogger("twinkle_mem.verl")
+
 _MARK = "_twinkle_mem_head"  # the attribute a marked output weight carries (Megatron marks parameters likewise)
+_logged = False  # this process's first marked call logged its line
 
 
 @dataclass(frozen=True)
@@ -42,13 +50,24 @@ class MarkedHead:
 
     def log_probs(self, hidden, weight, labels, temperature, group):
         tp_group = group if group is not None and dist.get_world_size(group) > 1 else None
+        _log_first_call(tp_group, self.sequence_parallel)
         if tp_group is not None and not self.sequence_parallel:
             from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
             hidden = copy_to_tensor_model_parallel_region(hidden, group=tp_group)
         rows = hidden.reshape(-1, hidden.shape[-1])  # [s, b, H] -> [s * b, H]: verl's thd layout has b = 1
         return twinkle_mem.linear_selective_log_softmax(rows, weight, labels.reshape(-1), True,
                                                         temperature=float(temperature), chunk_bytes=self.chunk_bytes,
-                                                        process_group=tp_group)
+                                                        process_group=tp_group, **head_options())
+
+
+def _log_first_call(tp_group, sequence_parallel: bool) -> None:
+    global _logged
+    if not _logged:
+        _logged = True
+        tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        logger.info("twinkle-mem: verl's Megatron fused forward computes log-probs and entropy with twinkle-mem's "
+                    "fused head (impl_backend=%s, TP %d, sequence parallel %s)", IMPL_BACKEND, tp,
+                    "on" if sequence_parallel else "off")
 
 
 def output_weights(chunk: torch.nn.Module):

@@ -2,9 +2,12 @@
 (``core/patching.py``): each verl module is patched when the process first imports it (at once where it already
 has), every original saved and put back by uninstall().
 
-- the FSDP fused head (``fsdp_head.py``): ``patch_forward_with_backends`` and ``FusedLinearForPPO.forward``;
+- the FSDP fused head (``fsdp_head.py``): ``patch_forward_with_backends`` and ``FusedLinearForPPO.forward`` (and its
+  ``__init__``, which takes the backend a twinkle model records);
 - the Megatron fused head (``megatron_head.py``): ``MegatronEngine._maybe_enable_fused_kernels`` and
   ``linear_cross_entropy``, at its definition and where the Megatron forwards bound it;
+- with either head, the engines' ``forward_backward_batch`` (``entropy_grad.py``): whether the batch trains the
+  entropy;
 - with ``logits_path=True`` (``logits_path.py``): verl's logits-path functions, at their definitions and where
   verl's engines bound them by name. The FSDP engine binds (and compiles) its entropy function when it is built:
   install() runs at ``import verl``, before any engine exists.
@@ -32,6 +35,16 @@ def _patch_forward_with_backends(original, plan):
 def _fused_linear_forward(original, plan):
     from .fsdp_head import fused_linear_forward
     return fused_linear_forward(original, plan)
+
+
+def _fused_linear_init(original, plan):
+    from .fsdp_head import fused_linear_init
+    return fused_linear_init(original, plan)
+
+
+def _forward_backward_batch(original, plan):
+    from .entropy_grad import forward_backward_batch
+    return forward_backward_batch(original, plan)
 
 
 def _maybe_enable_fused_kernels(original, plan):
@@ -67,6 +80,9 @@ def _vocab_parallel_entropy(original, plan):
 POINTS: Tuple[Point, ...] = (
     Point(names.PATCH_FORWARD_WITH_BACKENDS, names.FSDP_FUSED_HEAD, _patch_forward_with_backends),
     Point(names.FUSED_LINEAR_FORWARD, names.FSDP_FUSED_HEAD, _fused_linear_forward),
+    Point(names.FUSED_LINEAR_INIT, names.FSDP_FUSED_HEAD, _fused_linear_init),
+    Point(names.FSDP_FORWARD_BACKWARD, names.FSDP_FUSED_HEAD, _forward_backward_batch),
+    Point(names.MEGATRON_FORWARD_BACKWARD, names.MEGATRON_FUSED_HEAD, _forward_backward_batch),
     Point(names.ENABLE_FUSED_KERNELS, names.MEGATRON_FUSED_HEAD, _maybe_enable_fused_kernels),
     Point(names.LINEAR_CROSS_ENTROPY, names.MEGATRON_FUSED_HEAD, _linear_cross_entropy, rebound_by_name=True),
     Point(names.LOGPROBS_FROM_LOGITS, names.LOGITS_PATH_PART, _logprobs_from_logits, rebound_by_name=True),
@@ -79,4 +95,4 @@ POINTS: Tuple[Point, ...] = (
           rebound_by_name=True),
 )
 
-PATCHER = Patcher("verl", POINTS)
+PATCHER = Patcher("verl", POINTS, VerlInstallPlan)

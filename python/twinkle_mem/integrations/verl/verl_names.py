@@ -24,6 +24,7 @@ KERNEL = "verl.utils.kernel.linear_cross_entropy"
 MCORE_FUSED = "verl.models.mcore.model_forward_fused"
 MCORE_1F1B = "verl.models.mcore.model_forward_1f1b_overlap"
 MEGATRON_ENGINE = "verl.workers.engine.megatron.transformer_impl"
+FSDP_ENGINE = "verl.workers.engine.fsdp.transformer_impl"
 MINDSPEED_ENGINE = "verl.workers.engine.mindspeed.transformer_impl"
 TORCH_FUNCTIONAL = "verl.utils.torch_functional"
 TENSOR_PARALLEL = "verl.utils.megatron.tensor_parallel"
@@ -38,6 +39,15 @@ PATCH_FORWARD_WITH_BACKENDS = Name(MONKEY_PATCH, "patch_forward_with_backends", 
 FUSED_LINEAR_FORWARD = Name(EXPERIMENTAL, "FusedLinearForPPO.forward", "function",
                             "(self, hidden_states, vocab_weights, input_ids, temperature=)",
                             why="wrapped: log-probs and entropy from twinkle-mem's fused head in a twinkle model")
+FUSED_LINEAR_INIT = Name(EXPERIMENTAL, "FusedLinearForPPO.__init__", "function", "(self, chunk_size=, impl_backend=)",
+                         optional=True, why="wrapped: accepts impl_backend='twinkle', the backend a twinkle model "
+                                            "records (0.9.1's forwards build it from that; 0.9.0's take none)")
+FSDP_FORWARD_BACKWARD = Name(FSDP_ENGINE, "FSDPEngine.forward_backward_batch", "function",
+                             "(self, data, loss_function, forward_only=)", optional=True,
+                             why="wrapped: tells twinkle-mem's head whether the batch trains the entropy")
+MEGATRON_FORWARD_BACKWARD = Name(MEGATRON_ENGINE, "MegatronEngine.forward_backward_batch", "function",
+                                 "(self, data, loss_function, forward_only=)", optional=True,
+                                 why="wrapped: tells twinkle-mem's head whether the batch trains the entropy")
 LINEAR_CROSS_ENTROPY = Name(KERNEL, "linear_cross_entropy", "bound",
                             why="replaced (and where the Megatron forwards bind it): twinkle-mem's fused head for "
                                 "an output weight the engine marked")
@@ -59,7 +69,8 @@ VOCAB_PARALLEL_ENTROPY_WITH_CHUNKING = Name(TENSOR_PARALLEL, "vocab_parallel_ent
                                             why="as vocab_parallel_log_probs_from_logits")
 
 NAMES: Dict[str, Name] = names_table(
-    PATCH_FORWARD_WITH_BACKENDS, FUSED_LINEAR_FORWARD, LINEAR_CROSS_ENTROPY, ENABLE_FUSED_KERNELS,
+    PATCH_FORWARD_WITH_BACKENDS, FUSED_LINEAR_FORWARD, FUSED_LINEAR_INIT, FSDP_FORWARD_BACKWARD, LINEAR_CROSS_ENTROPY,
+    ENABLE_FUSED_KERNELS, MEGATRON_FORWARD_BACKWARD,
     LOGPROBS_FROM_LOGITS, ENTROPY_FROM_LOGITS, ENTROPY_WITH_CHUNKING, VOCAB_PARALLEL_LOG_PROBS,
     VOCAB_PARALLEL_ENTROPY, VOCAB_PARALLEL_ENTROPY_WITH_CHUNKING,
 )
@@ -148,10 +159,12 @@ FEATURES: Tuple[Feature, ...] = (LOADS_PLUGINS, ALLOWS_TORCH_BACKEND, FORWARDS_C
 _EVERY_PROCESS = ((LOADS_PLUGINS, (True, )), )
 
 FSDP_FUSED_HEAD = Part("fsdp_fused_head", "FSDP impl_backend=twinkle: FusedLinearForPPO on twinkle-mem's fused head",
-                       None, (PATCH_FORWARD_WITH_BACKENDS, FUSED_LINEAR_FORWARD),
+                       None,
+                       (PATCH_FORWARD_WITH_BACKENDS, FUSED_LINEAR_FORWARD, FUSED_LINEAR_INIT, FSDP_FORWARD_BACKWARD),
                        _EVERY_PROCESS + ((ALLOWS_TORCH_BACKEND, (True, )), (FORWARDS_CALL_FUSED_LINEAR, (True, ))))
 MEGATRON_FUSED_HEAD = Part("megatron_fused_head", "Megatron impl_backend=twinkle: linear_cross_entropy on "
-                           "twinkle-mem's fused head", None, (LINEAR_CROSS_ENTROPY, ENABLE_FUSED_KERNELS),
+                           "twinkle-mem's fused head", None,
+                           (LINEAR_CROSS_ENTROPY, ENABLE_FUSED_KERNELS, MEGATRON_FORWARD_BACKWARD),
                            _EVERY_PROCESS + ((MEGATRON_FORWARDS_CALL_KERNEL, (True, )),
                                              (ENGINE_ENABLES_FUSED_FORWARD, (True, ))))
 LOGITS_PATH_PART = Part("logits_path", "logprobs_from_logits, entropy_from_logits[_with_chunking] -> twinkle-mem's op",
