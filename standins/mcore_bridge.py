@@ -195,8 +195,10 @@ def sequence_parallel_on_cpu():
 
 
 @contextlib.contextmanager
-def mcore_bridge_on_cpu(fp32_params: bool = True):
-    """Stand-ins 4-8 (1-3 are done once, at import), and the CPU pieces of standins.megatron; undone on exit."""
+def mcore_bridge_on_cpu(fp32_params: bool = True, twinkle: bool = True):
+    """Stand-ins 4-8 (1-3 are done once, at import), and the CPU pieces of standins.megatron; with ``twinkle``
+    (twinkle-kit's models: its ``Platform`` on the CPU) also 9; undone on exit. ``twinkle=False``: mcore_bridge's
+    models built by another framework (Megatron-SWIFT, standins/swift_megatron.py), no twinkle-kit imported."""
     from . import megatron as th
     _import_mcore_bridge()
     from megatron.core.distributed import param_and_grad_buffer
@@ -204,7 +206,6 @@ def mcore_bridge_on_cpu(fp32_params: bool = True):
     from megatron.core.tensor_parallel import random as tp_random
     from mcore_bridge.bridge.gpt_bridge import GPTBridge
     from mcore_bridge.model import register
-    from twinkle.model.megatron.strategy.megatron import MegatronStrategy
 
     def local_spec(original):
         def spec(*args, **kwargs):
@@ -220,7 +221,9 @@ def mcore_bridge_on_cpu(fp32_params: bool = True):
     saved = [(register, "get_gpt_decoder_block_spec"), (register, "get_gpt_mtp_block_spec"),
              (GPTBridge, "_set_state_dict"), (tp_random, "model_parallel_cuda_manual_seed"), (tp_random, "_get_cuda_rng_state"),
              (tp_random, "_set_cuda_rng_state")]
+    fp32_params = fp32_params and twinkle
     if fp32_params:
+        from twinkle.model.megatron.strategy.megatron import MegatronStrategy
         saved.append((MegatronStrategy, "params_type"))
     saved = [(owner, name, vars(owner)[name]) for owner, name in saved]
     register.get_gpt_decoder_block_spec = local_spec(register.get_gpt_decoder_block_spec)
@@ -233,7 +236,7 @@ def mcore_bridge_on_cpu(fp32_params: bool = True):
         MegatronStrategy.params_type = property(lambda self: self._params_dtype)
     try:
         with (th.torch_on_cpu(rotary_pos_embedding, param_and_grad_buffer), th.cpu_schedules(), th.cpu_p2p(),
-              th.megatron_gpt_cpu(), th.cpu_platform("cpu")):
+              th.megatron_gpt_cpu(), th.cpu_platform("cpu") if twinkle else contextlib.nullcontext()):
             yield
     finally:
         for owner, name, raw in saved:

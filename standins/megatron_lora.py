@@ -73,7 +73,7 @@ def _cpu_device(device):
 
 
 @contextlib.contextmanager
-def _cuda_tensor_methods_on_cpu():
+def cuda_tensor_methods_on_cpu():
     """Stand-in 17's view of tensors: CUDA type names, ``.to('cuda')`` / ``.cuda()`` staying on the CPU."""
     names = ("type", "to", "cuda")
     own = {name: vars(torch.Tensor).get(name) for name in names}  # (torch.Tensor inherits them from TensorBase)
@@ -124,15 +124,15 @@ def _marked(original, partition_dim):
 
 def _with_cuda_tensor_methods_on_cpu(fn):
     def call(*args, **kwargs):
-        with _cuda_tensor_methods_on_cpu():
+        with cuda_tensor_methods_on_cpu():
             return fn(*args, **kwargs)
     return call
 
 
 @contextlib.contextmanager
-def training_on_cpu(fp32_params: bool = True):
+def training_on_cpu(fp32_params: bool = True, twinkle: bool = True):
     """``mcore_bridge_on_cpu()`` and stand-ins 13-19; undone on exit (a process that trains keeps it open)."""
-    with mb.mcore_bridge_on_cpu(fp32_params=fp32_params):  # imports mcore_bridge (stand-ins 1-3)
+    with mb.mcore_bridge_on_cpu(fp32_params=fp32_params, twinkle=twinkle):  # imports mcore_bridge (stand-ins 1-3)
         import megatron.core.extensions.transformer_engine as te_ext
         from mcore_bridge.bridge import gpt_bridge
         from mcore_bridge.tuners import lora as mb_lora

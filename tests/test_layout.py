@@ -32,8 +32,8 @@ PACKAGE_LAYOUT = {
                             "fused_eligibility fused_call loss_heads distill_loss",
     "integrations/verl": "__init__ settings verl_names patches fsdp_head megatron_head entropy_grad logits_path startup "
                          "plugin",
-    "integrations/swift": "__init__ settings swift_names patches output_layer grpo_head gkd_head logits_path startup "
-                          "plugin",
+    "integrations/swift": "__init__ settings swift_names patches output_layer grpo_head gkd_head megatron_head "
+                          "logits_path startup plugin",
 }
 # Names that misled, and where they went (issue 42; CHANGELOG.md): none may come back.
 MOVED = {"integrations/twinkle/fused_head.py": "integrations/twinkle/fused_call.py",

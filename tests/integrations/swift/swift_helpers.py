@@ -9,10 +9,10 @@ import torch
 from standins.swift_cpu import OFFLINE
 
 
-def run_rlhf(folder, arguments, *, twinkle_mem=None, env=None, timeout=600, processes=1):
+def run_rlhf(folder, arguments, *, twinkle_mem=None, env=None, timeout=600, processes=1, megatron=False):
     """ms-swift's training in a fresh interpreter (``swift_run.py``; ``processes`` > 1: as many under torchrun, gloo,
-    one thread each), as shipped or with twinkle-mem's plugin (``twinkle_mem=True``: its file added to
-    ``--external_plugins``). Returns (rank 0's result, its parameters)."""
+    one thread each; ``megatron``: Megatron-SWIFT's), as shipped or with twinkle-mem's plugin (``twinkle_mem=True``:
+    its file added to ``--external_plugins``). Returns (the writing rank's result, the parameters)."""
     import subprocess
     import sys
     out = os.path.join(folder, "as_shipped" if not twinkle_mem else "twinkle_mem")
@@ -27,8 +27,8 @@ def run_rlhf(folder, arguments, *, twinkle_mem=None, env=None, timeout=600, proc
     if processes > 1:
         launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", "29593"]
         environment["OMP_NUM_THREADS"] = "1"
-    done = subprocess.run([*launcher, runner, json.dumps(arguments), out], env=environment, capture_output=True,
-                          text=True, timeout=timeout)
+    done = subprocess.run([*launcher, runner, json.dumps(arguments), out, *(["megatron"] if megatron else [])],
+                          env=environment, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"ms-swift's run failed ({done.returncode}):\n{done.stderr[-6000:]}")
     with open(os.path.join(out, "result.json")) as f:

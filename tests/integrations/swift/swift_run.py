@@ -1,6 +1,12 @@
 """One ms-swift RLHF training run in this process, as ``swift rlhf`` runs it (``rlhf_main(RLHFArguments(...))``):
 ``python swift_run.py <arguments as JSON> <output folder>`` (or each rank under torchrun; rank 0 writes). Writes ``<output folder>/result.json`` (the logged
-history, the step count, what twinkle-mem installed) and ``params.pt`` (every trained parameter after the run)."""
+history, the step count, what twinkle-mem installed) and ``params.pt`` (every trained parameter after the run).
+
+``python swift_run.py <arguments> <output folder> megatron``: Megatron-SWIFT's, as ``megatron rlhf`` runs it
+(``megatron_rlhf_main(MegatronRLHFArguments(...))``), each rank under torchrun in a gloo world with the CPU stand-ins
+of ``standins/swift_megatron.py`` (and ``mcore_bridge.py``'s for sequence parallelism and padding-free batches where
+the arguments ask for them); the last rank (the last pipeline stage, which logs) writes: the logged history is
+ms-swift's ``logging.jsonl``, the parameters its last checkpoint's safetensors (the whole model, or the adapter)."""
 import json
 import os
 import sys
@@ -66,5 +72,56 @@ def count_calls() -> dict:
     return calls
 
 
+def main_megatron(arguments: dict, out: str) -> None:
+    import contextlib
+    import glob
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from standins import mcore_bridge, swift_megatron
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # (before ms-swift, which would pick a CUDA device for its own)
+    calls = count_megatron_calls()
+    with contextlib.ExitStack() as stand_ins:
+        stand_ins.enter_context(swift_megatron.megatron_swift_on_cpu())
+        if arguments.get("sequence_parallel"):
+            stand_ins.enter_context(mcore_bridge.sequence_parallel_on_cpu())
+        if arguments.get("padding_free", True):  # (Megatron-SWIFT's default)
+            stand_ins.enter_context(mcore_bridge.packed_attention_on_cpu())
+        from swift.megatron.arguments import MegatronRLHFArguments
+        from swift.megatron.pipelines.train.rlhf import megatron_rlhf_main
+        result = megatron_rlhf_main(MegatronRLHFArguments(**arguments))
+    import twinkle_mem.integrations.swift as integration
+    if int(os.environ["RANK"]) != int(os.environ["WORLD_SIZE"]) - 1:  # (ms-swift destroyed the process group)
+        return
+    checkpoint = result["last_model_checkpoint"]
+    with open(os.path.join(os.path.dirname(checkpoint), "logging.jsonl")) as f:
+        steps = [entry for entry in map(json.loads, f) if "iteration" in entry]
+    params = {}
+    for path in glob.glob(os.path.join(checkpoint, "*.safetensors")):
+        params.update(load_file(path))
+    torch.save(params, os.path.join(out, "params.pt"))
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump({"log_history": steps, "global_step": int(steps[-1]["iteration"].split("/")[0]),
+                   "installed": integration.installed_settings(), "refused": integration.refused(),
+                   "calls": calls}, f)
+
+
+def count_megatron_calls() -> dict:
+    """Count the calls of twinkle-mem's fused head and of Megatron's vocab-parallel cross entropy (ms-swift's
+    log-probs from the logits call it through its module, ``tensor_parallel.vocab_parallel_cross_entropy``)."""
+    import twinkle_mem
+    from megatron.core import tensor_parallel
+    calls = {}
+    for owner, name, key in ((twinkle_mem, "linear_selective_log_softmax", "twinkle_mem.linear_selective_log_softmax"),
+                             (tensor_parallel, "vocab_parallel_cross_entropy", "vocab_parallel_cross_entropy")):
+        def wrapper(*args, _original=getattr(owner, name), _key=key, **kwargs):
+            calls[_key] = calls.get(_key, 0) + 1
+            return _original(*args, **kwargs)
+        setattr(owner, name, wrapper)
+    return calls
+
+
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]), sys.argv[2])
+    (main_megatron if sys.argv[3:] == ["megatron"] else main)(json.loads(sys.argv[1]), sys.argv[2])

@@ -122,6 +122,9 @@ def changed_copy(folder: Path, file: str, old: str, new: str) -> str:
     (GRPO_CHANGE, "grpo_fused_head", GRPO_REFUSED),
     (("rlhf_trainers/gkd_loss.py", "m_log = torch.logsumexp(", "m_log = torch.log_mix("),
      "gkd_fused_head", "gkd_loss / jsd_loss: the generalized JSD over the active tokens: not recognized"),
+    (("megatron/trainers/utils.py", "output_tensor.div_(temperature)", "output_tensor = output_tensor / temperature"),
+     "megatron_fused_head", "MegatronGRPOTrainer.forward_step and compute_per_token_logps_fn call the model, divide "
+                            "its output by the temperature and call compute_logps_and_entropy_from_logits: not recognized"),
 ])
 def test_a_changed_part_alone_is_refused_by_name(tmp_path, change, part, why):
     plan = _plan(changed_copy(tmp_path, *change))

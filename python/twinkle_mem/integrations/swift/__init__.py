@@ -9,6 +9,8 @@ What it patches (``patches.py``), each part recognized by ms-swift's code (``swi
 where it is not what twinkle-mem expects:
 
 - ``grpo_fused_head``: GRPO's log-probs and entropy from the LM head's input (``grpo_head.py``);
+- ``megatron_fused_head``: Megatron-SWIFT's GRPO log-probs and entropy from the output layer's input, over the TP
+  group (``megatron_head.py``);
 - ``gkd_fused_head``: GKD's loss from the student's LM head input, full and top-k teacher (``gkd_head.py``);
 - ``logits_path``: TRL's ``selective_log_softmax`` / ``entropy_from_logits`` where ms-swift binds them (DPO, GRPO under
   sequence parallelism) on twinkle-mem's op; ``megatron_logits_path``: Megatron-SWIFT's log-probs on the op over
@@ -32,7 +34,7 @@ install, uninstall, is_installed, installed_settings, refused, describe = FRAMEW
     """Put twinkle-mem into the ms-swift this process imports; idempotent, undone by :func:`uninstall`.
 
     Its keyword arguments are the settings of ``settings.py`` (the signature is built from them): ``fused_lm_head``:
-    GRPO's log-probs and GKD's loss from the LM head's input; ``logits_path``: the log-prob functions ms-swift calls
+    GRPO's log-probs (Megatron-SWIFT's too) and GKD's loss from the LM head's input; ``logits_path``: the log-prob functions ms-swift calls
     on the logits (DPO, GRPO under sequence parallelism, Megatron-SWIFT) on twinkle-mem's op; ``fused_chunk_bytes``:
     the fused heads' block working memory (256 MiB by default). A part of ms-swift not recognized is left as shipped,
     with a :class:`SwiftPartsNotRecognized` warning.""")

@@ -7,7 +7,8 @@
   dtype), streams each row once and saves nothing full-vocab for backward beyond a reference to the logits (TRL's
   bf16 branch keeps a log-softmax per row).
 - Megatron-SWIFT's ``compute_logps_and_entropy_from_logits`` (``megatron_logits_path``: GRPO's loss, old and
-  reference log-probs): the op over Megatron's TP group on the rank's vocab shard, the labels' log-probs and the
+  reference log-probs; where ``megatron_fused_head`` deferred the output layer, from its input: ``megatron_head.py``):
+  the op over Megatron's TP group on the rank's vocab shard, the labels' log-probs and the
   entropy in one pass, where ms-swift builds the shard's whole log-softmax for the entropy and runs Megatron's
   cross entropy for the log-probs. Labels ``-100`` give 0, as ms-swift's mask does; the entropy is every row's.
   The gradient is written over the logits in place (``inplace_backward``), as Megatron's cross entropy consumes
@@ -17,7 +18,7 @@ import functools
 
 import twinkle_mem
 
-from . import grpo_head, swift_names
+from . import grpo_head, megatron_head, swift_names
 
 
 def selective_log_softmax(original, plan):
@@ -49,8 +50,17 @@ def entropy_from_logits(original, plan):
 
 
 def megatron_logps_and_entropy(original, plan):
+    """Where Megatron-SWIFT's call deferred its output layer (``megatron_head.py``), the log-probs from its input;
+    else the op over the TP group with ``logits_path``, ms-swift's function without."""
+    on_op = plan.patches(swift_names.MEGATRON_LOGITS_PATH)
+
     @functools.wraps(original)
     def compute_logps_and_entropy_from_logits(logits, labels, compute_entropy=False, entropy_chunk_size=512):
+        call = megatron_head.current_call(logits)
+        if call is not None:
+            return call.log_probs(labels, compute_entropy)
+        if not on_op:
+            return original(logits, labels, compute_entropy, entropy_chunk_size)
         from megatron.core import parallel_state
         group = (parallel_state.get_tensor_model_parallel_group()
                  if parallel_state.get_tensor_model_parallel_world_size() > 1 else None)

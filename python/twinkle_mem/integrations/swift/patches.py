@@ -15,10 +15,15 @@ class SwiftInstallPlan(InstallPlan):
     framework = "ms-swift"
 
     def notes(self) -> List[str]:
-        if self.patches(names.LOGITS_PATH_PART) or not self.patches(names.GRPO_SP_FUSED_HEAD):
-            return []
-        return [f"{'':28s} with logits_path off, DPO keeps TRL's selective_log_softmax (grpo_sp_fused_head's "
-                "replacement of it, bound by name, hands every other call to TRL's)"]
+        notes = []
+        if self.patches(names.GRPO_SP_FUSED_HEAD) and not self.patches(names.LOGITS_PATH_PART):
+            notes.append(f"{'':28s} with logits_path off, DPO keeps TRL's selective_log_softmax (grpo_sp_fused_head's "
+                         "replacement of it, bound by name, hands every other call to TRL's)")
+        if self.patches(names.MEGATRON_FUSED_HEAD) and not self.patches(names.MEGATRON_LOGITS_PATH):
+            notes.append(f"{'':28s} with logits_path off, Megatron-SWIFT's logits keep ms-swift's "
+                         "compute_logps_and_entropy_from_logits (megatron_fused_head's replacement of it hands every "
+                         "call it did not defer to ms-swift's)")
+        return notes
 
 
 def _maker(module: str, function: str):
@@ -40,7 +45,10 @@ POINTS: Tuple[Point, ...] = (
           _maker("logits_path", "selective_log_softmax"), rebound_by_name=True),
     Point(names.GRPO_ENTROPY_FROM_LOGITS, (names.LOGITS_PATH_PART, names.GRPO_SP_FUSED_HEAD),
           _maker("logits_path", "entropy_from_logits"), rebound_by_name=True),
-    Point(names.MEGATRON_LOGPS, names.MEGATRON_LOGITS_PATH, _maker("logits_path", "megatron_logps_and_entropy"),
+    Point(names.MEGATRON_LOGPS, (names.MEGATRON_LOGITS_PATH, names.MEGATRON_FUSED_HEAD),
+          _maker("logits_path", "megatron_logps_and_entropy"), rebound_by_name=True),
+    Point(names.MEGATRON_FORWARD_STEP, names.MEGATRON_FUSED_HEAD, _maker("megatron_head", "forward_step")),
+    Point(names.MEGATRON_PER_TOKEN_LOGPS, names.MEGATRON_FUSED_HEAD, _maker("megatron_head", "per_token_logps"),
           rebound_by_name=True),
 )
 

@@ -8,7 +8,8 @@ release is this module and its table.
   process); that GRPO's local forward takes the model's logits, keeps the last ``logits_to_keep + 1`` positions
   but the last, divides them by the temperature in place and hands them to ``selective_log_softmax`` and
   ``entropy_from_logits``; that GKD's loss takes the student's ``outputs.logits`` from one model call, rolls the
-  labels, and is ``gkd_loss``'s sum of ``jsd_loss`` over the active tokens divided by their number.
+  labels, and is ``gkd_loss``'s sum of ``jsd_loss`` over the active tokens divided by their number; that
+  Megatron-SWIFT's GRPO takes the log-probs of its model's output from ``compute_logps_and_entropy_from_logits``.
 - :data:`PARTS`: what install() patches; a part whose names or features are not recognized is refused by name.
 """
 import ast
@@ -25,6 +26,7 @@ GKD_LOSS = "swift.rlhf_trainers.gkd_loss"
 RLHF_MIXIN = "swift.rlhf_trainers.rlhf_mixin"
 MEGATRON_VOCAB_PARALLEL = "swift.megatron.trainers.vocab_parallel_utils"
 MEGATRON_GRPO = "swift.megatron.trainers.grpo_trainer"
+MEGATRON_UTILS = "swift.megatron.trainers.utils"
 
 GRPO_LOCAL_FORWARD = Name(GRPO, "GRPOTrainer._get_logps_via_local_forward", "function",
                           "(self, model, model_inputs, logits_to_keep, input_ids, compute_entropy=)",
@@ -50,8 +52,16 @@ MEGATRON_LOGPS = Name(MEGATRON_VOCAB_PARALLEL, "compute_logps_and_entropy_from_l
                       "(logits, labels, compute_entropy=, entropy_chunk_size=)",
                       why="replaced (with its copies bound by name): twinkle-mem's op over the TP group")
 
+# Megatron-SWIFT's two model calls for log-probs, each with the output layer deferred (megatron_fused_head)
+MEGATRON_FORWARD_STEP = Name(MEGATRON_GRPO, "MegatronGRPOTrainer.forward_step", "function",
+                             "(self, data_iterator, model)", why="wrapped: the loss's log-probs and entropy")
+MEGATRON_PER_TOKEN_LOGPS = Name(MEGATRON_UTILS, "compute_per_token_logps_fn", "function",
+                                "(model, args, data_iterator, temperature=, no_grad=, enable_routing_replay=)",
+                                why="wrapped (with its copies bound by name): the old and reference log-probs")
+
 NAMES = names_table(GRPO_LOCAL_FORWARD, GRPO_SP_FORWARD, GKD_COMPUTE_LOSS, GKD_JSD_LOSS, DPO_SELECTIVE_LOG_SOFTMAX,
-                    GRPO_SELECTIVE_LOG_SOFTMAX, GRPO_ENTROPY_FROM_LOGITS, MEGATRON_LOGPS)
+                    GRPO_SELECTIVE_LOG_SOFTMAX, GRPO_ENTROPY_FROM_LOGITS, MEGATRON_LOGPS, MEGATRON_FORWARD_STEP,
+                    MEGATRON_PER_TOKEN_LOGPS)
 
 
 # --- features: what ms-swift's code does where install() depends on it, read from it -----------------------------
@@ -145,6 +155,20 @@ def _megatron_logps(source: src.PackageSource) -> bool:
             and bool(src.calls(step, "div_")) and bool(src.calls(step, "compute_logps_and_entropy_from_logits")))
 
 
+def _megatron_calls_logps(source: src.PackageSource) -> bool:
+    """Megatron-SWIFT's two model calls for log-probs: GRPO's ``forward_step`` calls the model
+    (``output_tensor = model(**data)``), and ``compute_per_token_logps_fn`` calls ``forward_step_helper``; each
+    divides the output by the temperature in place and hands it to ``compute_logps_and_entropy_from_logits``."""
+    step = source.function(MEGATRON_GRPO, "MegatronGRPOTrainer.forward_step")
+    logps = source.function(MEGATRON_UTILS, "compute_per_token_logps_fn")
+    if step is None or logps is None:
+        return False
+    calls_model = any(isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)
+                      and n.value.func.id == "model" for n in ast.walk(step))
+    return (calls_model and bool(src.calls(logps, "forward_step_helper"))
+            and all(src.calls(f, "div_") and src.calls(f, "compute_logps_and_entropy_from_logits") for f in (step, logps)))
+
+
 IMPORTS_PLUGINS = Feature("imports_plugins", "BaseArguments._import_external_plugins imports each --external_plugins "
                           "file", src.feature(_imports_plugins, BASE_ARGS, "BaseArguments._import_external_plugins"))
 LOCAL_FORWARD_COMPUTES = Feature("local_forward_computes", "GRPOTrainer._get_logps_via_local_forward takes the "
@@ -166,8 +190,12 @@ MEGATRON_LOGPS_FROM_SHARD = Feature("megatron_logps_from_shard", "compute_logps_
                                     "labels' log-probs (-100 masked) and the entropy from the vocab-parallel logits",
                                     _megatron_logps)
 
+MEGATRON_CALLS_LOGPS = Feature("megatron_calls_logps", "MegatronGRPOTrainer.forward_step and "
+                               "compute_per_token_logps_fn call the model, divide its output by the temperature and "
+                               "call compute_logps_and_entropy_from_logits", _megatron_calls_logps)
+
 FEATURES: Tuple[Feature, ...] = (IMPORTS_PLUGINS, LOCAL_FORWARD_COMPUTES, SP_COMPUTES, STUDENT_LOGITS_TO_LOSS, JSD_FROM_GKD_LOSS,
-                                 GKD_LOSS_MATH, MEGATRON_LOGPS_FROM_SHARD)
+                                 GKD_LOSS_MATH, MEGATRON_LOGPS_FROM_SHARD, MEGATRON_CALLS_LOGPS)
 
 
 # --- parts: what install() patches, and what each needs ------------------------------------------------------------
@@ -196,5 +224,11 @@ MEGATRON_LOGITS_PATH = Part("megatron_logits_path", "Megatron-SWIFT's compute_lo
                             "log-probs, old and reference too) -> twinkle-mem's op over the TP group", LOGITS_PATH,
                             (MEGATRON_LOGPS, ), _EVERY_PROCESS + ((MEGATRON_LOGPS_FROM_SHARD, (True, )), ))
 
-PARTS: Tuple[Part, ...] = (GRPO_FUSED_HEAD, GRPO_SP_FUSED_HEAD, GKD_FUSED_HEAD, LOGITS_PATH_PART, MEGATRON_LOGITS_PATH)
+MEGATRON_FUSED_HEAD = Part("megatron_fused_head", "Megatron-SWIFT's GRPO log-probs and entropy (old and reference "
+                           "too) from the output layer's input (linear_selective_log_softmax over the TP group)",
+                           FUSED_LM_HEAD, (MEGATRON_FORWARD_STEP, MEGATRON_PER_TOKEN_LOGPS, MEGATRON_LOGPS),
+                           _EVERY_PROCESS + ((MEGATRON_LOGPS_FROM_SHARD, (True, )), (MEGATRON_CALLS_LOGPS, (True, ))))
+
+PARTS: Tuple[Part, ...] = (GRPO_FUSED_HEAD, GRPO_SP_FUSED_HEAD, GKD_FUSED_HEAD, LOGITS_PATH_PART, MEGATRON_LOGITS_PATH,
+                           MEGATRON_FUSED_HEAD)
 

@@ -263,24 +263,31 @@ def megatron_forward(original):
             if call is not None and call.head.cannot_defer is not None:
                 raise call.refuse(call.head.cannot_defer)
             return original(input_, weight=weight, runtime_gather_output=runtime_gather_output)
-        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                            gather_from_sequence_parallel_region)
         weight = self.weight if weight is None else weight
-        # ColumnParallelLinear's input mapping: its backward sums the ranks' partial grad_hidden.
-        if self.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=self.tp_group)
-        elif self.disable_grad_reduce:
-            hidden = input_
-        else:
-            hidden = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        hidden, group = megatron_layer_input(self, input_)
         labels = call.labels  # [b, s]; the hidden states are [s, b, H]
         if tuple(hidden.shape[:2]) != tuple(labels.shape[::-1]):
             raise RuntimeError(f"twinkle-mem fused LM head: output layer input {tuple(hidden.shape)} does not match "
                                f"the micro-batch's labels {tuple(labels.shape)}")
-        group = self.tp_group if self.tp_group is not None and self.tp_group.size() > 1 else None
         return call.head.output(call, hidden, weight, labels, group, seq_first=True), None
 
     return forward
+
+
+def megatron_layer_input(layer, input_):
+    """(the input of a ColumnParallelLinear ``layer`` as its matmul sees it, its TP group or None at one rank): the
+    layer's own input mapping, whose backward sums the ranks' partial grad_hidden (under sequence parallelism it
+    gathers the sequence). Megatron-SWIFT's deferred output layer takes it too (integrations/swift/megatron_head.py)."""
+    from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                        gather_from_sequence_parallel_region)
+    if layer.sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True, group=layer.tp_group)
+    elif layer.disable_grad_reduce:
+        hidden = input_
+    else:
+        hidden = copy_to_tensor_model_parallel_region(input_, group=layer.tp_group)
+    group = layer.tp_group if layer.tp_group is not None and layer.tp_group.size() > 1 else None
+    return hidden, group
 
 
 def transformers_forward(original):
