@@ -294,6 +294,7 @@ def main(argv=None) -> int:
         progress.step(CASES[case])
         rows.append(summarize(case, run_case(args, case)))
         progress.done(f"peak {rows[-1]['peak_mib']:,.0f} MiB, {rows[-1]['seconds']:.1f} s")
+    rows.sort(key=lambda row: list(CASES).index(row["case"]))  # the tables' order, whatever order they ran in
     import verl
     write_world_results(args, f"verl {verl.__version__}", UNITS, rows, table(rows, logits_mib(args)), figure,
                         temperature=0.7, verl=verl.__version__, load=load.record())
