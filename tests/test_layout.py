@@ -203,7 +203,7 @@ def test_no_test_module_imports_another():
 # The checks of the whole project, at the top of tests/; every other test module in the folder of what it tests.
 TOP_LEVEL_TESTS = {"test_docs.py", "test_layout.py", "test_packaging.py", "test_measure.py", "test_bench_common.py",
                    "test_bench_selective_log_softmax.py", "test_bench_head_peers.py", "test_bench_verl_forward.py",
-                   "test_bench_head_sizes.py",
+                   "test_bench_head_sizes.py", "test_bench_swift.py",
                    "test_device_checks.py"}
 
 
