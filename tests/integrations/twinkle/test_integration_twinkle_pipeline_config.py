@@ -9,6 +9,7 @@ that a stalled stage fails only this test): a stage left waiting fails the test 
 """
 
 import pytest
+import torch
 from standins.megatron import gpt_step_in_world
 from helpers import ADVANTAGES, LENGTHS, PROMPT, VOCAB, Cases, grpo, twinkle_wrapped
 
@@ -39,10 +40,14 @@ def pp2_chunk_bytes_below_one_tile_fails_every_stage_before_the_schedule(rank, w
         with pytest.raises(ValueError) as err:
             th.run_step(model, False, ADVANTAGES, inputs=samples, micro_batch_size=1, temperature=0.7)
         # the same words on both stages, and no stage ran a micro-batch: the schedule never started
+        from twinkle_mem.heads import frozen, plans
+        cpu = plans.PLANS["cpu"]
+        need = plans.block_need(VOCAB, 32, torch.float32, cpu, "straight",
+                                frozen.vectors_at_most(torch.float32, torch.device("cpu")))
         assert str(err.value) == (
             f"twinkle-mem fused LM head: install(fused_chunk_bytes={BAD_CHUNK}) does not fit this model: "
-            f"chunk_bytes = {BAD_CHUNK} is below one row tile of a vocab block (512 rows x {VOCAB} columns, "
-            f"H = 32, torch.float32: {512 * VOCAB * 4} bytes); pass a larger fused_chunk_bytes, or None for the "
+            f"chunk_bytes = {BAD_CHUNK} is below one step of a vocab block ({cpu.row_tile} rows x {VOCAB} columns, "
+            f"H = 32, torch.float32: {need} bytes); pass a larger fused_chunk_bytes, or None for the "
             "default"), f"rank {rank}: {err.value}"
         assert forwards == [], f"rank {rank} ran {len(forwards)} forward(s) of the model"
     finally:
