@@ -40,10 +40,10 @@ def pp2_chunk_bytes_below_one_tile_fails_every_stage_before_the_schedule(rank, w
         with pytest.raises(ValueError) as err:
             th.run_step(model, False, ADVANTAGES, inputs=samples, micro_batch_size=1, temperature=0.7)
         # the same words on both stages, and no stage ran a micro-batch: the schedule never started
-        from twinkle_mem.heads import frozen, plans
-        cpu = plans.PLANS["cpu"]
-        need = plans.block_need(VOCAB, 32, torch.float32, cpu, "straight",
-                                frozen.vectors_at_most(torch.float32, torch.device("cpu")))
+        from twinkle_mem.heads import frozen, matmul, plans
+        cpu, device = plans.PLANS["cpu"], torch.device("cpu")
+        need = plans.block_need(VOCAB, 32, torch.float32, cpu, matmul.product_sums(torch.float32, device),
+                                frozen.vectors_at_most(torch.float32, device))
         assert str(err.value) == (
             f"twinkle-mem fused LM head: install(fused_chunk_bytes={BAD_CHUNK}) does not fit this model: "
             f"chunk_bytes = {BAD_CHUNK} is below one step of a vocab block ({cpu.row_tile} rows x {VOCAB} columns, "
