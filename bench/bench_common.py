@@ -439,11 +439,18 @@ def peak_and_time_figure(labels: list[str], series: dict, line_mib: float, title
                          peak_label: str = "peak RSS rise over the step (MiB)") -> str:
     """Two panels of grouped bars, each series a bar at each label: its peak memory (MiB; a dashed line at
     ``line_mib``, one micro-batch's logits) and its step time (s). ``series``: name -> (peaks, seconds), one value
-    per label. Written to ``path`` as PNG."""
-    fig = new_figure((11, 4.2))
+    per label. Written to ``path`` as PNG. More than 6 labels are written on one slanted line each (side by side,
+    two-line labels overlap)."""
+    crowded = len(labels) > 6
+    fig = new_figure((11, 5.4 if crowded else 4.2))
     axes = fig.subplots(1, 2)
     for panel, (ax, unit) in enumerate(((axes[0], peak_label), (axes[1], "step time (s)"))):
-        grouped_bars(ax, labels, {name: values[panel] for name, values in series.items()}, fontsize=8)
+        grouped_bars(ax, [label.replace("\n", " ") for label in labels] if crowded else labels,
+                     {name: values[panel] for name, values in series.items()}, fontsize=8)
+        if crowded:
+            ax.tick_params(axis="x", labelrotation=35)
+            for tick in ax.get_xticklabels():
+                tick.set_horizontalalignment("right")
         ax.set_ylabel(unit)
     logits_line(axes[0], line_mib, "one micro-batch's logits shard")
     axes[0].legend(fontsize=8)

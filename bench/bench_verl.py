@@ -27,7 +27,9 @@ of standins/verl_cpu.py (verl's platform and engine registration, gloo). Each ca
   ``impl_backend=twinkle`` (the engine's own _maybe_enable_fused_kernels marks the output weight).
 
 Per worker: the rise of the resident-set high-water mark over the measured step (twinkle_mem.measure.peak_rss)
-and its time; the table shows the larger of the workers' peaks and the slower time, the JSON every worker's.
+and its time, the workers run with glibc's mmap threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``, as
+bench/bench_swift.py's do), so that a freed block goes back at once and each worker's peak is its own, not where
+glibc's heap happened to keep pages of the step before; the table shows the larger of the workers' peaks and the slower time, the JSON every worker's.
 fp32 (bf16 matmuls are ~10x slower than fp32 on an AVX2 CPU), a one-layer Qwen2 / GPT of hidden ``--hidden``.
 The table and the JSON name twinkle-mem's backend and CPU kernel path in every worker; the run refuses the composite
 fallback (no native library) unless ``--allow-composite``.
@@ -217,7 +219,8 @@ def run_case(args, case) -> list:
     env = {k: v for k, v in os.environ.items() if k not in ("TWINKLE_MEM_VERL", "VERL_USE_EXTERNAL_PLUGINS")}
     if case in VERL_ONLY:
         env["VERL_USE_EXTERNAL_PLUGINS"] = "none"
-    env.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(args.workers), OMP_NUM_THREADS="1")
+    env.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(args.workers), OMP_NUM_THREADS="1",
+               MALLOC_MMAP_THRESHOLD_="65536")  # (every block of 64 KiB or more fresh pages, given back when freed)
     with tempfile.TemporaryDirectory() as folder:
         init = f"file://{os.path.join(folder, 'store')}"
         procs = []
