@@ -435,16 +435,18 @@ def new_figure(figsize: tuple[float, float]):
     return Figure(figsize=figsize)
 
 
-def peak_and_time_figure(labels: list[str], series: dict, line_mib: float, title: str, path: str,
-                         peak_label: str = "peak RSS rise over the step (MiB)") -> str:
+def peak_and_time_figure(labels: list[str], series: dict, line_mib: float | None, title: str, path: str,
+                         peak_label: str = "peak RSS rise over the step (MiB)", time_label: str = "step time (s)",
+                         lines: list | None = None) -> str:
     """Two panels of grouped bars, each series a bar at each label: its peak memory (MiB; a dashed line at
-    ``line_mib``, one micro-batch's logits) and its step time (s). ``series``: name -> (peaks, seconds), one value
-    per label. Written to ``path`` as PNG. More than 6 labels are written on one slanted line each (side by side,
-    two-line labels overlap)."""
+    ``line_mib``, one micro-batch's logits) and its time (s). ``series``: name -> (peaks, seconds), one value per
+    label; ``lines``: (MiB, label, line style) of each line on the memory panel, in place of ``line_mib``'s. Written
+    to ``path`` as PNG. More than 6 labels are written on one slanted line each (side by side, two-line labels
+    overlap)."""
     crowded = len(labels) > 6
     fig = new_figure((11, 5.4 if crowded else 4.2))
     axes = fig.subplots(1, 2)
-    for panel, (ax, unit) in enumerate(((axes[0], peak_label), (axes[1], "step time (s)"))):
+    for panel, (ax, unit) in enumerate(((axes[0], peak_label), (axes[1], time_label))):
         grouped_bars(ax, [label.replace("\n", " ") for label in labels] if crowded else labels,
                      {name: values[panel] for name, values in series.items()}, fontsize=8)
         if crowded:
@@ -452,7 +454,8 @@ def peak_and_time_figure(labels: list[str], series: dict, line_mib: float, title
             for tick in ax.get_xticklabels():
                 tick.set_horizontalalignment("right")
         ax.set_ylabel(unit)
-    logits_line(axes[0], line_mib, "one micro-batch's logits shard")
+    for mib, label, style in lines if lines is not None else [(line_mib, "one micro-batch's logits shard", "--")]:
+        axes[0].axhline(mib, color="k", ls=style, lw=1, label=label)
     axes[0].legend(fontsize=8)
     return finish_figure(fig, title, path, fontsize=10)
 

@@ -46,9 +46,9 @@ import sys
 import tempfile
 import time
 
-from bench_common import (MachineLoad, Progress, check_twinkle_mem, chosen_cases, finish_figure, grouped_bars,
-                          markdown_table, measured, new_figure, read_json, replot, twinkle_mem_ran, world_parser,
-                          write_json, write_world_results)
+from bench_common import (MachineLoad, Progress, check_twinkle_mem, chosen_cases, markdown_table, measured,
+                          peak_and_time_figure, read_json, replot, twinkle_mem_ran, world_parser, write_json,
+                          write_world_results)
 
 CASES = {
     "shipped": "transformers, DP = 2: ms-swift 4.6 as shipped",
@@ -334,28 +334,22 @@ def main(argv=None) -> int:
 
 
 def figure(rows, meta, path) -> str:
-    """Each row's peaks and times: the step after the rollout and the rollout, side by side; a dashed line at each
+    """Each row's peaks and times: the step after the rollout and the rollout, side by side; a line at each
     engine's fp32 logits of one micro-batch in one process."""
-    fig = new_figure((11, 4.2))
-    axes = fig.subplots(1, 2)
-    labels = [SHORT[r["case"]] for r in rows]
-    for ax, key, unit in ((axes[0], "peak", f"largest {UNITS[0]}'s peak RSS rise (MiB)"),
-                          (axes[1], "time", "time (s)")):
-        grouped_bars(ax, labels, {
-            "step after the rollout": [r["peak_mib"] if key == "peak" else r["seconds"] - r["rollout_seconds"]
-                                       for r in rows],
-            "rollout": [r["rollout_peak_mib" if key == "peak" else "rollout_seconds"] for r in rows]}, fontsize=8)
-        ax.set_ylabel(unit)
+    series = {"step after the rollout": ([r["peak_mib"] for r in rows], [r["seconds"] - r["rollout_seconds"]
+                                                                          for r in rows]),
+              "rollout": ([r["rollout_peak_mib"] for r in rows], [r["rollout_seconds"] for r in rows])}
+    lines = []
     for engine, what, style in (("transformers", "DP: one micro-batch's logits", "--"),
                                 ("megatron", "TP: its logits shard", ":")):
         sizes = [r["logits_mib"] for r in rows if r["label"].startswith(engine) or r["case"].startswith(engine)]
         if sizes:
-            axes[0].axhline(max(sizes), color="k", ls=style, lw=1, label=what)
-    axes[0].legend(fontsize=8)
+            lines.append((max(sizes), what, style))
     title = (f"ms-swift {meta['ms_swift']} GRPO step, V={meta['vocab']}, {meta['workers']} CPU {UNITS[1]} "
              f"({meta['twinkle_mem_cpu_path']})")
-    return finish_figure(fig, title, path, fontsize=10)
-
+    return peak_and_time_figure([SHORT[r["case"]] for r in rows], series, None, title, path,
+                                peak_label=f"largest {UNITS[0]}'s peak RSS rise (MiB)", time_label="time (s)",
+                                lines=lines)
 
 if __name__ == "__main__":
     sys.exit(main())
